@@ -1,0 +1,44 @@
+"""Theta: the shared face embedder, a MobileNetV2 trunk with a 128-d embedding layer.
+
+This is the only part of the model that ever leaves a device (as deltas).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.models import mobilenet_v2
+
+from models.pretrained import verified_imagenet_weights
+
+
+class FaceEmbedder(nn.Module):
+    """MobileNetV2 features -> global average pool -> Linear -> BN -> L2-normalised embedding."""
+
+    def __init__(self, embedding_dim: int = 128, width_mult: float = 1.0, pretrained: bool = True,
+                 weights_path: str | Path | None = None, dropout: float = 0.0):
+        super().__init__()
+        trunk = mobilenet_v2(weights=None, width_mult=width_mult)
+        self.features = trunk.features
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.embedding = nn.Linear(trunk.last_channel, embedding_dim, bias=False)
+        self.bn = nn.BatchNorm1d(embedding_dim)
+        if weights_path is not None or pretrained:
+            self.load_imagenet(weights_path, width_mult)
+
+    def load_imagenet(self, weights_path: str | Path | None, width_mult: float) -> None:
+        """Initialise the trunk from torchvision's ImageNet file (local, sha256-checked)."""
+        if width_mult != 1.0:
+            raise ValueError("ImageNet MobileNetV2 weights exist only for width_mult=1.0; use pretrained=False")
+        path = verified_imagenet_weights(Path(weights_path) if weights_path else None,
+                                         prefix="" if weights_path else "b0353104")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        trunk = {k.removeprefix("features."): v for k, v in state.items() if k.startswith("features.")}
+        self.features.load_state_dict(trunk, strict=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.features(x)).flatten(1)
+        return F.normalize(self.bn(self.embedding(self.dropout(x))), dim=1)

@@ -1,0 +1,82 @@
+"""DFC: the decoupled feature customisation branch of FedFR (Liu et al., AAAI 2022).
+
+A device keeps a private fully-connected transform Pi that maps the shared, generic
+embedding Theta(x) into a space customised for its own people, and K one-vs-all binary
+classifiers Omega (one per enrolled person) trained there with SphereFace2's margin-based
+binary cross-entropy (Wen et al., 2022). Nothing in this module ever leaves the device.
+Verification on the device uses the personalised embedding [Theta(x), Pi(Theta(x))].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def sphereface2_g(z: torch.Tensor, t: float) -> torch.Tensor:
+    """g(z) = 2((z+1)/2)^t - 1: a similarity adjustment that sharpens the positive side."""
+    return 2.0 * ((z + 1.0) / 2.0).pow(t) - 1.0
+
+
+def sphereface2_initial_bias(n_classes: int, lam: float, r: float, m: float, t: float) -> float:
+    """The bias at which the untrained loss is balanced between positives and negatives (SphereFace2)."""
+    if n_classes < 2:
+        return 0.0
+    z = lam / ((1.0 - lam) * (n_classes - 1.0))
+    a_pos = r * (2.0 * 0.5 ** t - 1.0 - m)
+    a_neg = r * (2.0 * 0.5 ** t - 1.0 + m)
+    root = math.sqrt((1.0 - z) ** 2 + 4.0 * z * math.exp(a_pos - a_neg))
+    return math.log(2.0 * z) - a_neg - math.log(1.0 - z + root)
+
+
+class BinaryClassifiers(nn.Module):
+    """Omega: K one-vs-all classifiers with SphereFace2-C loss (lambda, s', m', t, learned bias)."""
+
+    def __init__(self, dim: int, n_classes: int, lam: float = 0.7, r: float = 30.0, m: float = 0.4, t: float = 3.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_classes, dim))
+        nn.init.xavier_normal_(self.weight)
+        self.bias = nn.Parameter(torch.tensor(sphereface2_initial_bias(n_classes, lam, r, m, t)))
+        self.lam, self.r, self.m, self.t = lam, r, m, t
+
+    def cosine(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.normalize(x, dim=1), F.normalize(self.weight, dim=1)).clamp(-1.0, 1.0)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Margin-free binary logits, one per class (positive means 'this is person k')."""
+        return self.r * sphereface2_g(self.cosine(x), self.t) + self.bias
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """lambda/r log(1+e^-(r(g(cos_y)-m)+b)) + (1-lambda)/r sum_{i!=y} log(1+e^(r(g(cos_i)+m)+b))."""
+        g = sphereface2_g(self.cosine(x), self.t)
+        positive = F.one_hot(labels, g.shape[1]).to(g.dtype)
+        logits = self.r * (g - self.m * (2.0 * positive - 1.0)) + self.bias
+        pos_term = self.lam * positive * F.softplus(-logits)
+        neg_term = (1.0 - self.lam) * (1.0 - positive) * F.softplus(logits)
+        return (pos_term + neg_term).sum(dim=1).mean() / self.r
+
+
+class DFCBranch(nn.Module):
+    """Pi (a fully connected transform, initialised to identity) followed by Omega."""
+
+    def __init__(self, dim: int, n_classes: int, lam: float = 0.7, r: float = 30.0, m: float = 0.4, t: float = 3.0):
+        super().__init__()
+        self.transform = nn.Linear(dim, dim)
+        with torch.no_grad():
+            self.transform.weight.copy_(torch.eye(dim))
+            self.transform.bias.zero_()
+        self.classifiers = BinaryClassifiers(dim, n_classes, lam, r, m, t)
+
+    def customise(self, generic: torch.Tensor) -> torch.Tensor:
+        """Pi(Theta(x)), L2-normalised."""
+        return F.normalize(self.transform(generic), dim=1)
+
+    def loss(self, generic: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.classifiers.loss(self.transform(generic), labels)
+
+
+def personalised_embedding(generic: torch.Tensor, custom: torch.Tensor) -> torch.Tensor:
+    """[Theta(x), Pi(Theta(x))] as one unit vector: both halves count equally in a cosine."""
+    return F.normalize(torch.cat([F.normalize(generic, dim=1), F.normalize(custom, dim=1)], dim=1), dim=1)

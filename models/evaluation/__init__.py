@@ -1,0 +1,1 @@
+"""Verification metrics, the LFW protocol, plots, and dataset-level evaluation."""

@@ -1,0 +1,130 @@
+"""The whole on-device model: shared embedder Theta + private margin head + private DFC branch.
+
+`shareable_state` is the single gate through which anything leaves a device: it returns
+the embedder's parameters and buffers and nothing else (no head, no DFC, no data).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.backbone import FaceEmbedder
+from models.dfc import DFCBranch, personalised_embedding
+from models.heads import build_head
+
+SHAREABLE_PREFIX = "backbone."
+
+
+@dataclass
+class ModelConfig:
+    """Everything needed to rebuild a model from a checkpoint."""
+
+    n_classes: int
+    embedding_dim: int = 128
+    width_mult: float = 1.0
+    pretrained: bool = True
+    weights_path: str | None = None
+    head: str = "cosface"
+    head_s: float | None = None
+    head_m: float | None = None
+    dfc: bool = False
+    dfc_weight: float = 1.0
+    dfc_lambda: float = 0.7
+    dfc_r: float = 30.0
+    dfc_m: float = 0.4
+    dfc_t: float = 3.0
+    class_weights: list[float] | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class FaceModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.backbone = FaceEmbedder(config.embedding_dim, config.width_mult, config.pretrained, config.weights_path)
+        self.head = build_head(config.head, config.embedding_dim, config.n_classes, config.head_s, config.head_m)
+        self.dfc = (DFCBranch(config.embedding_dim, config.n_classes, config.dfc_lambda, config.dfc_r,
+                              config.dfc_m, config.dfc_t) if config.dfc else None)
+        weights = torch.tensor(config.class_weights, dtype=torch.float32) if config.class_weights else None
+        self.register_buffer("class_weights", weights, persistent=False)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The generic embedding Theta(x): what the federation learns and shares."""
+        return self.backbone(x)
+
+    def embed_personalised(self, x: torch.Tensor) -> torch.Tensor:
+        """[Theta(x), Pi(Theta(x))]; needs the DFC branch."""
+        if self.dfc is None:
+            raise ValueError("this model has no DFC branch: train it with dfc enabled to personalise")
+        generic = self.backbone(x)
+        return personalised_embedding(generic, self.dfc.customise(generic))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(x)
+
+    def losses(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Total training loss, margin-free logits (for accuracy) and the loss parts for logging."""
+        emb = self.backbone(x)
+        head_loss = F.cross_entropy(self.head(emb, labels), labels, weight=self.class_weights)
+        parts = {"head_loss": float(head_loss.detach())}
+        total = head_loss
+        if self.dfc is not None:
+            dfc_loss = self.dfc.loss(emb, labels)
+            parts["dfc_loss"] = float(dfc_loss.detach())
+            total = total + self.config.dfc_weight * dfc_loss
+        with torch.no_grad():
+            logits = self.head.logits(emb)
+        return total, logits, parts
+
+
+def shareable_state(model: FaceModel) -> dict[str, torch.Tensor]:
+    """The embedder's parameters and buffers, keyed `backbone.*`: all that may leave a device."""
+    return {f"{SHAREABLE_PREFIX}{k}": v.detach().clone() for k, v in model.backbone.state_dict().items()}
+
+
+def private_state(model: FaceModel) -> dict[str, torch.Tensor]:
+    """Everything else (head, DFC): stays on the device, always."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(SHAREABLE_PREFIX)}
+
+
+def load_shareable_state(model: FaceModel, state: dict[str, torch.Tensor]) -> None:
+    """Put a (global) embedder into `model`, refusing anything that is not exactly the embedder."""
+    expected = set(shareable_state(model))
+    if set(state) != expected:
+        unknown, missing = sorted(set(state) - expected), sorted(expected - set(state))
+        raise ValueError(f"not an embedder state: unknown {unknown[:3]}, missing {missing[:3]}")
+    model.backbone.load_state_dict({k.removeprefix(SHAREABLE_PREFIX): v for k, v in state.items()})
+
+
+def save_checkpoint(path: Path, model: FaceModel, **extra) -> None:
+    """A checkpoint of plain tensors and Python values, loadable with weights_only=True."""
+    payload = {"model_config": model.config.to_dict(), "model_state": model.state_dict(), **extra}
+    tmp = Path(path).with_suffix(".tmp")
+    torch.save(payload, tmp)
+    tmp.replace(path)
+
+
+def load_checkpoint(path: str | Path) -> tuple[FaceModel, dict]:
+    """Rebuild a model from a checkpoint without unpickling arbitrary objects."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if "model_config" not in payload:
+        raise ValueError(f"{path} is not an ffr-edge checkpoint")
+    config = ModelConfig.from_dict({**payload["model_config"], "pretrained": False, "weights_path": None})
+    model = FaceModel(config)
+    model.load_state_dict(payload["model_state"])
+    model.eval()
+    return model, payload

@@ -1,0 +1,184 @@
+"""Turn a dataset index into face crops, detecting each image once (crops are cached on disk).
+
+The cache key holds the file's path, size and mtime and the crop settings, so an edited
+image or a different detector is cropped again and everything else is read back.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import cv2
+import numpy as np
+from tqdm import tqdm
+
+from models.faces.datasets import DatasetError, FaceIndex
+from models.faces.detect import center_crop, largest, make_detector, square_crop
+from models.faces.imageio import UnreadableImage, read_rgb
+
+log = logging.getLogger(__name__)
+_NO_FACE = b"no-face"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("FFR_CACHE_DIR", Path.home() / ".cache" / "ffr-edge")) / "crops"
+
+
+@dataclass(frozen=True)
+class CropConfig:
+    """How faces are found and cut. `detector='none'` treats every image as a face crop."""
+
+    detector: str = "haar"
+    yunet_model: str | None = None
+    margin: float = 0.2
+    size: int = 128
+    fallback_center: bool = False
+
+    def signature(self) -> str:
+        model = Path(self.yunet_model).name if self.yunet_model else ""
+        return f"{self.detector}|{model}|{self.margin:.3f}|{self.size}"
+
+
+@dataclass
+class CropReport:
+    n_files: int = 0
+    n_cropped: int = 0
+    n_center_fallback: int = 0
+    unreadable: list[str] = field(default_factory=list)
+    no_face: list[str] = field(default_factory=list)
+    dropped_identities: list[str] = field(default_factory=list)
+
+    @property
+    def faces_not_detected(self) -> int:
+        return len(self.no_face) + self.n_center_fallback
+
+    def summary(self) -> dict:
+        out = asdict(self)
+        out["faces_not_detected"] = self.faces_not_detected
+        out["unreadable"], out["no_face"] = len(self.unreadable), len(self.no_face)
+        return out
+
+
+@dataclass
+class FaceCrops:
+    """Face crops (N,S,S,3 RGB uint8) with integer labels and the identity names behind them."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    identities: list[str]
+    paths: list[str]
+    report: CropReport
+    synthetic: bool = False
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def select(self, mask: np.ndarray) -> "FaceCrops":
+        idx = np.flatnonzero(mask) if mask.dtype == bool else mask
+        return FaceCrops(self.images[idx], self.labels[idx], self.identities,
+                         [self.paths[i] for i in idx], self.report, self.synthetic)
+
+
+class _CropCache:
+    def __init__(self, root: Path | None, config: CropConfig):
+        self.root, self.config = root, config
+
+    def _key_path(self, path: Path) -> Path | None:
+        if self.root is None:
+            return None
+        stat = path.stat()
+        key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{self.config.signature()}"
+        digest = hashlib.sha1(key.encode()).hexdigest()
+        return self.root / digest[:2] / f"{digest}.png"
+
+    def get(self, path: Path) -> np.ndarray | bytes | None:
+        cached = self._key_path(path)
+        if cached is None or not cached.exists():
+            return None
+        data = np.fromfile(cached, dtype=np.uint8)
+        if data.tobytes() == _NO_FACE:
+            return _NO_FACE
+        bgr = cv2.imdecode(data, cv2.IMREAD_COLOR)
+        return None if bgr is None else cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+
+    def put(self, path: Path, crop: np.ndarray | None) -> None:
+        cached = self._key_path(path)
+        if cached is None:
+            return
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        if crop is None:
+            tmp.write_bytes(_NO_FACE)
+        else:
+            cv2.imencode(".png", cv2.cvtColor(crop, cv2.COLOR_RGB2BGR))[1].tofile(tmp)
+        tmp.replace(cached)  # atomic: a killed run never leaves half a crop behind
+
+
+def crop_face(rgb: np.ndarray, detector, config: CropConfig) -> tuple[np.ndarray | None, bool]:
+    """Crop the largest face; returns (crop or None, whether the center fallback was used)."""
+    if detector is None:
+        return center_crop(rgb, config.size), False
+    box = largest(detector.detect(rgb))
+    if box is not None:
+        return square_crop(rgb, box, config.margin, config.size), False
+    if config.fallback_center:
+        return center_crop(rgb, config.size), True
+    return None, False
+
+
+def crop_index(index: FaceIndex, config: CropConfig | None = None, cache_dir: Path | None = None,
+               use_cache: bool = True, progress: bool = True, min_images: int = 1) -> FaceCrops:
+    """Crop every image of `index`, skipping (and naming) files that cannot be read.
+
+    Identities left with fewer than `min_images` crops are dropped and reported.
+    """
+    config = config or CropConfig(detector="none" if index.synthetic else "haar")
+    detector = None if config.detector == "none" else make_detector(config.detector, config.yunet_model)
+    cache = _CropCache((cache_dir or default_cache_dir()) if use_cache else None, config)
+    report = CropReport(n_files=len(index.samples))
+    crops, names, paths = [], [], []
+    for sample in tqdm(index.samples, desc=f"cropping faces ({config.detector})", unit="img",
+                       disable=not progress, leave=False):
+        crop = cache.get(sample.path)
+        if crop is None:
+            try:
+                rgb = read_rgb(sample.path)
+            except UnreadableImage as exc:
+                log.warning("skipping unreadable image %s", exc)
+                report.unreadable.append(str(sample.path))
+                continue
+            crop, fell_back = crop_face(rgb, detector, config)
+            report.n_center_fallback += int(fell_back)
+            cache.put(sample.path, crop)
+        elif isinstance(crop, bytes):
+            crop = None
+        if crop is None:
+            report.no_face.append(str(sample.path))
+            continue
+        crops.append(crop)
+        names.append(sample.identity)
+        paths.append(str(sample.path))
+    return _assemble(crops, names, paths, report, index, config, min_images)
+
+
+def _assemble(crops, names, paths, report, index, config, min_images) -> FaceCrops:
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    keep_names = sorted(n for n, c in counts.items() if c >= min_images)
+    report.dropped_identities = sorted(set(index.identities) - set(keep_names))
+    if not keep_names:
+        raise DatasetError(
+            f"no usable face images in {index.root}: {len(report.unreadable)} unreadable, "
+            f"{len(report.no_face)} without a detected face (detector {config.detector}; "
+            "for pre-cropped faces use --detector none or --fallback-center)"
+        )
+    label_of = {n: i for i, n in enumerate(keep_names)}
+    keep = [i for i, n in enumerate(names) if n in label_of]
+    report.n_cropped = len(keep)
+    images = np.stack([crops[i] for i in keep]).astype(np.uint8)
+    labels = np.array([label_of[names[i]] for i in keep], dtype=np.int64)
+    return FaceCrops(images, labels, keep_names, [paths[i] for i in keep], report, index.synthetic)

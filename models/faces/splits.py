@@ -1,0 +1,63 @@
+"""Deterministic splits of cropped faces: held-out identities, and train/val images per identity."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.faces.crops import FaceCrops
+
+
+@dataclass
+class TrainingSplit:
+    train: FaceCrops      # labels 0..K-1 over the training identities
+    val: FaceCrops        # images of the same identities, never trained on
+    holdout: FaceCrops | None  # identities never seen in training: verification on new people
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.train.identities)
+
+
+def _relabel(crops: FaceCrops, keep_ids: np.ndarray) -> FaceCrops:
+    mask = np.isin(crops.labels, keep_ids)
+    out = crops.select(mask)
+    mapping = {old: new for new, old in enumerate(keep_ids)}
+    out.labels = np.array([mapping[l] for l in out.labels], dtype=np.int64)
+    out.identities = [crops.identities[i] for i in keep_ids]
+    return out
+
+
+def split_identities(n_identities: int, holdout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training ids, held-out ids); held-out only when it leaves >= 2 on each side."""
+    ids = np.random.default_rng(seed).permutation(n_identities)
+    n_hold = int(round(n_identities * holdout_fraction))
+    if n_hold < 2 or n_identities - n_hold < 2:
+        return np.sort(ids), np.array([], dtype=np.int64)
+    return np.sort(ids[n_hold:]), np.sort(ids[:n_hold])
+
+
+def split_images(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
+    """Boolean mask of validation images: about `val_fraction` of each identity, never its last image."""
+    rng = np.random.default_rng(seed + 1)
+    val = np.zeros(len(labels), bool)
+    for label in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == label))
+        n_val = min(len(idx) - 1, int(round(len(idx) * val_fraction)))
+        val[idx[:max(0, n_val)]] = True
+    return val
+
+
+def training_split(crops: FaceCrops, holdout_fraction: float = 0.2, val_fraction: float = 0.1,
+                   seed: int = 0) -> TrainingSplit:
+    train_ids, hold_ids = split_identities(len(crops.identities), holdout_fraction, seed)
+    trainable = _relabel(crops, train_ids)
+    val_mask = split_images(trainable.labels, val_fraction, seed)
+    holdout = _relabel(crops, hold_ids) if len(hold_ids) else None
+    return TrainingSplit(_select(trainable, ~val_mask), _select(trainable, val_mask), holdout)
+
+
+def _select(crops: FaceCrops, mask: np.ndarray) -> FaceCrops:
+    out = crops.select(mask)
+    out.identities = crops.identities
+    return out

@@ -1,0 +1,87 @@
+"""Classification heads that train the embedding: softmax, CosFace and ArcFace.
+
+Heads stay on the device; only the embedder is shared. Each head maps (embedding, label)
+to logits with its margin applied; `logits(embedding)` gives margin-free scores for accuracy.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HEADS = ("cosface", "arcface", "softmax")
+
+
+class SoftmaxHead(nn.Module):
+    def __init__(self, dim: int, n_classes: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, n_classes)
+
+    def logits(self, emb: torch.Tensor) -> torch.Tensor:
+        return self.fc(emb)
+
+    def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.fc(emb)
+
+
+class _CosineHead(nn.Module):
+    """Class centres on the unit sphere; logits are s * cos(angle to each centre)."""
+
+    def __init__(self, dim: int, n_classes: int, s: float, m: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_classes, dim))
+        nn.init.xavier_uniform_(self.weight)
+        self.s, self.m = s, m
+
+    def cosine(self, emb: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.normalize(emb, dim=1), F.normalize(self.weight, dim=1)).clamp(-1.0, 1.0)
+
+    def logits(self, emb: torch.Tensor) -> torch.Tensor:
+        return self.s * self.cosine(emb)
+
+
+class CosFaceHead(_CosineHead):
+    """CosFace (Wang et al., CVPR 2018): s * (cos(theta_y) - m) for the true class."""
+
+    def __init__(self, dim: int, n_classes: int, s: float = 30.0, m: float = 0.35):
+        super().__init__(dim, n_classes, s, m)
+
+    def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        cos = self.cosine(emb)
+        return self.s * (cos - self.m * F.one_hot(labels, cos.shape[1]).to(cos.dtype))
+
+
+class ArcFaceHead(_CosineHead):
+    """ArcFace (Deng et al., CVPR 2019): s * cos(theta_y + m), linearised past pi - m."""
+
+    def __init__(self, dim: int, n_classes: int, s: float = 30.0, m: float = 0.5):
+        super().__init__(dim, n_classes, s, m)
+
+    def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        cos = self.cosine(emb)
+        sin = torch.sqrt((1.0 - cos * cos).clamp_min(1e-7))
+        with_margin = cos * math.cos(self.m) - sin * math.sin(self.m)
+        # past theta = pi - m, cos(theta + m) stops decreasing; use CosFace-style fallback there
+        with_margin = torch.where(cos > math.cos(math.pi - self.m), with_margin,
+                                  cos - math.sin(math.pi - self.m) * self.m)
+        one_hot = F.one_hot(labels, cos.shape[1]).bool()
+        return self.s * torch.where(one_hot, with_margin, cos)
+
+
+def build_head(name: str, dim: int, n_classes: int, s: float | None = None, m: float | None = None) -> nn.Module:
+    if name == "softmax":
+        return SoftmaxHead(dim, n_classes)
+    cls = {"cosface": CosFaceHead, "arcface": ArcFaceHead}.get(name)
+    if cls is None:
+        raise ValueError(f"unknown head {name!r}; choose one of {', '.join(HEADS)}")
+    kwargs = {k: v for k, v in (("s", s), ("m", m)) if v is not None}
+    return cls(dim, n_classes, **kwargs)
+
+
+def inverse_frequency_weights(labels: torch.Tensor, n_classes: int) -> torch.Tensor:
+    """Class weights n / (K * count_k), so rare identities count as much as common ones."""
+    counts = torch.bincount(labels, minlength=n_classes).float()
+    weights = labels.numel() / (n_classes * counts.clamp_min(1.0))
+    return torch.where(counts > 0, weights, torch.zeros_like(weights))

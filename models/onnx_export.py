@@ -1,0 +1,80 @@
+"""Export a trained model to one self-contained ONNX file a device can run with onnxruntime.
+
+Two kinds: `generic` (the shared embedder Theta) and `personalised` (Theta followed by the
+device's DFC transform Pi, output [Theta, Pi] normalised). The batch axis is dynamic and
+the preprocessing is written into the file's metadata (`ffr.*`), read by `models.runtime`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from models.face_model import FaceModel
+from models.faces.preprocess import INPUT_SIZE, MEAN, STD
+from models.runtime import METADATA_PREFIX
+
+OPSET = 18
+
+
+class _Generic(nn.Module):
+    def __init__(self, model: FaceModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(image)
+
+
+class _Personalised(_Generic):
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_personalised(image)
+
+
+def export_onnx(model: FaceModel, out: str | Path, personalised: bool = False, extra: dict | None = None) -> Path:
+    """Write `out` (a single .onnx file, weights inside) and return its path."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if personalised and model.dfc is None:
+        raise ValueError("this model has no DFC branch; export the generic embedder or train with DFC")
+    wrapper = (_Personalised if personalised else _Generic)(model).eval()
+    example = torch.zeros(2, 3, INPUT_SIZE, INPUT_SIZE)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    with warnings.catch_warnings(), _quiet_exporter():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(wrapper, (example,), dynamo=True, external_data=False,
+                                    input_names=["image"], output_names=["embedding"],
+                                    dynamic_shapes={"image": {0: batch}}, opset_version=OPSET, optimize=True)
+    proto = program.model_proto
+    dim = model.config.embedding_dim * (2 if personalised else 1)
+    metadata = {"kind": "personalised" if personalised else "generic", "input_size": INPUT_SIZE,
+                "mean": MEAN, "std": STD, "color": "RGB", "layout": "NCHW", "embedding_dim": dim,
+                "normalised": "l2", "extra": json.dumps(extra or {})}
+    for key, value in metadata.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = f"{METADATA_PREFIX}{key}", str(value)
+    onnx.checker.check_model(proto)
+    tmp = out.with_suffix(".onnx.tmp")
+    onnx.save(proto, tmp)
+    tmp.replace(out)
+    return out
+
+
+class _quiet_exporter:
+    """The dynamo exporter logs every step at INFO; a CLI user only needs errors."""
+
+    def __enter__(self):
+        self._levels = {}
+        for name in ("torch.onnx", "torch.export", "onnxscript", "torch._dynamo"):
+            logger = logging.getLogger(name)
+            self._levels[name] = logger.level
+            logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        for name, level in self._levels.items():
+            logging.getLogger(name).setLevel(level)

@@ -1,0 +1,251 @@
+"""Centralised training: the upper bound every federated run is compared against.
+
+Design defaults: 20 epochs, batch 32, Adam at 1e-4, early stopping after 10 epochs without
+a better validation loss, weak augmentation. Each epoch writes `latest.pt` (enough to
+resume exactly) and, when validation loss improves, `best.pt`; `metrics.json` is rewritten
+every epoch so an interrupted run still says where it got to.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from models.embedders import TorchEmbedder
+from models.evaluation.evaluate import embed_all
+from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
+from models.face_model import FaceModel, ModelConfig, load_checkpoint, save_checkpoint
+from models.faces import augment
+from models.faces.crops import FaceCrops
+from models.faces.splits import TrainingSplit
+from models.heads import inverse_frequency_weights
+from models.tracking import NullTracker, Tracker
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 20
+    batch_size: int = 32
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    patience: int = 10
+    aug: str = "weak"
+    head: str = "cosface"
+    width_mult: float = 1.0
+    pretrained: bool = True
+    weights_path: str | None = None
+    embedding_dim: int = 128
+    dfc: bool = False
+    dfc_weight: float = 1.0
+    class_weighted: bool = False
+    seed: int = 0
+    max_eval_pairs: int = 100_000
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+class CropDataset(Dataset):
+    """uint8 NHWC crops in memory -> augmented float CHW tensors."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform):
+        self.images = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
+        self.labels = torch.from_numpy(labels)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.transform(self.images[i]), self.labels[i]
+
+
+def build_model(config: TrainConfig, train: FaceCrops) -> FaceModel:
+    n_classes = len(train.identities)
+    weights = None
+    if config.class_weighted:
+        weights = inverse_frequency_weights(torch.from_numpy(train.labels), n_classes).tolist()
+    return FaceModel(ModelConfig(n_classes=n_classes, embedding_dim=config.embedding_dim, width_mult=config.width_mult,
+                                 pretrained=config.pretrained, weights_path=config.weights_path, head=config.head,
+                                 dfc=config.dfc, dfc_weight=config.dfc_weight, class_weights=weights))
+
+
+def train_loader(crops: FaceCrops, config: TrainConfig, generator: torch.Generator) -> DataLoader:
+    data = CropDataset(crops.images, crops.labels, augment.build(config.aug))
+    # BatchNorm cannot train on a batch of one: drop a trailing single image
+    drop_last = len(data) % config.batch_size == 1
+    return DataLoader(data, batch_size=config.batch_size, shuffle=True, drop_last=drop_last, generator=generator)
+
+
+def train_epoch(model: FaceModel, loader: DataLoader, optimiser: torch.optim.Optimizer,
+                desc: str = "train", progress: bool = False) -> dict:
+    """One pass over `loader`; returns mean loss and accuracy (margin-free logits)."""
+    model.train()
+    loss_sum, correct, seen = 0.0, 0, 0
+    for x, y in tqdm(loader, desc=desc, unit="batch", disable=not progress, leave=False):
+        loss, logits, _ = model.losses(x, y)
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
+        loss_sum += float(loss.detach()) * len(y)
+        correct += int((logits.argmax(1) == y).sum())
+        seen += len(y)
+    return {"train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1)}
+
+
+@torch.inference_mode()
+def validation_loss(model: FaceModel, crops: FaceCrops, batch_size: int = 128) -> dict:
+    if len(crops) == 0:
+        return {}
+    model.eval()
+    data = CropDataset(crops.images, crops.labels, augment.plain())
+    loss_sum, correct = 0.0, 0
+    for x, y in DataLoader(data, batch_size=batch_size):
+        loss, logits, _ = model.losses(x, y)
+        loss_sum += float(loss) * len(y)
+        correct += int((logits.argmax(1) == y).sum())
+    return {"val_loss": loss_sum / len(crops), "val_acc": correct / len(crops)}
+
+
+def verification(model: FaceModel, crops: FaceCrops | None, max_pairs: int, seed: int,
+                 personalised: bool = False) -> tuple[dict, tuple[np.ndarray, np.ndarray] | None]:
+    """AUC/EER/TAR@FAR of the embedding on `crops`, plus the raw scores for ROC plots."""
+    if crops is None or len(crops) < 2 or len(np.unique(crops.labels)) < 2:
+        return {}, None
+    emb = embed_all(TorchEmbedder(model, personalised), crops.images)
+    pairs, same = make_pairs(crops.labels, max_pairs, seed)
+    if same.all() or not same.any():
+        return {}, None
+    scores = cosine_scores(emb, pairs)
+    return roc_report(scores, same), (scores, same)
+
+
+class Trainer:
+    """Runs epochs, checkpoints, early-stops and tracks; resumable from `latest.pt`."""
+
+    def __init__(self, config: TrainConfig, split: TrainingSplit, out_dir: Path, tracker: Tracker | None = None):
+        self.config, self.split, self.out = config, split, Path(out_dir)
+        self.tracker = tracker or NullTracker()
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(config.seed)
+        self.model = build_model(config, split.train)
+        self.optimiser = torch.optim.Adam(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.history: list[dict] = []
+        self.best_loss, self.best_epoch, self.bad_epochs, self.start_epoch = float("inf"), None, 0, 1
+        self.status = "running"
+        self.tracker_run_id: str | None = None
+
+    @property
+    def eval_crops(self) -> FaceCrops:
+        """Verification is measured on unseen identities when there are any, else on validation images."""
+        return self.split.holdout if self.split.holdout is not None else self.split.val
+
+    def resume(self) -> None:
+        payload = torch.load(self.out / "latest.pt", map_location="cpu", weights_only=True)
+        if payload["identities"] != self.split.train.identities:
+            raise ValueError("the data differs from the run being resumed (other identities); use a new --out")
+        self.model.load_state_dict(payload["model_state"])
+        self.optimiser.load_state_dict(payload["optimiser_state"])
+        self.generator.set_state(payload["generator_state"])
+        torch.set_rng_state(payload["torch_rng_state"])
+        self.history = payload["history"]
+        self.best_loss, self.best_epoch = payload["best_loss"], payload["best_epoch"]
+        self.bad_epochs, self.start_epoch = payload["bad_epochs"], payload["epoch"] + 1
+        self.tracker_run_id = payload.get("tracker_run_id")
+
+    def _checkpoint(self, name: str, epoch: int) -> None:
+        save_checkpoint(self.out / name, self.model, epoch=epoch, optimiser_state=self.optimiser.state_dict(),
+                        generator_state=self.generator.get_state(), torch_rng_state=torch.get_rng_state(),
+                        history=self.history, best_loss=self.best_loss, best_epoch=self.best_epoch,
+                        bad_epochs=self.bad_epochs, identities=self.split.train.identities,
+                        train_config=asdict(self.config), tracker_run_id=self.tracker.run_id)
+
+    def fit(self) -> dict:
+        cfg = self.config
+        self.tracker.start(self.out.name, asdict(cfg), self.tracker_run_id)
+        loader = train_loader(self.split.train, cfg, self.generator)
+        try:
+            for epoch in range(self.start_epoch, cfg.epochs + 1):
+                if self.bad_epochs >= cfg.patience:
+                    self.status = "early_stopped"
+                    break
+                self._run_epoch(epoch, loader)
+            else:
+                self.status = "completed" if self.bad_epochs < cfg.patience else "early_stopped"
+        except KeyboardInterrupt:
+            self.status = "interrupted"
+            self._write_metrics()
+            self.tracker.end("KILLED")
+            raise
+        return self._finish()
+
+    def _run_epoch(self, epoch: int, loader: DataLoader) -> None:
+        cfg = self.config
+        started = time.perf_counter()
+        row = {"epoch": epoch, **train_epoch(self.model, loader, self.optimiser, f"epoch {epoch}/{cfg.epochs}",
+                                             cfg.progress)}
+        row["train_seconds"] = time.perf_counter() - started
+        row.update(validation_loss(self.model, self.split.val))
+        report, _ = verification(self.model, self.eval_crops, cfg.max_eval_pairs, cfg.seed)
+        row.update({f"val_{k}": report[k] for k in ("auc", "eer") if k in report})
+        monitored = row.get("val_loss", row["train_loss"])
+        if monitored < self.best_loss:
+            self.best_loss, self.best_epoch, self.bad_epochs = monitored, epoch, 0
+        else:
+            self.bad_epochs += 1
+        self.history.append(row)
+        self._checkpoint("latest.pt", epoch)
+        if self.best_epoch == epoch:
+            self._checkpoint("best.pt", epoch)
+        self.tracker.log_metrics(row, epoch)
+        self._write_metrics()
+        if cfg.progress:
+            shown = " ".join(f"{k}={v:.4f}" for k, v in row.items() if k != "epoch" and isinstance(v, float))
+            tqdm.write(f"epoch {epoch}: {shown}")
+
+    def _finish(self) -> dict:
+        best, _ = load_checkpoint(self.out / "best.pt")
+        report, curve = verification(best, self.eval_crops, self.config.max_eval_pairs, self.config.seed)
+        if curve is not None:
+            from models.evaluation.plots import roc_png
+
+            roc_png({f"best (epoch {self.best_epoch})": curve}, self.out / "roc.png")
+        metrics = self._write_metrics(final=report)
+        from models.evaluation.plots import training_curves_png
+
+        for png in (training_curves_png(self.history, self.out / "curves.png", self.best_epoch),
+                    *( [self.out / "roc.png"] if curve is not None else [])):
+            self.tracker.log_artifact(png)
+        self.tracker.log_metrics({f"final_{k}": v for k, v in report.items()}, self.history[-1]["epoch"])
+        self.tracker.log_artifact(self.out / "metrics.json")
+        self.tracker.end()
+        return metrics
+
+    def _write_metrics(self, final: dict | None = None) -> dict:
+        split = self.split
+        metrics = {
+            "status": self.status,
+            "data_kind": "synthetic" if split.train.synthetic else "real",
+            "config": asdict(self.config),
+            "data": {"train_images": len(split.train), "val_images": len(split.val),
+                     "train_identities": len(split.train.identities),
+                     "holdout_identities": len(split.holdout.identities) if split.holdout else 0,
+                     "holdout_images": len(split.holdout) if split.holdout else 0,
+                     "crops": split.train.report.summary()},
+            "evaluated_on": "held-out identities" if split.holdout is not None else "validation images",
+            "best_epoch": self.best_epoch,
+            "best_val_loss": None if self.best_epoch is None else self.best_loss,
+            "epochs_run": len(self.history),
+            "history": self.history,
+            "tracking_run_id": self.tracker.run_id,
+        }
+        if final is not None:
+            metrics["final"] = final
+        (self.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        return metrics
