@@ -51,7 +51,9 @@ def _first_gif_frame(path: Path) -> np.ndarray | None:
 def write_image(path: str | Path, rgb: np.ndarray) -> None:
     """Write an RGB array with the format given by the suffix."""
     path = Path(path)
-    ok, encoded = cv2.imencode(path.suffix, cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
+    grey_only = path.suffix.lower() in (".pgm", ".pbm")
+    pixels = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY if grey_only else cv2.COLOR_RGB2BGR)
+    ok, encoded = cv2.imencode(path.suffix, pixels)
     if not ok:
         raise ValueError(f"cannot encode an image as {path.suffix}")
     encoded.tofile(path)

