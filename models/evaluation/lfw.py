@@ -5,6 +5,7 @@ impostor lines `name1 n1 name2 n2`, image files being `name/name_NNNN.jpg`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,8 @@ def pair_indices(pairs: PairList, paths: list[str], root: Path) -> tuple[np.ndar
 
     Returns (index pairs, mask of kept pairs over the original list).
     """
-    row = {str(Path(p).resolve().relative_to(root.resolve())): i for i, p in enumerate(paths)}
+    base = Path(os.path.abspath(root))  # not resolve(): datasets are often trees of symlinks
+    row = {Path(os.path.abspath(p)).relative_to(base).as_posix(): i for i, p in enumerate(paths)}
     ia = np.array([row.get(p, -1) for p in pairs.a])
     ib = np.array([row.get(p, -1) for p in pairs.b])
     kept = (ia >= 0) & (ib >= 0)

@@ -1,0 +1,208 @@
+"""The CLI end to end: ffr train -> export -> eval, resume, ONNX parity, torch-free verification."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.cli import build_parser, main
+from models.embedders import TorchEmbedder
+from models.face_model import load_checkpoint
+from models.faces.crops import CropConfig, crop_index
+from models.faces.datasets import load_index
+from models.runtime import OnnxEmbedder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_subcommand_has_help(capsys):
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert {"train", "export", "eval", "synth", "demo"} <= set(commands)
+    for name in commands:
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0
+        assert "usage: ffr " + name in capsys.readouterr().out
+
+
+def test_train_writes_checkpoints_metrics_and_plots(trained_run):
+    for name in ("best.pt", "latest.pt", "metrics.json", "curves.png", "roc.png"):
+        assert (trained_run / name).is_file(), name
+    metrics = json.loads((trained_run / "metrics.json").read_text())
+    assert metrics["status"] == "completed" and metrics["epochs_run"] == 3
+    assert metrics["data_kind"] == "synthetic" and metrics["evaluated_on"] == "held-out identities"
+    assert metrics["config"]["batch_size"] == 16 and metrics["config"]["aug"] == "weak"
+    history = metrics["history"]
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    final = metrics["final"]
+    assert {"auc", "eer", "eer_threshold", "tar_at_far"} <= set(final)
+    # three real epochs on synthetic faces separate people never seen in training
+    assert final["auc"] > 0.7, final
+
+
+def test_train_defaults_follow_the_design():
+    args = build_parser().parse_args(["train", "--data", "d", "--out", "o"])
+    assert (args.epochs, args.batch_size, args.lr, args.patience, args.aug, args.head) == \
+        (20, 32, 1e-4, 10, "weak", "cosface")
+    assert not args.no_pretrained
+
+
+def test_existing_run_needs_resume_or_force(trained_run, synthetic_dir):
+    with pytest.raises(SystemExit, match="--resume"):
+        main(["-q", "train", "--data", str(synthetic_dir), "--out", str(trained_run), "--no-mlflow"])
+
+
+def test_interrupted_training_resumes_where_it_stopped(tmp_path, synthetic_dir, monkeypatch):
+    import models.training as training
+
+    out = tmp_path / "run"
+    real_log = training.NullTracker.log_metrics
+
+    def interrupt_after_epoch_2(self, metrics, step):  # Ctrl-C cannot be typed in CI: raise it at a known point
+        real_log(self, metrics, step)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(training.NullTracker, "log_metrics", interrupt_after_epoch_2)
+    base = ["-q", "train", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "3", "--lr", "1e-3",
+            "--no-mlflow", "--width-mult", "0.35", "--no-pretrained", "--batch-size", "16"]
+    assert main(base) == 130
+    stopped = json.loads((out / "metrics.json").read_text())
+    assert stopped["status"] == "interrupted" and stopped["epochs_run"] == 2
+    monkeypatch.setattr(training.NullTracker, "log_metrics", real_log)
+    assert main(base + ["--resume"]) == 0
+    done = json.loads((out / "metrics.json").read_text())
+    assert done["status"] == "completed" and [h["epoch"] for h in done["history"]] == [1, 2, 3]
+    assert done["history"][:2] == stopped["history"]
+
+
+def test_early_stopping(tmp_path, synthetic_dir):
+    out = tmp_path / "run"
+    assert main(["-q", "train", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "10", "--lr", "1e-9",
+                 "--patience", "1", "--no-mlflow", "--width-mult", "0.35", "--no-pretrained"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "early_stopped" and metrics["epochs_run"] < 10
+
+
+def test_mlflow_tracking_in_sqlite(tmp_path, synthetic_dir):
+    out = tmp_path / "run"
+    assert main(["-q", "train", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "1",
+                 "--width-mult", "0.35", "--no-pretrained", "--head", "arcface", "--aug", "strong"]) == 0
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    run_id = json.loads((out / "metrics.json").read_text())["tracking_run_id"]
+    run = client.get_run(run_id)
+    assert run.data.params["head"] == "arcface" and run.data.params["aug"] == "strong"
+    assert "train_loss" in run.data.metrics and "final_auc" in run.data.metrics
+
+
+@pytest.fixture(scope="module")
+def exported(trained_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("onnx")
+    assert main(["-q", "export", "--model", str(trained_run / "best.pt"), "--out", str(out / "generic.onnx")]) == 0
+    assert main(["-q", "export", "--model", str(trained_run / "best.pt"), "--out", str(out / "pers.onnx"),
+                 "--personalized"]) == 0
+    return out
+
+
+def test_onnx_matches_pytorch_on_every_image(trained_run, exported, synthetic_dir):
+    model, _ = load_checkpoint(trained_run / "best.pt")
+    crops = crop_index(load_index(synthetic_dir), CropConfig(detector="none"), use_cache=False, progress=False)
+    for personalised, name, dim in ((False, "generic.onnx", 128), (True, "pers.onnx", 256)):
+        onnx_emb = OnnxEmbedder(exported / name).embed(crops.images, batch_size=7)  # odd batches: dynamic axis
+        torch_emb = TorchEmbedder(model, personalised).embed(crops.images)
+        assert onnx_emb.shape == (len(crops), dim)
+        cosines = np.sum(onnx_emb * torch_emb, axis=1) / (
+            np.linalg.norm(onnx_emb, axis=1) * np.linalg.norm(torch_emb, axis=1))
+        assert cosines.min() >= 0.9999, (name, cosines.min())
+    info = OnnxEmbedder(exported / "pers.onnx").info
+    assert (info.kind, info.input_size, info.mean, info.std, info.color) == ("personalised", 128, 0.5, 0.5, "RGB")
+
+
+def test_verifier_runs_without_torch(exported, synthetic_dir):
+    """A device with only the `edge` extra: block torch entirely and verify two faces."""
+    script = f"""
+import sys
+sys.modules['torch'] = None  # any 'import torch' now fails
+from models.runtime import OnnxEmbedder, cosine
+from models.faces.imageio import read_rgb
+from models.faces.detect import center_crop
+from pathlib import Path
+root = Path({str(synthetic_dir)!r})
+a, b = sorted((root / 'synthetic_0000').iterdir())[:2]
+c = sorted((root / 'synthetic_0001').iterdir())[0]
+emb = OnnxEmbedder({str(exported / 'generic.onnx')!r})
+e = emb.embed(__import__('numpy').stack([center_crop(read_rgb(p)) for p in (a, b, c)]))
+print(cosine(e[0], e[1]), cosine(e[0], e[2]))
+assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m] is not None)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    same, other = map(float, result.stdout.split())
+    assert -1.0 <= other <= 1.0 and -1.0 <= same <= 1.0
+
+
+def _eval_json(capsys, args) -> dict:
+    capsys.readouterr()
+    assert main(["-q", "eval", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+REQUIRED = {"auc", "eer", "eer_threshold", "tar_at_far", "n_images", "n_identities", "n_genuine_pairs",
+            "n_impostor_pairs", "faces_not_detected", "accuracy", "accuracy_std"}
+
+
+def test_eval_json_from_checkpoint_and_onnx_agree(capsys, trained_run, exported, synthetic_dir):
+    from_pt = _eval_json(capsys, ["--model", str(trained_run / "best.pt"), "--data", str(synthetic_dir)])
+    from_onnx = _eval_json(capsys, ["--model", str(exported / "generic.onnx"), "--data", str(synthetic_dir)])
+    for report in (from_pt, from_onnx):
+        assert REQUIRED <= set(report)
+        assert report["n_images"] == 60 and report["n_identities"] == 10 and report["faces_not_detected"] == 0
+        assert report["n_genuine_pairs"] == 150 and report["n_impostor_pairs"] == 1620
+        assert set(report["tar_at_far"]) == {"0.1", "0.01", "0.001"}
+        assert report["data_kind"] == "synthetic"
+    assert from_pt["auc"] == pytest.approx(from_onnx["auc"], abs=1e-3)
+    pers = _eval_json(capsys, ["--model", str(trained_run / "best.pt"), "--data", str(synthetic_dir), "--personalized"])
+    assert pers["auc"] > 0.5
+
+
+def test_eval_with_lfw_pairs(capsys, tmp_path, exported, synthetic_dir):
+    """An LFW-layout copy of the synthetic faces with a 10-fold pairs.txt."""
+    root = tmp_path / "lfw_home"
+    rng = np.random.default_rng(0)
+    names = sorted(p.name for p in synthetic_dir.iterdir() if p.is_dir())
+    for name in names:
+        (root / "lfw" / name).mkdir(parents=True)
+        for k, src in enumerate(sorted((synthetic_dir / name).iterdir()), 1):
+            (root / "lfw" / name / f"{name}_{k:04d}.jpg").symlink_to(src)  # .png bytes under LFW's names
+    lines = ["10\t3"]
+    for _ in range(10):
+        for _ in range(3):
+            n = names[rng.integers(len(names))]
+            a, b = rng.choice(6, 2, replace=False) + 1
+            lines.append(f"{n}\t{a}\t{b}")
+        for _ in range(3):
+            n1, n2 = rng.choice(names, 2, replace=False)
+            lines.append(f"{n1}\t{rng.integers(1, 7)}\t{n2}\t{rng.integers(1, 7)}")
+    (root / "pairs.txt").write_text("\n".join(lines) + "\n")
+    report = _eval_json(capsys, ["--model", str(exported / "generic.onnx"), "--data", str(root), "--use-dataset-pairs",
+                                 "--detector", "none"])
+    assert report["protocol"] == "lfw-10-fold" and report["n_genuine_pairs"] == 30 and report["n_impostor_pairs"] == 30
+    assert 0.0 <= report["accuracy"] <= 1.0 and report["accuracy_std"] >= 0.0
+
+
+def test_bad_inputs_are_clear_errors(capsys, tmp_path, exported):
+    assert main(["-q", "eval", "--model", str(tmp_path / "missing.onnx"), "--data", str(tmp_path)]) == 2
+    assert "model not found" in capsys.readouterr().err
+    assert main(["-q", "eval", "--model", str(exported / "generic.onnx"), "--data", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["-q", "export", "--model", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "x.onnx")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
