@@ -1,0 +1,58 @@
+"""Shared by the benchmarks: timing, machine description, and JSON + Markdown result files."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+
+def faces_dir() -> Path | None:
+    path = Path(os.environ.get("FFR_FACES_DIR", Path(__file__).resolve().parents[2] / "shared" / "faces"))
+    return path if path.is_dir() else None
+
+
+def machine() -> dict:
+    import onnxruntime
+    import torch
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 3) -> dict:
+    """Median and p95 wall time of `fn()` in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1000.0)
+    return {"median_ms": float(np.median(samples)), "p95_ms": float(np.percentile(samples, 95)), "n": repeats}
+
+
+def write_results(out_dir: Path, name: str, data: dict, table: list[dict], title: str, command: str) -> Path:
+    """`name.json` with everything, `name.md` with the table a person reads."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"command": command, "machine": machine(), **data, "table": table}
+    (out_dir / f"{name}.json").write_text(json.dumps(data, indent=2))
+    lines = [f"# {title}", "", f"`{command}`", "", _markdown_table(table), ""]
+    (out_dir / f"{name}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return out_dir / f"{name}.md"
+
+
+def _markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)"
+    keys = list(rows[0])
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    out += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(out)
