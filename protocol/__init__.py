@@ -1,0 +1,6 @@
+"""The wire protocol both sides share: versioned messages, topics, tensor payloads, signing.
+
+Nothing here imports torch: tensors travel as numpy arrays in safetensors files.
+"""
+
+SCHEMA_VERSION = 1

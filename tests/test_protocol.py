@@ -1,0 +1,124 @@
+"""Wire protocol: tensors as safetensors, chunking, signed envelopes, and refusals with reasons."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from protocol import SCHEMA_VERSION
+from protocol.auth import ReplayGuard, new_device_key
+from protocol.chunks import Reassembler, from_bytes, split, to_bytes
+from protocol.messages import Hello, MessageError, UpdateHeader, open_envelope, seal
+from protocol.tensors import PayloadError, decode, encode
+
+
+def _state():
+    rng = np.random.default_rng(0)
+    return {"backbone.w": rng.normal(size=(64, 32)).astype(np.float32),
+            "backbone.bn.num_batches_tracked": np.array(7, dtype=np.int64)}
+
+
+def test_tensors_roundtrip_fp32_exactly_and_fp16_closely():
+    state = _state()
+    expected = {k: v.shape for k, v in state.items()}
+    exact = decode(*(lambda e: (e.data, e.sha256))(encode(state, "fp32")), expected)
+    assert np.array_equal(exact["backbone.w"], state["backbone.w"])
+    half = encode(state, "fp16")
+    assert len(half.data) < len(encode(state, "fp32").data)
+    back = decode(half.data, half.sha256, expected)
+    assert back["backbone.w"].dtype == np.float32 and np.allclose(back["backbone.w"], state["backbone.w"], atol=2e-3)
+    assert back["backbone.bn.num_batches_tracked"] == 7
+    assert b"pickle" not in half.data and half.data[8:9] == b"{"  # safetensors: length + JSON header
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda s: {**s, "head.weight": np.zeros(3, np.float32)}, "names differ"),
+    (lambda s: {k: v for k, v in s.items() if k != "backbone.w"}, "names differ"),
+    (lambda s: {**s, "backbone.w": np.zeros((32, 64), np.float32)}, "shape"),
+    (lambda s: {**s, "backbone.w": np.full((64, 32), np.nan, np.float32)}, "NaN or Inf"),
+    (lambda s: {**s, "backbone.w": np.full((64, 32), np.inf, np.float32)}, "NaN or Inf"),
+])
+def test_bad_tensors_are_refused_with_a_reason(mutate, reason):
+    expected = {k: v.shape for k, v in _state().items()}
+    bad = encode(mutate(_state()), "fp32")
+    with pytest.raises(PayloadError, match=reason):
+        decode(bad.data, bad.sha256, expected)
+
+
+def test_corrupted_or_non_safetensors_payloads_are_refused():
+    good = encode(_state())
+    with pytest.raises(PayloadError, match="sha256"):
+        decode(good.data[:-10], good.sha256)
+    import hashlib
+
+    junk = b"\x80\x04 pickled things"
+    with pytest.raises(PayloadError, match="not a safetensors"):
+        decode(junk, hashlib.sha256(junk).hexdigest())
+
+
+def test_chunks_reassemble_in_any_order_with_duplicates():
+    payload = np.random.default_rng(1).bytes(10_000)
+    chunks = split("t1", payload, chunk_bytes=1024)
+    assert len(chunks) == 10 and all(len(c.data) <= 1024 for c in chunks)
+    frames = [to_bytes(c) for c in chunks]
+    order = [3, 0, 9, 3, 1, 2, 5, 4, 8, 7, 0]  # 6 is still missing, 3 and 0 come twice
+    assembler = Reassembler.for_chunk(from_bytes(frames[order[0]]))
+    for i in order:
+        assert assembler.add(from_bytes(frames[i])) is None
+    assert assembler.missing == [6]
+    assert assembler.add(from_bytes(frames[6])) == payload
+
+
+def test_chunk_faults_are_refused():
+    payload = b"x" * 3000
+    chunks = split("t1", payload, chunk_bytes=1000)
+    assembler = Reassembler.for_chunk(chunks[0])
+    other = split("t2", payload, chunk_bytes=1000)[1]
+    with pytest.raises(PayloadError, match="does not belong"):
+        assembler.add(other)
+    assembler.add(chunks[0])
+    tampered = type(chunks[0])(**{**chunks[0].__dict__, "data": b"y" * 1000})
+    with pytest.raises(PayloadError, match="different bytes"):
+        assembler.add(tampered)
+    corrupt = type(chunks[1])(**{**chunks[1].__dict__, "data": b"z" * 1000})
+    assembler.add(corrupt)
+    with pytest.raises(PayloadError, match="corrupted"):
+        assembler.add(chunks[2])
+    with pytest.raises(PayloadError, match="exceeds"):
+        Reassembler.for_chunk(chunks[0], max_bytes=100)
+    with pytest.raises(PayloadError, match="malformed"):
+        from_bytes(b"\x00\x00\x00\x05{bad}")
+
+
+def test_signed_envelopes_and_every_refusal():
+    key, other_key = new_device_key(), new_device_key()
+    keys = {"dev-1": key}
+    guard = ReplayGuard()
+    raw = seal("dev-1", 1, Hello(n_identities=3, n_images=30), key)
+    assert open_envelope(raw, keys, guard).body.n_images == 30
+    with pytest.raises(MessageError, match="replay"):
+        open_envelope(raw, keys, guard)
+    with pytest.raises(MessageError, match="bad signature"):
+        open_envelope(seal("dev-1", 2, Hello(n_identities=3, n_images=30), other_key), keys, guard)
+    with pytest.raises(MessageError, match="unknown device"):
+        open_envelope(seal("stranger", 1, Hello(n_identities=1, n_images=1), key), keys, guard)
+    tampered = json.loads(seal("dev-1", 3, Hello(n_identities=3, n_images=30), key))
+    tampered["body"]["n_images"] = 3000
+    with pytest.raises(MessageError, match="bad signature"):
+        open_envelope(json.dumps(tampered).encode(), keys, guard)
+    with pytest.raises(MessageError, match="invalid message"):
+        open_envelope(b"{not json", keys, guard)
+    wrong_version = json.loads(seal("dev-1", 4, Hello(n_identities=3, n_images=30), key))
+    wrong_version["schema_version"] = SCHEMA_VERSION + 1
+    with pytest.raises(MessageError, match="schema version"):
+        open_envelope(json.dumps(wrong_version).encode(), keys, guard)
+    unknown_type = json.loads(seal("dev-1", 5, Hello(n_identities=3, n_images=30), key))
+    unknown_type["body"] = {"type": "images", "pixels": [1, 2, 3]}
+    with pytest.raises(MessageError, match="invalid message"):
+        open_envelope(json.dumps(unknown_type).encode(), keys, guard)
+
+
+def test_update_header_validates_its_fields():
+    with pytest.raises(ValueError):
+        UpdateHeader(round_id=0, base_version=0, n_samples=0, transfer_id="", payload_sha256="nothex", payload_bytes=0)
