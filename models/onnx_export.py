@@ -6,6 +6,7 @@ the preprocessing is written into the file's metadata (`ffr.*`), read by `models
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import warnings
@@ -19,7 +20,7 @@ from models.face_model import FaceModel
 from models.faces.preprocess import INPUT_SIZE, MEAN, STD
 from models.runtime import METADATA_PREFIX
 
-OPSET = 18
+OPSET = 17
 
 
 class _Generic(nn.Module):
@@ -43,14 +44,7 @@ def export_onnx(model: FaceModel, out: str | Path, personalised: bool = False, e
     if personalised and model.dfc is None:
         raise ValueError("this model has no DFC branch; export the generic embedder or train with DFC")
     wrapper = (_Personalised if personalised else _Generic)(model).eval()
-    example = torch.zeros(2, 3, INPUT_SIZE, INPUT_SIZE)
-    batch = torch.export.Dim("batch", min=1, max=4096)
-    with warnings.catch_warnings(), _quiet_exporter():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(wrapper, (example,), dynamo=True, external_data=False,
-                                    input_names=["image"], output_names=["embedding"],
-                                    dynamic_shapes={"image": {0: batch}}, opset_version=OPSET, optimize=True)
-    proto = program.model_proto
+    proto = _to_onnx(wrapper)
     dim = model.config.embedding_dim * (2 if personalised else 1)
     metadata = {"kind": "personalised" if personalised else "generic", "input_size": INPUT_SIZE,
                 "mean": MEAN, "std": STD, "color": "RGB", "layout": "NCHW", "embedding_dim": dim,
@@ -63,6 +57,25 @@ def export_onnx(model: FaceModel, out: str | Path, personalised: bool = False, e
     onnx.save(proto, tmp)
     tmp.replace(out)
     return out
+
+
+def _to_onnx(wrapper: nn.Module) -> onnx.ModelProto:
+    """TorchScript exporter first (about 6x faster to export than dynamo here); dynamo if it fails."""
+    example = torch.zeros(2, 3, INPUT_SIZE, INPUT_SIZE)
+    with warnings.catch_warnings(), _quiet_exporter():
+        warnings.simplefilter("ignore")
+        try:
+            buffer = io.BytesIO()
+            torch.onnx.export(wrapper, (example,), buffer, dynamo=False, input_names=["image"],
+                              output_names=["embedding"], dynamic_axes={"image": {0: "batch"}, "embedding": {0: "batch"}},
+                              opset_version=OPSET)
+            return onnx.load_from_string(buffer.getvalue())
+        except Exception:  # noqa: BLE001 - the legacy exporter is deprecated; fall back to the supported one
+            batch = torch.export.Dim("batch", min=1, max=4096)
+            program = torch.onnx.export(wrapper, (example,), dynamo=True, external_data=False, verbose=False,
+                                        input_names=["image"], output_names=["embedding"],
+                                        dynamic_shapes={"image": {0: batch}}, opset_version=OPSET, optimize=True)
+            return program.model_proto
 
 
 class _quiet_exporter:
