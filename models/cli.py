@@ -171,6 +171,86 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_coordinator_serve(args) -> int:
+    from coordinator.engine import RoundSettings
+    from coordinator.service import ServiceConfig, serve
+    from protocol.messages import TrainingConfig
+
+    training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=not args.no_dfc,
+                              wire_dtype=args.wire_dtype, chunk_bytes=args.chunk_kib * 1024, width_mult=args.width_mult,
+                              algorithm=args.strategy, prox_mu=args.mu)
+    settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
+                             round_timeout_s=args.round_timeout, training=training, seed=args.seed)
+    config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
+                           ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
+                           strategy=args.strategy, prox_mu=args.mu, server_momentum=args.server_momentum,
+                           pretrained=not args.no_pretrained)
+    return serve(config, settings, exit_when_done=args.exit_when_done)
+
+
+def cmd_edge_run(args) -> int:
+    from edge_client.daemon import run
+
+    return run(args.device_id, args.data, args.home, args.broker, until_finished=args.exit_when_done,
+               detector=args.detector, username=args.username, password=args.password, ca_file=args.ca_file,
+               export_onnx=not args.no_export, seed=args.seed)
+
+
+def _add_broker_options(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--broker", default=default, help="MQTT broker URL, mqtt://HOST:PORT or mqtts://HOST:PORT"
+                   + ("" if default else " (default: start an embedded mosquitto)"))
+    p.add_argument("--username", help="broker user name")
+    p.add_argument("--password", help="broker password")
+    p.add_argument("--ca-file", help="CA certificate for mqtts:// brokers")
+
+
+def _add_federated_commands(sub) -> None:
+    coord = sub.add_parser("coordinator", help="the federation coordinator service")
+    csub = coord.add_subparsers(dest="coordinator_command", required=True, metavar="COMMAND")
+    p = csub.add_parser("serve", help="run federated rounds over MQTT, with an HTTP API",
+                        description="Run rounds: sample devices, announce, collect backbone deltas, aggregate, "
+                                    "publish the new global model. State (models, history) lives in --state and "
+                                    "survives restarts. HTTP API docs at http://HOST:PORT/docs.")
+    _add_broker_options(p, None)
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8080)
+    p.add_argument("--rounds", type=int, default=10, help="rounds to run (default 10)")
+    p.add_argument("--min-clients", type=int, default=2, help="devices needed to start a round and to aggregate it")
+    p.add_argument("--fraction", type=float, default=1.0, help="fraction of registered devices sampled per round")
+    p.add_argument("--strategy", choices=("fedavg", "fedprox", "fedavgm"), default="fedavg")
+    p.add_argument("--mu", type=float, default=0.01, help="FedProx proximal weight (default 0.01)")
+    p.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum")
+    p.add_argument("--state", type=Path, default=Path("coordinator_state"), help="state folder")
+    p.add_argument("--round-timeout", type=float, default=600.0, help="seconds a round waits for updates")
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--no-dfc", action="store_true", help="devices train without the DFC branch")
+    p.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16", help="dtype of deltas on the wire")
+    p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
+    p.add_argument("--width-mult", type=float, default=1.0)
+    p.add_argument("--no-pretrained", action="store_true", help="round 0 model from random weights")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
+    p.set_defaults(func=cmd_coordinator_serve)
+
+    edge = sub.add_parser("edge", help="the edge device daemon")
+    esub = edge.add_subparsers(dest="edge_command", required=True, metavar="COMMAND")
+    p = esub.add_parser("run", help="join the federation: train locally each round, send only backbone deltas",
+                        description="Registers with the coordinator, trains on the people enrolled in --data (one "
+                                    "folder each) every round it is picked for, sends only the backbone delta, and "
+                                    "exports its personalised ONNX model into --home.")
+    p.add_argument("--device-id", required=True)
+    p.add_argument("--data", required=True, type=Path, help="the device's enrolled people, one folder each")
+    p.add_argument("--home", required=True, type=Path, help="the device's private state folder")
+    _add_broker_options(p, "mqtt://127.0.0.1:1883")
+    p.add_argument("--detector", choices=DETECTORS, help="face detector for the enrolled images")
+    p.add_argument("--no-export", action="store_true", help="do not export ONNX models after each round")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exit-when-done", action="store_true", help="exit after the coordinator's last round")
+    p.set_defaults(func=cmd_edge_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ffr", description="ffr-edge: federated face recognition for edge devices.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -242,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-mlflow", action="store_true")
     p.set_defaults(func=cmd_demo)
+    _add_federated_commands(sub)
     return parser
 
 

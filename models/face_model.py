@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import numpy as np
+
 from models.backbone import FaceEmbedder
 from models.dfc import DFCBranch, personalised_embedding
 from models.heads import build_head
@@ -128,3 +130,17 @@ def load_checkpoint(path: str | Path) -> tuple[FaceModel, dict]:
     model.load_state_dict(payload["model_state"])
     model.eval()
     return model, payload
+
+
+def to_numpy_state(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
+
+
+def from_numpy_state(state: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v.copy()) for k, v in state.items()}
+
+
+def initial_global_state(width_mult: float = 1.0, embedding_dim: int = 128, pretrained: bool = True) -> dict:
+    """Round 0's shared embedder (ImageNet-initialised by default), as numpy arrays keyed `backbone.*`."""
+    backbone = FaceEmbedder(embedding_dim, width_mult, pretrained)
+    return {f"{SHAREABLE_PREFIX}{k}": v.numpy().copy() for k, v in backbone.state_dict().items()}

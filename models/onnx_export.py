@@ -7,6 +7,7 @@ the preprocessing is written into the file's metadata (`ffr.*`), read by `models
 from __future__ import annotations
 
 import io
+import threading
 import json
 import logging
 import warnings
@@ -21,6 +22,7 @@ from models.faces.preprocess import INPUT_SIZE, MEAN, STD
 from models.runtime import METADATA_PREFIX
 
 OPSET = 17
+_EXPORT_LOCK = threading.Lock()  # torch's exporters keep global state: one export at a time per process
 
 
 class _Generic(nn.Module):
@@ -62,7 +64,7 @@ def export_onnx(model: FaceModel, out: str | Path, personalised: bool = False, e
 def _to_onnx(wrapper: nn.Module) -> onnx.ModelProto:
     """TorchScript exporter first (about 6x faster to export than dynamo here); dynamo if it fails."""
     example = torch.zeros(2, 3, INPUT_SIZE, INPUT_SIZE)
-    with warnings.catch_warnings(), _quiet_exporter():
+    with _EXPORT_LOCK, warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
         try:
             buffer = io.BytesIO()

@@ -25,6 +25,14 @@ class Hello(_Body):
     software: str = "ffr-edge"
 
 
+class Registered(_Body):
+    """The coordinator's answer to a first hello: the device's own signing key."""
+
+    type: Literal["registered"] = "registered"
+    device_id: str
+    key: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class Heartbeat(_Body):
     type: Literal["heartbeat"] = "heartbeat"
     state: str = "idle"
@@ -39,6 +47,9 @@ class TrainingConfig(_Body):
     prox_mu: float = Field(0.01, ge=0)
     dfc: bool = True
     wire_dtype: Literal["fp16", "fp32"] = "fp16"
+    chunk_bytes: int = Field(256 * 1024, ge=1024)
+    width_mult: float = 1.0
+    embedding_dim: int = 128
 
 
 class RoundAnnouncement(_Body):
@@ -46,6 +57,9 @@ class RoundAnnouncement(_Body):
     round_id: int = Field(ge=1)
     model_version: int = Field(ge=0)
     model_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    model_bytes: int = Field(ge=1)
+    model_chunks: int = Field(ge=1)
+    total_rounds: int = Field(ge=1)
     deadline_unix: float
     config: TrainingConfig
     participants: list[str]
@@ -76,7 +90,7 @@ class Error(_Body):
     round_id: int | None = None
 
 
-Body = Annotated[Union[Hello, Heartbeat, RoundAnnouncement, UpdateHeader, Ack, Error], Field(discriminator="type")]
+Body = Annotated[Union[Hello, Registered, Heartbeat, RoundAnnouncement, UpdateHeader, Ack, Error], Field(discriminator="type")]
 
 
 class Envelope(BaseModel):

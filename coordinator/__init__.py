@@ -1,0 +1,1 @@
+"""The coordinator: rounds, aggregation, durable state, the HTTP API and the MQTT connection."""

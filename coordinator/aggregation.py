@@ -1,0 +1,107 @@
+"""Aggregation strategies: pure functions over backbone deltas (numpy state dicts).
+
+Updates are folded into a running weighted sum as they arrive (`RunningMean`), so memory
+stays O(model size) however many devices report. A strategy then turns the global model
+and the mean delta into the next global model.
+
+- FedAvg (McMahan et al., AISTATS 2017): w <- w + eta * sum_k n_k d_k / sum_k n_k.
+- FedProx (Li et al., MLSys 2020): the same on the server; its proximal term lives on devices.
+- FedAvgM (Hsu et al., 2019, arXiv:1909.06335): v <- beta v + mean delta; w <- w + eta v.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+State = dict[str, np.ndarray]
+
+
+@dataclass
+class RunningMean:
+    """Weighted mean of deltas, accumulated one update at a time in float64."""
+
+    total: State = field(default_factory=dict)
+    weight: float = 0.0
+    count: int = 0
+
+    def add(self, delta: State, weight: float) -> None:
+        if weight <= 0:
+            raise ValueError("an update needs a positive weight (its number of samples)")
+        if self.total and set(delta) != set(self.total):
+            raise ValueError("update tensors differ from the ones already aggregated")
+        for name, value in delta.items():
+            scaled = value.astype(np.float64) * weight
+            if name in self.total:
+                self.total[name] += scaled
+            else:
+                self.total[name] = scaled
+        self.weight += weight
+        self.count += 1
+
+    def mean(self) -> State:
+        if self.count == 0:
+            raise ValueError("no updates to aggregate")
+        return {name: value / self.weight for name, value in self.total.items()}
+
+
+def apply_delta(global_state: State, delta: State, scale: float = 1.0) -> State:
+    """w + scale * delta, keeping each tensor's dtype (integer buffers are rounded)."""
+    out = {}
+    for name, value in global_state.items():
+        step = value.astype(np.float64) + scale * delta[name]
+        cast = step.astype(value.dtype) if np.issubdtype(value.dtype, np.floating) else np.rint(step).astype(value.dtype)
+        out[name] = np.asarray(cast)  # 0-d results come back as numpy scalars otherwise
+    return out
+
+
+class Strategy(Protocol):
+    name: str
+
+    def client_config(self) -> dict: ...
+    def aggregate(self, global_state: State, mean_delta: State) -> State: ...
+
+
+@dataclass
+class FedAvg:
+    server_lr: float = 1.0
+    name: str = "fedavg"
+
+    def client_config(self) -> dict:
+        return {"algorithm": self.name}
+
+    def aggregate(self, global_state: State, mean_delta: State) -> State:
+        return apply_delta(global_state, mean_delta, self.server_lr)
+
+
+@dataclass
+class FedProx(FedAvg):
+    mu: float = 0.01
+    name: str = "fedprox"
+
+    def client_config(self) -> dict:
+        return {"algorithm": self.name, "prox_mu": self.mu}
+
+
+@dataclass
+class FedAvgM(FedAvg):
+    momentum: float = 0.9
+    name: str = "fedavgm"
+    velocity: State | None = None
+
+    def aggregate(self, global_state: State, mean_delta: State) -> State:
+        if self.velocity is None:
+            self.velocity = {k: v.copy() for k, v in mean_delta.items()}
+        else:
+            self.velocity = {k: self.momentum * self.velocity[k] + mean_delta[k] for k in mean_delta}
+        return apply_delta(global_state, self.velocity, self.server_lr)
+
+
+STRATEGIES = {"fedavg": FedAvg, "fedprox": FedProx, "fedavgm": FedAvgM}
+
+
+def make_strategy(name: str, **options) -> Strategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name](**options)

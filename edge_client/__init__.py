@@ -1,0 +1,1 @@
+"""The edge device: enrolled faces, local training with the DFC branch, and backbone deltas out."""

@@ -1,0 +1,238 @@
+"""`ffr edge run`: the device daemon. Registers, then trains one round per announcement.
+
+Threads: paho's network thread only routes messages; a worker thread does the rounds
+(download, train, upload), so a long local epoch never stalls the connection. An update is
+written to the device's home before it is sent and deleted only when acknowledged, so a
+dropped connection resumes it instead of losing it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import torch
+from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+from edge_client.home import DeviceHome
+from edge_client.local_training import train_round
+from models.face_model import FaceModel, ModelConfig, from_numpy_state, private_state
+from models.faces.crops import CropConfig, crop_index
+from models.faces.datasets import load_index
+from protocol import topics
+from protocol.chunks import Reassembler, from_bytes, split, to_bytes
+from protocol.messages import (Ack, Error, Hello, MessageError, Registered, RoundAnnouncement, UpdateHeader,
+                               open_envelope, seal)
+from protocol.tensors import PayloadError, decode, encode
+from protocol.transport import BrokerAddress, make_client
+
+log = logging.getLogger("edge_client")
+
+
+class EdgeDevice:
+    def __init__(self, device_id: str, data: Path, home: Path, broker: str, detector: str | None = None,
+                 username: str | None = None, password: str | None = None, ca_file: str | None = None,
+                 export_onnx: bool = True, seed: int = 0):
+        self.device_id, self.home = device_id, DeviceHome(home)
+        self.export_onnx, self.seed = export_onnx, seed
+        index = load_index(data)
+        config = CropConfig(detector=detector or ("none" if index.synthetic else "haar"), fallback_center=True)
+        self.crops = crop_index(index, config, cache_dir=self.home.root / "crops", progress=False, min_images=1)
+        self.key = self.home.load_key()
+        self._seq = int(time.time() * 1000)
+        self.model: FaceModel | None = None
+        self.jobs: queue.Queue[RoundAnnouncement] = queue.Queue()
+        self.registered = threading.Event()
+        self.acked: dict[int, threading.Event] = {}
+        self.download: Reassembler | None = None
+        self.downloaded = threading.Event()
+        self.done_rounds = {e["round_id"] for e in self.home.rounds_log()}
+        self.last_error: str | None = None
+        self.stop_event = threading.Event()
+        self.finished = threading.Event()
+        address = BrokerAddress.parse(broker, username, password)
+        self.client = make_client(f"ffr-edge-{device_id}", address, ca_file)
+        self.client.on_connect = self._on_connect
+        self.client.on_message = self._on_message
+        self.address = address
+
+    # connection -------------------------------------------------------------
+    def start(self) -> None:
+        self.client.connect_async(self.address.host, self.address.port, keepalive=30)
+        self.client.loop_start()
+        self.worker = threading.Thread(target=self._work, name=f"edge-{self.device_id}", daemon=True)
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.jobs.put(None)  # type: ignore[arg-type]
+        self.worker.join(timeout=30)
+        self.client.loop_stop()
+        self.client.disconnect()
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _send(self, leaf: str, body) -> None:
+        self.client.publish(topics.device(self.device_id, leaf), seal(self.device_id, self._next_seq(), body, self.key), qos=1)
+
+    def _on_connect(self, client: mqtt.Client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.error("%s: broker refused the connection: %s", self.device_id, reason_code)
+            return
+        client.subscribe([(topics.device(self.device_id, "inbox"), 1), (topics.round_announcements(), 1)])
+        self._send("hello", Hello(n_identities=len(self.crops.identities), n_images=len(self.crops)))
+        if self.key:
+            self.registered.set()
+            self._resend_pending()
+
+    def _on_message(self, client: mqtt.Client, userdata, msg: mqtt.MQTTMessage) -> None:
+        try:
+            if msg.topic.startswith(f"{topics.PREFIX}/models/"):
+                self._on_model_chunk(msg.payload)
+                return
+            body = open_envelope(msg.payload).body
+        except (MessageError, PayloadError) as exc:
+            log.warning("%s: ignoring a message on %s: %s", self.device_id, msg.topic, exc)
+            return
+        if isinstance(body, Registered) and body.device_id == self.device_id and self.key is None:
+            self.key = body.key
+            self.home.save_key(body.key)
+            self.registered.set()
+            log.info("%s: registered", self.device_id)
+        elif isinstance(body, RoundAnnouncement):
+            if self.device_id in body.participants and body.round_id not in self.done_rounds:
+                self.jobs.put(body)
+        elif isinstance(body, Ack) and body.of == "update" and body.round_id is not None:
+            self.acked.setdefault(body.round_id, threading.Event()).set()
+        elif isinstance(body, Error):
+            self.last_error = body.reason
+            log.warning("%s: coordinator refused a message: %s", self.device_id, body.reason)
+
+    # rounds -----------------------------------------------------------------
+    def _work(self) -> None:
+        while not self.stop_event.is_set():
+            job = self.jobs.get()
+            if job is None or self.stop_event.is_set():
+                return
+            if job.round_id in self.done_rounds or time.time() > job.deadline_unix:
+                continue
+            try:
+                self._run_round(job)
+            except Exception:  # noqa: BLE001 - one failed round must not kill the daemon
+                log.exception("%s: round %d failed", self.device_id, job.round_id)
+
+    def _fetch_global(self, job: RoundAnnouncement, timeout: float = 120.0) -> dict[str, torch.Tensor]:
+        """Download the announced model; refuse it unless its sha256 is the announced one."""
+        self.download, self.downloaded = None, threading.Event()
+        self.expected_model = (job.model_version, job.model_sha256, job.model_bytes)
+        topic = f"{topics.model_chunks(job.model_version)}/+"
+        self.client.subscribe(topic, qos=1)
+        try:
+            if not self.downloaded.wait(timeout):
+                raise TimeoutError(f"model v{job.model_version} did not arrive within {timeout:.0f} s")
+        finally:
+            self.client.unsubscribe(topic)
+        state = decode(self.model_payload, job.model_sha256)
+        return from_numpy_state(state)
+
+    def _on_model_chunk(self, frame: bytes) -> None:
+        if not frame or self.downloaded.is_set():
+            return
+        chunk = from_bytes(frame)
+        version, sha, size = self.expected_model
+        if chunk.transfer_id != f"model-{version}" or chunk.sha256 != sha or chunk.total_bytes != size:
+            log.error("%s: model chunk does not match the announced hash; not training on it", self.device_id)
+            return
+        if self.download is None:
+            self.download = Reassembler.for_chunk(chunk)
+        payload = self.download.add(chunk)
+        if payload is not None:
+            self.model_payload = payload
+            self.downloaded.set()
+
+    def _ensure_model(self, job: RoundAnnouncement) -> FaceModel:
+        cfg = job.config
+        if self.model is None or self.model.config.dfc != cfg.dfc:
+            self.model = FaceModel(ModelConfig(n_classes=len(self.crops.identities), embedding_dim=cfg.embedding_dim,
+                                               width_mult=cfg.width_mult, pretrained=False, dfc=cfg.dfc))
+            if self.home.private_state.exists():
+                saved = load_torch(str(self.home.private_state))
+                if set(saved) == set(private_state(self.model)):
+                    self.model.load_state_dict(saved, strict=False)
+        return self.model
+
+    def _run_round(self, job: RoundAnnouncement) -> None:
+        if not self.registered.wait(30):
+            raise RuntimeError("not registered with the coordinator")
+        started = time.perf_counter()
+        global_state = self._fetch_global(job)
+        model = self._ensure_model(job)
+        cfg = job.config
+        result = train_round(model, self.crops, global_state, cfg.epochs, cfg.batch_size, cfg.lr,
+                             cfg.prox_mu if cfg.algorithm == "fedprox" else 0.0, seed=self.seed + job.round_id)
+        save_torch({k: v.contiguous() for k, v in private_state(model).items()}, str(self.home.private_state))
+        encoded = encode(result.delta, cfg.wire_dtype)
+        header = UpdateHeader(round_id=job.round_id, base_version=job.model_version, n_samples=result.n_samples,
+                              transfer_id=f"{self.device_id}-r{job.round_id}-{encoded.sha256[:12]}",
+                              payload_sha256=encoded.sha256, payload_bytes=len(encoded.data),
+                              metrics={**result.metrics, "train_seconds": time.perf_counter() - started})
+        payload_path, header_path = self.home.pending_paths(job.round_id)
+        payload_path.write_bytes(encoded.data)
+        header_path.write_text(json.dumps({"header": header.model_dump(), "chunk_bytes": cfg.chunk_bytes}))
+        self._send_update(header, encoded.data, cfg.chunk_bytes)
+        acked = self.acked.setdefault(job.round_id, threading.Event()).wait(max(5.0, job.deadline_unix - time.time()))
+        if acked:
+            payload_path.unlink(missing_ok=True)
+            header_path.unlink(missing_ok=True)
+        self.done_rounds.add(job.round_id)
+        if self.export_onnx:
+            self._export(model)
+        self.home.log_round({"round_id": job.round_id, "base_version": job.model_version, "acked": acked,
+                             "bytes_sent": len(encoded.data), **result.metrics})
+        if job.round_id >= job.total_rounds:
+            self.finished.set()
+
+    def _send_update(self, header: UpdateHeader, data: bytes, chunk_bytes: int) -> None:
+        self._send("update", header)
+        for chunk in split(header.transfer_id, data, chunk_bytes):
+            self.client.publish(topics.device(self.device_id, "update/chunks"), to_bytes(chunk), qos=1)
+
+    def _resend_pending(self) -> None:
+        """After a reconnect, send again any update that was never acknowledged."""
+        for header_path in sorted((self.home.root / "pending").glob("round*.json")):
+            saved = json.loads(header_path.read_text())
+            header = UpdateHeader(**saved["header"])
+            payload_path = header_path.with_suffix(".safetensors")
+            if payload_path.exists():
+                log.info("%s: resuming the unacknowledged update of round %d", self.device_id, header.round_id)
+                self._send_update(header, payload_path.read_bytes(), saved["chunk_bytes"])
+
+    def _export(self, model: FaceModel) -> None:
+        from models.onnx_export import export_onnx
+
+        if model.dfc is not None:
+            export_onnx(model, self.home.personalised_onnx, personalised=True, extra={"device": self.device_id})
+        export_onnx(model, self.home.generic_onnx, personalised=False, extra={"device": self.device_id})
+
+
+def run(device_id: str, data: Path, home: Path, broker: str, until_finished: bool = False, **options) -> int:
+    device = EdgeDevice(device_id, data, home, broker, **options)
+    device.start()
+    print(f"edge device {device_id}: {len(device.crops)} face images of {len(device.crops.identities)} people; "
+          f"broker {broker}; home {home}", flush=True)
+    try:
+        while not device.stop_event.is_set():
+            if until_finished and device.finished.wait(0.5):
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        device.stop()
+    return 0

@@ -1,0 +1,54 @@
+"""One round of local training on a device, as a function: global backbone in, backbone delta out.
+
+Loss = margin head (local classifier) + alpha * DFC branch (FedFR) [+ mu/2 ||w - w_global||^2
+for FedProx]. Only `Theta_local - Theta_global` is returned for sending; the head and the
+DFC branch are updated in place and stay on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models.face_model import FaceModel, load_shareable_state, shareable_state
+from models.faces.crops import FaceCrops
+from models.training import TrainConfig, train_loader
+
+
+@dataclass
+class LocalResult:
+    delta: dict[str, np.ndarray]
+    n_samples: int
+    metrics: dict[str, float]
+
+
+def proximal_term(model: FaceModel, anchor: dict[str, torch.Tensor]) -> torch.Tensor:
+    """sum ||w - w_global||^2 over the backbone's trainable parameters (FedProx, Li et al. 2020)."""
+    return sum(((p - anchor[n]) ** 2).sum() for n, p in model.backbone.named_parameters())
+
+
+def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torch.Tensor], epochs: int,
+                batch_size: int, lr: float, prox_mu: float = 0.0, seed: int = 0) -> LocalResult:
+    load_shareable_state(model, global_state)
+    start = {k: v.clone() for k, v in shareable_state(model).items()}
+    anchor = {n: p.detach().clone() for n, p in model.backbone.named_parameters()}
+    optimiser = torch.optim.Adam(model.parameters(), lr=lr)
+    loader = train_loader(crops, TrainConfig(batch_size=batch_size, aug="weak"), torch.Generator().manual_seed(seed))
+    model.train()
+    loss_sum, correct, seen = 0.0, 0, 0
+    for _ in range(epochs):
+        for x, y in loader:
+            loss, logits, _ = model.losses(x, y)
+            if prox_mu > 0:
+                loss = loss + prox_mu / 2.0 * proximal_term(model, anchor)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            loss_sum += float(loss.detach()) * len(y)
+            correct += int((logits.argmax(1) == y).sum())
+            seen += len(y)
+    model.eval()
+    end = shareable_state(model)
+    delta = {k: (end[k].double() - start[k].double()).numpy() for k in end}
+    return LocalResult(delta, len(crops), {"train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1)})
