@@ -195,8 +195,9 @@ class Engine:
         current = self.current
         current.transfers.pop(header.transfer_id, None)
         expected = {k: v.shape for k, v in self.global_state.items()}
+        kinds = {k: "f" if np.issubdtype(v.dtype, np.floating) else "i" for k, v in self.global_state.items()}
         try:
-            delta = decode(payload, header.payload_sha256, expected)
+            delta = decode(payload, header.payload_sha256, expected, kinds)
         except PayloadError as exc:
             self.store.record_update(current.round_id, device_id, header.n_samples, False, str(exc), len(payload),
                                      header.metrics)

@@ -50,5 +50,6 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
             seen += len(y)
     model.eval()
     end = shareable_state(model)
-    delta = {k: (end[k].double() - start[k].double()).numpy() for k in end}
+    delta = {k: (end[k].double() - start[k].double()).numpy() if end[k].is_floating_point()
+             else (end[k] - start[k]).numpy() for k in end}  # integer buffers keep an integer delta
     return LocalResult(delta, len(crops), {"train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1)})

@@ -41,8 +41,12 @@ def encode(tensors: dict[str, np.ndarray], dtype: str = "fp16") -> EncodedTensor
     return EncodedTensors(data, sha256_hex(data), dtype)
 
 
-def decode(data: bytes, sha256: str, expected: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
-    """Bytes -> float32 (or integer) arrays, after checking hash, names, shapes and finiteness."""
+def decode(data: bytes, sha256: str, expected: dict[str, tuple[int, ...]] | None = None,
+           expected_kinds: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Bytes -> float32 (or integer) arrays, after checking hash, names, shapes, dtypes and finiteness.
+
+    `expected_kinds` maps names to numpy dtype kinds ('f' floating, 'i' integer) of the model.
+    """
     if sha256_hex(data) != sha256:
         raise PayloadError("payload sha256 does not match (corrupted or truncated)")
     try:
@@ -51,6 +55,10 @@ def decode(data: bytes, sha256: str, expected: dict[str, tuple[int, ...]] | None
         raise PayloadError(f"not a safetensors payload: {exc}") from exc
     if expected is not None:
         _check_layout(tensors, expected)
+    for name, kind in (expected_kinds or {}).items():
+        actual = tensors[name].dtype
+        if (kind == "f") != np.issubdtype(actual, np.floating):
+            raise PayloadError(f"tensor {name} has dtype {actual}, expected a {'floating' if kind == 'f' else 'integer'} type")
     out = {}
     for name, value in tensors.items():
         if np.issubdtype(value.dtype, np.floating):

@@ -42,3 +42,33 @@ def trained_run(tmp_path_factory, synthetic_dir) -> Path:
                "--dfc", "--holdout-identities", "0.3", "--no-mlflow", "--batch-size", "16"])
     assert rc == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def mosquitto():
+    """A real Mosquitto broker on a free localhost port (installed by .ci/run)."""
+    from coordinator.broker import EmbeddedBroker, find_mosquitto
+
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is not installed: apt-get install mosquitto (.ci/run does this)")
+    with EmbeddedBroker() as broker:
+        yield broker
+
+
+def device_datasets(root: Path, n_devices: int, ids_per_device: int, images: int, seed: int = 7) -> list[Path]:
+    """Disjoint SYNTHETIC people per device, one folder each, as a device would hold them."""
+    import shutil
+
+    from models.faces.datasets import SYNTHETIC_MARKER
+    from models.faces.synthetic import identity_name, write_dataset
+
+    full = write_dataset(root / "all", n_devices * ids_per_device, images, seed=seed)
+    out = []
+    for d in range(n_devices):
+        data = root / f"device{d}"
+        data.mkdir()
+        for i in range(d * ids_per_device, (d + 1) * ids_per_device):
+            shutil.copytree(full / identity_name(i), data / identity_name(i))
+        (data / SYNTHETIC_MARKER).write_text((full / SYNTHETIC_MARKER).read_text())
+        out.append(data)
+    return out

@@ -1,0 +1,60 @@
+"""Aggregation strategies as pure functions over state dicts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator.aggregation import FedAvg, FedAvgM, FedProx, RunningMean, apply_delta, make_strategy
+
+
+def _deltas():
+    rng = np.random.default_rng(0)
+    return [({"w": rng.normal(size=(4, 3)).astype(np.float32), "n": np.array(2, np.int64)}, float(n))
+            for n in (10, 30, 60)]
+
+
+def test_fedavg_is_the_sample_weighted_mean_of_deltas():
+    mean = RunningMean()
+    for delta, n in _deltas():
+        mean.add(delta, n)
+    expected = sum(d["w"].astype(np.float64) * n for d, n in _deltas()) / 100.0
+    assert np.allclose(mean.mean()["w"], expected)
+    global_state = {"w": np.ones((4, 3), np.float32), "n": np.array(5, np.int64)}
+    new = FedAvg().aggregate(global_state, mean.mean())
+    assert new["w"].dtype == np.float32 and np.allclose(new["w"], 1.0 + expected, atol=1e-6)
+    assert new["n"].dtype == np.int64 and int(new["n"]) == 7 and new["n"].shape == ()
+
+
+def test_running_mean_keeps_one_model_of_memory():
+    mean = RunningMean()
+    for delta, n in _deltas() * 20:
+        mean.add(delta, n)
+    assert mean.count == 60 and set(mean.total) == {"w", "n"}  # sums only, no list of updates
+    with pytest.raises(ValueError, match="positive weight"):
+        mean.add(_deltas()[0][0], 0)
+    with pytest.raises(ValueError, match="differ"):
+        mean.add({"other": np.zeros(1)}, 1)
+    with pytest.raises(ValueError, match="no updates"):
+        RunningMean().mean()
+
+
+def test_fedprox_server_side_is_fedavg_and_tells_devices_mu():
+    state, delta = {"w": np.zeros(3, np.float32)}, {"w": np.ones(3)}
+    assert np.array_equal(FedProx(mu=0.1).aggregate(state, delta)["w"], FedAvg().aggregate(state, delta)["w"])
+    assert FedProx(mu=0.1).client_config() == {"algorithm": "fedprox", "prox_mu": 0.1}
+
+
+def test_fedavgm_accumulates_server_momentum():
+    strategy = FedAvgM(momentum=0.5)
+    state = {"w": np.zeros(2, np.float32)}
+    state = strategy.aggregate(state, {"w": np.array([1.0, 0.0])})
+    assert np.allclose(state["w"], [1.0, 0.0])
+    state = strategy.aggregate(state, {"w": np.array([1.0, 0.0])})
+    assert np.allclose(state["w"], [1.0 + 1.5, 0.0])  # v = 0.5 * 1 + 1
+
+
+def test_strategies_by_name():
+    assert isinstance(make_strategy("fedprox", mu=0.2), FedProx)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        make_strategy("fedsgd")
+    assert np.array_equal(apply_delta({"w": np.zeros(2)}, {"w": np.ones(2)}, 0.5)["w"], [0.5, 0.5])
