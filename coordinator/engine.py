@@ -53,6 +53,7 @@ class OpenRound:
     done: set[str] = field(default_factory=set)
     metrics: dict[str, dict] = field(default_factory=dict)
     bytes_received: int = 0
+    refused_transfers: set[str] = field(default_factory=set)
 
 
 class Engine:
@@ -173,12 +174,14 @@ class Engine:
         current = self.current
         if current is None:
             raise MessageError("no round is open")
-        header = current.headers.get(device_id)
-        if header is None:
-            raise MessageError("update chunks arrived before a valid signed update header")
         chunk = from_bytes(frame)
-        if chunk.transfer_id != header.transfer_id or chunk.sha256 != header.payload_sha256 \
-                or chunk.total_bytes != header.payload_bytes:
+        header = current.headers.get(device_id)
+        if header is None or chunk.transfer_id != header.transfer_id:
+            if chunk.transfer_id in current.refused_transfers:
+                return  # already refused once: the rest of its chunks are dropped quietly
+            current.refused_transfers.add(chunk.transfer_id)
+            raise MessageError(f"chunks of transfer {chunk.transfer_id!r} have no valid signed update header")
+        if chunk.sha256 != header.payload_sha256 or chunk.total_bytes != header.payload_bytes:
             raise PayloadError("chunk does not match the signed update header")
         assembler = current.transfers.get(chunk.transfer_id)
         if assembler is None:
@@ -187,6 +190,7 @@ class Engine:
             payload = assembler.add(chunk)
         except PayloadError:
             current.transfers.pop(chunk.transfer_id, None)
+            current.refused_transfers.add(chunk.transfer_id)
             raise
         if payload is not None:
             self._accept_update(device_id, header, payload)

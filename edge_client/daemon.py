@@ -171,6 +171,7 @@ class EdgeDevice:
         if not self.registered.wait(30):
             raise RuntimeError("not registered with the coordinator")
         started = time.perf_counter()
+        self._drop_stale_pending(job.round_id)
         global_state = self._fetch_global(job)
         model = self._ensure_model(job)
         cfg = job.config
@@ -186,7 +187,7 @@ class EdgeDevice:
         payload_path.write_bytes(encoded.data)
         header_path.write_text(json.dumps({"header": header.model_dump(), "chunk_bytes": cfg.chunk_bytes}))
         self._send_update(header, encoded.data, cfg.chunk_bytes)
-        acked = self.acked.setdefault(job.round_id, threading.Event()).wait(max(5.0, job.deadline_unix - time.time()))
+        acked = self._await_ack(job)
         if acked:
             payload_path.unlink(missing_ok=True)
             header_path.unlink(missing_ok=True)
@@ -197,6 +198,14 @@ class EdgeDevice:
                              "bytes_sent": len(encoded.data), **result.metrics})
         if job.round_id >= job.total_rounds:
             self.finished.set()
+
+    def _await_ack(self, job: RoundAnnouncement) -> bool:
+        """Wait for the coordinator's ack, but not past the deadline nor once a newer round is announced."""
+        event = self.acked.setdefault(job.round_id, threading.Event())
+        while not event.wait(0.5):
+            if time.time() > job.deadline_unix or not self.jobs.empty() or self.stop_event.is_set():
+                return False
+        return True
 
     def _send_update(self, header: UpdateHeader, data: bytes, chunk_bytes: int) -> None:
         self._send("update", header)
@@ -212,6 +221,12 @@ class EdgeDevice:
             if payload_path.exists():
                 log.info("%s: resuming the unacknowledged update of round %d", self.device_id, header.round_id)
                 self._send_update(header, payload_path.read_bytes(), saved["chunk_bytes"])
+
+    def _drop_stale_pending(self, current_round: int) -> None:
+        """An unacknowledged update of a round that has since closed can never be accepted."""
+        for path in (self.home.root / "pending").glob("round*.*"):
+            if int(path.stem.removeprefix("round")) < current_round:
+                path.unlink(missing_ok=True)
 
     def _export(self, model: FaceModel) -> None:
         from models.onnx_export import export_onnx

@@ -1,0 +1,258 @@
+"""Faults against a live coordinator: bad inputs, a restart mid-round, a device dropping mid-upload."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, device_datasets
+from coordinator.broker import free_port
+from coordinator.engine import RoundSettings
+from coordinator.service import Service, ServiceConfig
+from edge_client.daemon import EdgeDevice
+from protocol import topics
+from protocol.auth import new_device_key
+from protocol.chunks import split, to_bytes
+from protocol.messages import Heartbeat, Hello, UpdateHeader, open_envelope, seal
+from protocol.tensors import encode
+from protocol.transport import BrokerAddress, make_client
+from test_federated import TRAINING, wait_for
+
+
+class RawDevice:
+    """A hand-driven MQTT client speaking the protocol, to send what a real device never would."""
+
+    def __init__(self, url: str, device_id: str):
+        self.device_id, self.key, self.seq = device_id, None, int(time.time() * 1000)
+        self.inbox: list[dict] = []
+        address = BrokerAddress.parse(url)
+        self.client = make_client(f"raw-{device_id}", address)
+        ready = threading.Event()
+        self.client.on_connect = lambda c, u, f, rc, p: (c.subscribe(topics.device(device_id, "inbox"), qos=1), ready.set())
+        self.client.on_message = self._on_message
+        self.client.connect(address.host, address.port)
+        self.client.loop_start()
+        assert ready.wait(10)
+        time.sleep(0.2)
+
+    def _on_message(self, client, userdata, msg) -> None:
+        body = open_envelope(msg.payload).body
+        if body.type == "registered":
+            self.key = body.key
+        self.inbox.append(body.model_dump())
+
+    def register(self) -> None:
+        self.raw("hello", seal(self.device_id, self.next_seq(), Hello(n_identities=1, n_images=5), None))
+        wait_for(lambda: self.key is not None, 10, f"{self.device_id} registration")
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def raw(self, leaf: str, payload: bytes, device_id: str | None = None) -> None:
+        self.client.publish(topics.device(device_id or self.device_id, leaf), payload, qos=1).wait_for_publish(5)
+
+    def send(self, leaf: str, body, key: str | None = "own") -> bytes:
+        payload = seal(self.device_id, self.next_seq(), body, self.key if key == "own" else key)
+        self.raw(leaf, payload)
+        return payload
+
+    def upload(self, header: UpdateHeader, data: bytes, chunk_bytes: int = 256 * 1024, upto: int | None = None) -> None:
+        self.send("update", header)
+        for chunk in split(header.transfer_id, data, chunk_bytes)[:upto]:
+            self.raw("update/chunks", to_bytes(chunk))
+
+    def errors(self) -> list[str]:
+        return [m["reason"] for m in self.inbox if m["type"] == "error"]
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def _header(round_id: int, base: int, data: bytes, sha: str, transfer: str, **extra) -> UpdateHeader:
+    return UpdateHeader(round_id=round_id, base_version=base, n_samples=5, transfer_id=transfer,
+                        payload_sha256=sha, payload_bytes=len(data), **extra)
+
+
+def _start(tmp: Path, url: str, n_devices: int, rounds: int = 1, timeout: float = 300, **settings):
+    service = Service(ServiceConfig(state=tmp / "state", broker=url),
+                      RoundSettings(rounds=rounds, min_clients=n_devices, round_timeout_s=timeout, training=TRAINING,
+                                    **settings))
+    service.engine.running = False  # rounds start when the test says so
+    devices = [EdgeDevice(f"device{d}", data, tmp / f"home{d}", url, export_onnx=False)
+               for d, data in enumerate(device_datasets(tmp / "data", n_devices, 2, 4))]
+    for device in devices:
+        device.start()
+    wait_for(lambda: len(service.engine.store.devices()) >= n_devices, 30, "device registration")
+    return service, devices
+
+
+def _stop(service: Service, devices: list[EdgeDevice]) -> None:
+    for device in devices:
+        device.stop()
+    service.close()
+
+
+def test_bad_inputs_are_rejected_with_reasons_while_a_round_completes(tmp_path, mosquitto):
+    service, devices = _start(tmp_path, mosquitto.url, 2, max_update_bytes=8 * 1024 * 1024)
+    mallory = RawDevice(mosquitto.url, "mallory")
+    try:
+        mallory.register()
+        store = service.engine.store
+        # before any round: transport and authentication faults
+        mallory.raw("update", b"{this is not json")
+        wrong_version = json.loads(seal("mallory", mallory.next_seq(), Heartbeat(), mallory.key))
+        wrong_version["schema_version"] = 99
+        mallory.raw("heartbeat", json.dumps(wrong_version).encode())
+        mallory.raw("heartbeat", seal("ghost", 1, Heartbeat(), new_device_key()), device_id="ghost")
+        mallory.send("heartbeat", Heartbeat(), key=new_device_key())
+        replayed = mallory.send("heartbeat", Heartbeat())
+        mallory.raw("heartbeat", replayed)
+        # one round, in which mallory is a participant
+        service.engine.running = True
+        wait_for(lambda: service.engine.current is not None, 30, "round 1 to open")
+        base = service.engine.version
+        zeros = {k: np.zeros_like(v, dtype=np.float32) if v.dtype.kind == "f" else np.zeros_like(v)
+                 for k, v in service.engine.global_state.items()}
+        good = encode(zeros, "fp16")
+        mallory.send("update", _header(99, base, good.data, good.sha256, "t-wrong-round"))
+        mallory.send("update", _header(1, base + 5, good.data, good.sha256, "t-stale"))
+        oversized = _header(1, base, good.data, good.sha256, "t-big").model_copy(update={"payload_bytes": 100 << 20})
+        mallory.send("update", oversized)
+        bad_payloads = {
+            "t-names": {**zeros, "head.weight": np.zeros((3, 128), np.float32)},
+            "t-shapes": {**zeros, "backbone.embedding.weight": np.zeros((7, 7), np.float32)},
+            "t-dtype": {**zeros, "backbone.embedding.weight": np.zeros_like(zeros["backbone.embedding.weight"], np.int32)},
+            "t-nan": {**zeros, "backbone.bn.weight": np.full_like(zeros["backbone.bn.weight"], np.nan)},
+        }
+        for transfer, tensors in bad_payloads.items():
+            enc = encode(tensors, "fp16")
+            mallory.upload(_header(1, base, enc.data, enc.sha256, transfer), enc.data)
+            time.sleep(0.3)
+        truncated = good.data[: len(good.data) // 2]
+        mallory.send("update", _header(1, base, good.data, good.sha256, "t-trunc"))
+        mallory.raw("update/chunks", to_bytes(split("t-trunc", truncated, 1 << 30)[0]))
+        mallory.upload(_header(1, base, good.data, good.sha256, "t-good"), good.data)  # and finally a valid one
+        wait_for(lambda: service.finished, 120, "the round to complete")
+        reasons = [r["reason"] for r in store.rejections()]
+        expected = ["invalid message", "unsupported schema version", "unknown device", "bad signature", "replayed",
+                    "round 99 is not open", "stale base version", "exceeds", "tensor names differ", "has shape",
+                    "has dtype int32", "NaN or Inf", "does not match the signed update header"]
+        for fragment in expected:
+            assert any(fragment in r for r in reasons), f"no rejection mentioning {fragment!r} in {reasons}"
+        assert any("stale base version" in e for e in mallory.errors()), "the sender is told why"
+        round_1 = store.rounds()[0]
+        assert round_1["status"] == "completed" and round_1["n_updates"] == 3
+        assert service.engine.version == base + 1
+        assert all(np.isfinite(v).all() for v in service.engine.global_state.values() if v.dtype.kind == "f")
+    finally:
+        mallory.close()
+        _stop(service, devices)
+
+
+def test_device_dropping_mid_upload_does_not_block_the_round(tmp_path, mosquitto):
+    service, devices = _start(tmp_path, mosquitto.url, 2, timeout=15)
+    flaky = RawDevice(mosquitto.url, "flaky")
+    try:
+        flaky.register()
+        service.engine.running = True
+        wait_for(lambda: service.engine.current is not None, 30, "round 1 to open")
+        zeros = {k: np.zeros_like(v) for k, v in service.engine.global_state.items()}
+        enc = encode(zeros, "fp16")
+        flaky.upload(_header(1, service.engine.version, enc.data, enc.sha256, "t-half"), enc.data,
+                     chunk_bytes=64 * 1024, upto=3)
+        flaky.close()  # gone, mid-upload
+        started = time.monotonic()
+        wait_for(lambda: service.finished, 60, "the round to close without the dropped device")
+        assert time.monotonic() - started < 45
+        round_1 = service.engine.store.rounds()[0]
+        assert (round_1["status"], round_1["n_updates"], round_1["n_dropped"]) == ("completed", 2, 1)
+    finally:
+        _stop(service, devices)
+
+
+def test_coordinator_restart_mid_round_resumes_from_the_last_completed_round(tmp_path, mosquitto):
+    service, devices = _start(tmp_path, mosquitto.url, 2, rounds=2)
+    service.engine.running = True
+    wait_for(lambda: service.engine.current is not None and service.engine.current.round_id == 2, 120, "round 2")
+    service.close()  # killed mid-round 2
+    restarted = Service(ServiceConfig(state=tmp_path / "state", broker=mosquitto.url),
+                        RoundSettings(rounds=2, min_clients=2, round_timeout_s=300, training=TRAINING))
+    try:
+        rounds = restarted.engine.store.rounds()
+        assert [(r["round_id"], r["status"]) for r in rounds] == [(1, "completed"), (2, "aborted")]
+        assert restarted.engine.version == 1, "the model of the last completed round is kept"
+        wait_for(lambda: restarted.finished, 180, "the resumed training")
+        rounds = restarted.engine.store.rounds()
+        assert [(r["round_id"], r["status"], r["base_version"]) for r in rounds] == \
+            [(1, "completed", 0), (2, "aborted", 1), (3, "completed", 1)]
+        assert restarted.engine.version == 2
+    finally:
+        _stop(restarted, devices)
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read()
+
+
+def _health(base: str) -> dict:
+    try:
+        return json.loads(_get(f"{base}/health"))
+    except OSError:  # the HTTP server may still be starting
+        return {}
+
+
+def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
+    """`ffr coordinator serve` (embedded broker) and two `ffr edge run` processes, as a user runs them."""
+    datasets = device_datasets(tmp_path / "data", 2, 2, 4)
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "models.cli", "coordinator", "serve", "--rounds", "1", "--min-clients", "2",
+         "--state", str(tmp_path / "state"), "--http-port", str(port), "--lr", "1e-3", "--batch-size", "8"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    edges = []
+    try:
+        first = ""
+        for _ in range(50):  # log lines may come first
+            first = coordinator.stdout.readline()
+            if first.startswith("coordinator: broker") or not first:
+                break
+        assert first.startswith("coordinator: broker mqtt://127.0.0.1:"), first
+        broker = first.split()[2].rstrip(",")
+        for d, data in enumerate(datasets):
+            edges.append(subprocess.Popen(
+                [sys.executable, "-m", "models.cli", "edge", "run", "--device-id", f"dev{d}", "--data", str(data),
+                 "--home", str(tmp_path / f"home{d}"), "--broker", broker, "--exit-when-done"],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _health(base).get("completed_rounds") == 1, 240, "one round over the CLI")
+        devices = json.loads(_get(f"{base}/devices"))
+        assert {d["device_id"] for d in devices} == {"dev0", "dev1"} and all("key" not in d for d in devices)
+        assert json.loads(_get(f"{base}/rounds"))[0]["status"] == "completed"
+        model = json.loads(_get(f"{base}/model"))
+        assert model["version"] == 1
+        from safetensors.numpy import load
+
+        assert all(k.startswith("backbone.") for k in load(_get(f"{base}/model/1/download")))
+        assert b"ffr_completed_rounds 1.0" in _get(f"{base}/metrics")
+        assert b"openapi" in _get(f"{base}/openapi.json")
+        for edge in edges:
+            assert edge.wait(120) == 0, edge.stdout.read()
+        assert (tmp_path / "home0" / "models" / "personalised.onnx").exists()
+    finally:
+        for proc in edges + [coordinator]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        coordinator.wait(30)
