@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 FFR_FACES_DIR ?= $(abspath ../shared/faces)
 export FFR_FACES_DIR
 
-.PHONY: install demo test bench bench-latency bench-train bench-quality clean
+.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated clean
 
 install: $(STAMP)
 
@@ -25,13 +25,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
-bench: bench-latency bench-train bench-quality
+bench: bench-latency bench-train bench-federated bench-quality
 
 bench-latency: $(STAMP)
 	$(PY) -m bench.latency --out bench/results
 
 bench-train: $(STAMP)
 	$(PY) -m bench.train_throughput --out bench/results
+
+bench-federated: $(STAMP)
+	$(PY) -m bench.federated --out bench/results
 
 bench-quality: $(STAMP)
 	$(PY) -m bench.verify_quality --out bench/results

@@ -173,6 +173,7 @@ class EdgeDevice:
         started = time.perf_counter()
         self._drop_stale_pending(job.round_id)
         global_state = self._fetch_global(job)
+        fetched = time.perf_counter()
         model = self._ensure_model(job)
         cfg = job.config
         result = train_round(model, self.crops, global_state, cfg.epochs, cfg.batch_size, cfg.lr,
@@ -182,7 +183,8 @@ class EdgeDevice:
         header = UpdateHeader(round_id=job.round_id, base_version=job.model_version, n_samples=result.n_samples,
                               transfer_id=f"{self.device_id}-r{job.round_id}-{encoded.sha256[:12]}",
                               payload_sha256=encoded.sha256, payload_bytes=len(encoded.data),
-                              metrics={**result.metrics, "train_seconds": time.perf_counter() - started})
+                              metrics={**result.metrics, "fetch_seconds": fetched - started,
+                                       "train_seconds": time.perf_counter() - fetched})
         payload_path, header_path = self.home.pending_paths(job.round_id)
         payload_path.write_bytes(encoded.data)
         header_path.write_text(json.dumps({"header": header.model_dump(), "chunk_bytes": cfg.chunk_bytes}))
