@@ -162,6 +162,9 @@ class Engine:
             raise MessageError(f"stale base version {header.base_version}; round {current.round_id} "
                                f"trains version {current.base_version}")
         if device_id in current.done:
+            if current.headers[device_id].transfer_id == header.transfer_id:
+                self._tell(device_id, Ack(of="update", round_id=current.round_id))  # a resend: the ack was lost
+                return
             raise MessageError(f"{device_id} already delivered its update for round {current.round_id}")
         if header.payload_bytes > self.settings.max_update_bytes:
             raise MessageError(f"update of {header.payload_bytes} bytes exceeds {self.settings.max_update_bytes}")

@@ -189,7 +189,7 @@ class EdgeDevice:
         payload_path.write_bytes(encoded.data)
         header_path.write_text(json.dumps({"header": header.model_dump(), "chunk_bytes": cfg.chunk_bytes}))
         self._send_update(header, encoded.data, cfg.chunk_bytes)
-        acked = self._await_ack(job)
+        acked = self._await_ack(job, header, encoded.data)
         if acked:
             payload_path.unlink(missing_ok=True)
             header_path.unlink(missing_ok=True)
@@ -201,12 +201,18 @@ class EdgeDevice:
         if job.round_id >= job.total_rounds:
             self.finished.set()
 
-    def _await_ack(self, job: RoundAnnouncement) -> bool:
-        """Wait for the coordinator's ack, but not past the deadline nor once a newer round is announced."""
+    def _await_ack(self, job: RoundAnnouncement, header: UpdateHeader, data: bytes, resend_s: float = 8.0) -> bool:
+        """Wait for the coordinator's ack, sending the update again every `resend_s` (the coordinator
+        de-duplicates), but not past the deadline nor once a newer round is announced."""
         event = self.acked.setdefault(job.round_id, threading.Event())
+        last_sent = time.monotonic()
         while not event.wait(0.5):
             if time.time() > job.deadline_unix or not self.jobs.empty() or self.stop_event.is_set():
                 return False
+            if time.monotonic() - last_sent > resend_s and self.client.is_connected():
+                log.info("%s: no ack for round %d yet; sending the update again", self.device_id, job.round_id)
+                self._send_update(header, data, job.config.chunk_bytes)
+                last_sent = time.monotonic()
         return True
 
     def _send_update(self, header: UpdateHeader, data: bytes, chunk_bytes: int) -> None:

@@ -256,3 +256,40 @@ def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
         coordinator.wait(30)
+
+
+def test_broker_restart_during_upload_is_survived(tmp_path):
+    """Devices and coordinator reconnect with backoff; an unacknowledged update is sent again."""
+    from coordinator.broker import EmbeddedBroker
+
+    broker = EmbeddedBroker()
+    port = broker.port
+    service, devices = _start(tmp_path, broker.url, 2)
+    try:
+        service.engine.running = True
+        pending = tmp_path / "home0" / "pending" / "round1.json"
+        wait_for(lambda: devices[0].model is not None, 120, "device0 to have the global model")
+        broker.close()  # the network goes away while device0 trains and uploads
+        time.sleep(2.0)
+        broker = EmbeddedBroker(port=port)
+        wait_for(lambda: service.finished, 120, "the round to complete after the broker came back")
+        round_1 = service.engine.store.rounds()[0]
+        assert (round_1["status"], round_1["n_updates"]) == ("completed", 2)
+        wait_for(lambda: not pending.exists(), 30, "device0 to drop its acknowledged update")
+    finally:
+        _stop(service, devices)
+        broker.close()
+
+
+def test_device_refuses_a_model_whose_hash_is_not_the_announced_one(tmp_path):
+    data = device_datasets(tmp_path / "data", 1, 2, 3)[0]
+    device = EdgeDevice("lonely", data, tmp_path / "home", "mqtt://127.0.0.1:1")  # never connected
+    real = b"the announced model bytes"
+    forged = b"some other model of the same size"[: len(real)]
+    from protocol.tensors import sha256_hex
+
+    device.expected_model = (3, sha256_hex(real), len(real))
+    device._on_model_chunk(to_bytes(split("model-3", forged)[0]))
+    assert not device.downloaded.is_set(), "a chunk with another hash must not be assembled"
+    device._on_model_chunk(to_bytes(split("model-3", real)[0]))
+    assert device.downloaded.is_set() and device.model_payload == real
