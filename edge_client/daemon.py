@@ -160,7 +160,8 @@ class EdgeDevice:
         cfg = job.config
         if self.model is None or self.model.config.dfc != cfg.dfc:
             self.model = FaceModel(ModelConfig(n_classes=len(self.crops.identities), embedding_dim=cfg.embedding_dim,
-                                               width_mult=cfg.width_mult, pretrained=False, dfc=cfg.dfc))
+                                               width_mult=cfg.width_mult, pretrained=False, dfc=cfg.dfc,
+                                               dfc_weight=cfg.dfc_weight))
             if self.home.private_state.exists():
                 saved = load_torch(str(self.home.private_state))
                 if set(saved) == set(private_state(self.model)):

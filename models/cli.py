@@ -177,6 +177,7 @@ def cmd_coordinator_serve(args) -> int:
     from protocol.messages import TrainingConfig
 
     training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=not args.no_dfc,
+                              dfc_weight=args.dfc_weight,
                               wire_dtype=args.wire_dtype, chunk_bytes=args.chunk_kib * 1024, width_mult=args.width_mult,
                               algorithm=args.strategy, prox_mu=args.mu)
     settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
@@ -226,6 +227,7 @@ def _add_federated_commands(sub) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--no-dfc", action="store_true", help="devices train without the DFC branch")
+    p.add_argument("--dfc-weight", type=float, default=1.0, help="alpha: weight of the DFC loss on devices")
     p.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16", help="dtype of deltas on the wire")
     p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
     p.add_argument("--width-mult", type=float, default=1.0)

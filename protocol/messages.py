@@ -46,6 +46,7 @@ class TrainingConfig(_Body):
     algorithm: Literal["fedavg", "fedprox", "fedavgm"] = "fedavg"
     prox_mu: float = Field(0.01, ge=0)
     dfc: bool = True
+    dfc_weight: float = Field(1.0, ge=0)  # alpha: weight of the DFC branch's loss beside the margin head
     wire_dtype: Literal["fp16", "fp32"] = "fp16"
     chunk_bytes: int = Field(256 * 1024, ge=1024)
     width_mult: float = 1.0
