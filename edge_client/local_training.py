@@ -13,7 +13,7 @@ import torch
 
 from models.face_model import FaceModel, load_shareable_state, shareable_state
 from models.faces.crops import FaceCrops
-from models.training import TrainConfig, train_loader
+from models.training import TrainConfig, train_epoch, train_loader
 
 
 @dataclass
@@ -35,21 +35,10 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     anchor = {n: p.detach().clone() for n, p in model.backbone.named_parameters()}
     optimiser = torch.optim.Adam(model.parameters(), lr=lr)
     loader = train_loader(crops, TrainConfig(batch_size=batch_size, aug="weak"), torch.Generator().manual_seed(seed))
-    model.train()
-    loss_sum, correct, seen = 0.0, 0, 0
-    for _ in range(epochs):
-        for x, y in loader:
-            loss, logits, _ = model.losses(x, y)
-            if prox_mu > 0:
-                loss = loss + prox_mu / 2.0 * proximal_term(model, anchor)
-            optimiser.zero_grad(set_to_none=True)
-            loss.backward()
-            optimiser.step()
-            loss_sum += float(loss.detach()) * len(y)
-            correct += int((logits.argmax(1) == y).sum())
-            seen += len(y)
+    regulariser = (lambda: prox_mu / 2.0 * proximal_term(model, anchor)) if prox_mu > 0 else None
+    history = [train_epoch(model, loader, optimiser, regulariser=regulariser) for _ in range(epochs)]
     model.eval()
     end = shareable_state(model)
     delta = {k: (end[k].double() - start[k].double()).numpy() if end[k].is_floating_point()
              else (end[k] - start[k]).numpy() for k in end}  # integer buffers keep an integer delta
-    return LocalResult(delta, len(crops), {"train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1)})
+    return LocalResult(delta, len(crops), history[-1])

@@ -11,6 +11,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -83,12 +84,18 @@ def train_loader(crops: FaceCrops, config: TrainConfig, generator: torch.Generat
 
 
 def train_epoch(model: FaceModel, loader: DataLoader, optimiser: torch.optim.Optimizer,
-                desc: str = "train", progress: bool = False) -> dict:
-    """One pass over `loader`; returns mean loss and accuracy (margin-free logits)."""
+                desc: str = "train", progress: bool = False,
+                regulariser: Callable[[], torch.Tensor] | None = None) -> dict:
+    """One pass over `loader`; returns mean loss and accuracy (margin-free logits).
+
+    `regulariser` adds a term to every step's loss (FedProx's proximal term on devices).
+    """
     model.train()
     loss_sum, correct, seen = 0.0, 0, 0
     for x, y in tqdm(loader, desc=desc, unit="batch", disable=not progress, leave=False):
         loss, logits, _ = model.losses(x, y)
+        if regulariser is not None:
+            loss = loss + regulariser()
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()

@@ -1,0 +1,42 @@
+"""One round of device training: what changes, what is returned, and what FedProx does."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from edge_client.local_training import train_round
+from models.face_model import FaceModel, ModelConfig, shareable_state
+from models.faces.crops import CropConfig, crop_index
+from models.faces.datasets import load_index
+
+
+def _round(synthetic_dir, prox_mu: float):
+    torch.manual_seed(0)
+    crops = crop_index(load_index(synthetic_dir), CropConfig(detector="none"), use_cache=False, progress=False)
+    model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=0.35, pretrained=False, dfc=True))
+    global_state = {k: v.clone() for k, v in shareable_state(model).items()}
+    head_before = model.head.weight.detach().clone()
+    dfc_before = model.dfc.transform.weight.detach().clone()
+    result = train_round(model, crops, global_state, epochs=1, batch_size=16, lr=1e-2, prox_mu=prox_mu)
+    return model, global_state, result, head_before, dfc_before
+
+
+def test_only_the_backbone_delta_is_returned(synthetic_dir):
+    model, global_state, result, head_before, dfc_before = _round(synthetic_dir, 0.0)
+    assert set(result.delta) == set(global_state)
+    assert result.n_samples == 60 and 0.0 <= result.metrics["train_acc"] <= 1.0
+    assert result.delta["backbone.bn.num_batches_tracked"].dtype == np.int64
+    local = shareable_state(model)
+    for name, delta in result.delta.items():
+        if delta.dtype.kind == "f":
+            assert np.allclose(global_state[name].double().numpy() + delta, local[name].double().numpy(), atol=1e-6)
+    assert not torch.equal(model.head.weight, head_before) and not torch.equal(model.dfc.transform.weight, dfc_before)
+
+
+def test_fedprox_keeps_the_local_model_closer_to_the_global_one(synthetic_dir):
+    drift = {}
+    for mu in (0.0, 50.0):
+        _, _, result, _, _ = _round(synthetic_dir, mu)
+        drift[mu] = sum(float(np.sum(d.astype(np.float64) ** 2)) for n, d in result.delta.items()
+                        if d.dtype.kind == "f" and "running" not in n)
+    assert drift[50.0] < drift[0.0]
