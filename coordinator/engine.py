@@ -155,6 +155,9 @@ class Engine:
     def _on_update_header(self, device_id: str, header: UpdateHeader) -> None:
         current = self.current
         if current is None or header.round_id != current.round_id:
+            if self.store.update_accepted(header.round_id, device_id):
+                self._tell(device_id, Ack(of="update", round_id=header.round_id))  # its ack was lost in transit
+                return
             raise MessageError(f"round {header.round_id} is not open")
         if device_id not in current.participants:
             raise MessageError(f"{device_id} was not selected for round {header.round_id}")

@@ -103,7 +103,7 @@ class Store:
                                      reason, round_id))
         if status == "completed":
             for device in json.loads(self._q("SELECT participants FROM rounds WHERE round_id=?", (round_id,))[0][0]):
-                if self._q("SELECT 1 FROM updates WHERE round_id=? AND device_id=? AND accepted=1", (round_id, device)):
+                if self.update_accepted(round_id, device):
                     self._q("UPDATE devices SET rounds_joined=rounds_joined+1 WHERE device_id=?", (device,))
 
     def abort_open_rounds(self, reason: str) -> int:
@@ -130,6 +130,9 @@ class Store:
                       n_bytes: int, metrics: dict) -> None:
         self._q("INSERT OR REPLACE INTO updates VALUES (?,?,?,?,?,?,?,?)",
                 (round_id, device_id, n_samples, int(accepted), reason, n_bytes, time.time(), json.dumps(metrics)))
+
+    def update_accepted(self, round_id: int, device_id: str) -> bool:
+        return bool(self._q("SELECT 1 FROM updates WHERE round_id=? AND device_id=? AND accepted=1", (round_id, device_id)))
 
     def record_rejection(self, sender: str, topic: str, reason: str) -> None:
         self._q("INSERT INTO rejections VALUES (?,?,?,?)", (time.time(), sender, topic, reason))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from protocol.tensors import PayloadError, sha256_hex
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
+FRAME_RESERVE = 512  # room for the JSON header, so a framed chunk never exceeds the chunk size
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,13 @@ class Chunk:
 
 
 def split(transfer_id: str, payload: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Chunk]:
-    if chunk_bytes < 1:
-        raise ValueError("chunk size must be positive")
+    """Chunks whose frames (`to_bytes`) are at most `chunk_bytes` long, the broker's message limit."""
+    piece = chunk_bytes - FRAME_RESERVE
+    if piece < 1 or len(transfer_id) > 128:
+        raise ValueError(f"chunk size must exceed {FRAME_RESERVE} bytes and transfer ids be at most 128 characters")
     digest = sha256_hex(payload)
-    count = max(1, -(-len(payload) // chunk_bytes))
-    return [Chunk(transfer_id, i, count, len(payload), digest, payload[i * chunk_bytes:(i + 1) * chunk_bytes])
+    count = max(1, -(-len(payload) // piece))
+    return [Chunk(transfer_id, i, count, len(payload), digest, payload[i * piece:(i + 1) * piece])
             for i in range(count)]
 
 

@@ -262,7 +262,8 @@ def test_broker_restart_during_upload_is_survived(tmp_path):
     """Devices and coordinator reconnect with backoff; an unacknowledged update is sent again."""
     from coordinator.broker import EmbeddedBroker
 
-    broker = EmbeddedBroker()
+    limit = 256 * 1024  # a broker with a small message limit: every frame must fit
+    broker = EmbeddedBroker(message_size_limit=limit)
     port = broker.port
     service, devices = _start(tmp_path, broker.url, 2)
     try:
@@ -271,7 +272,7 @@ def test_broker_restart_during_upload_is_survived(tmp_path):
         wait_for(lambda: devices[0].model is not None, 120, "device0 to have the global model")
         broker.close()  # the network goes away while device0 trains and uploads
         time.sleep(2.0)
-        broker = EmbeddedBroker(port=port)
+        broker = EmbeddedBroker(port=port, message_size_limit=limit)
         wait_for(lambda: service.finished, 120, "the round to complete after the broker came back")
         round_1 = service.engine.store.rounds()[0]
         assert (round_1["status"], round_1["n_updates"]) == ("completed", 2)

@@ -59,9 +59,10 @@ def test_corrupted_or_non_safetensors_payloads_are_refused():
 
 def test_chunks_reassemble_in_any_order_with_duplicates():
     payload = np.random.default_rng(1).bytes(10_000)
-    chunks = split("t1", payload, chunk_bytes=1024)
+    chunks = split("t1", payload, chunk_bytes=1024 + 512)
     assert len(chunks) == 10 and all(len(c.data) <= 1024 for c in chunks)
     frames = [to_bytes(c) for c in chunks]
+    assert all(len(f) <= 1024 + 512 for f in frames), "a framed chunk fits the broker's message limit"
     order = [3, 0, 9, 3, 1, 2, 5, 4, 8, 7, 0]  # 6 is still missing, 3 and 0 come twice
     assembler = Reassembler.for_chunk(from_bytes(frames[order[0]]))
     for i in order:
@@ -72,9 +73,9 @@ def test_chunks_reassemble_in_any_order_with_duplicates():
 
 def test_chunk_faults_are_refused():
     payload = b"x" * 3000
-    chunks = split("t1", payload, chunk_bytes=1000)
+    chunks = split("t1", payload, chunk_bytes=1512)
     assembler = Reassembler.for_chunk(chunks[0])
-    other = split("t2", payload, chunk_bytes=1000)[1]
+    other = split("t2", payload, chunk_bytes=1512)[1]
     with pytest.raises(PayloadError, match="does not belong"):
         assembler.add(other)
     assembler.add(chunks[0])
