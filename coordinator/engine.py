@@ -100,6 +100,11 @@ class Engine:
         self.model_size = len(data)
         self.model_chunks = -(-len(data) // self.settings.training.chunk_bytes)
 
+    def _retract_model(self, version: int, n_chunks: int) -> None:
+        """Clear a superseded version's retained chunks, so the broker does not keep every model forever."""
+        for index in range(n_chunks):
+            self.publish(f"{topics.model_chunks(version)}/{index}", b"", True)
+
     # incoming ---------------------------------------------------------------
     def on_message(self, topic: str, payload: bytes) -> None:
         parts = topic.split("/")
@@ -172,8 +177,8 @@ class Engine:
         if header.payload_bytes > self.settings.max_update_bytes:
             raise MessageError(f"update of {header.payload_bytes} bytes exceeds {self.settings.max_update_bytes}")
         previous = current.headers.get(device_id)
-        if previous is None or previous.transfer_id != header.transfer_id:
-            current.transfers.pop(previous.transfer_id, None) if previous else None
+        if previous is not None and previous.transfer_id != header.transfer_id:
+            current.transfers.pop(previous.transfer_id, None)  # a new attempt replaces a half-received one
         current.headers[device_id] = header
 
     def _on_chunk(self, device_id: str, frame: bytes) -> None:
@@ -279,6 +284,7 @@ class Engine:
         metrics = {"aggregation_seconds": seconds, "bytes_received": current.bytes_received,
                    **_mean_metrics(current.metrics)}
         self.store.close_round(current.round_id, "completed", self.version, len(current.done), dropped, metrics)
+        self._retract_model(self.version - 1, self.model_chunks)
         self._publish_model()
         log.info("round %d: aggregated %d updates (%d dropped) into model v%d", current.round_id, len(current.done),
                  dropped, self.version)
