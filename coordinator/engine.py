@@ -200,8 +200,7 @@ class Engine:
         try:
             payload = assembler.add(chunk)
         except PayloadError:
-            current.transfers.pop(chunk.transfer_id, None)
-            current.refused_transfers.add(chunk.transfer_id)
+            current.transfers.pop(chunk.transfer_id, None)  # start over: the device's resend can still succeed
             raise
         if payload is not None:
             self._accept_update(device_id, header, payload)
