@@ -230,9 +230,13 @@ def cmd_fleet_partition(args) -> int:
     return 0
 
 
+def _command_group(sub, name: str, help: str):
+    """`ffr NAME COMMAND ...`: a group of related subcommands."""
+    return sub.add_parser(name, help=help).add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
+
+
 def _add_fleet_commands(sub) -> None:
-    fleet = sub.add_parser("fleet", help="fleet simulation tools")
-    fsub = fleet.add_subparsers(dest="fleet_command", required=True, metavar="COMMAND")
+    fsub = _command_group(sub, "fleet", "fleet simulation tools")
     p = fsub.add_parser("partition", help="show how a dataset's people would be spread over simulated devices",
                         description="Identity-level partition of a dataset over N clients, deterministic from "
                                     "--seed; prints identities and images per client and the imbalance ratio "
@@ -265,8 +269,7 @@ def _add_broker_options(p: argparse.ArgumentParser, default: str | None) -> None
 
 
 def _add_federated_commands(sub) -> None:
-    coord = sub.add_parser("coordinator", help="the federation coordinator service")
-    csub = coord.add_subparsers(dest="coordinator_command", required=True, metavar="COMMAND")
+    csub = _command_group(sub, "coordinator", "the federation coordinator service")
     p = csub.add_parser("serve", help="run federated rounds over MQTT, with an HTTP API",
                         description="Run rounds: sample devices, announce, collect backbone deltas, aggregate, "
                                     "publish the new global model. State (models, history) lives in --state and "
@@ -295,8 +298,7 @@ def _add_federated_commands(sub) -> None:
     p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
     p.set_defaults(func=cmd_coordinator_serve)
 
-    edge = sub.add_parser("edge", help="the edge device daemon")
-    esub = edge.add_subparsers(dest="edge_command", required=True, metavar="COMMAND")
+    esub = _command_group(sub, "edge", "the edge device daemon")
     p = esub.add_parser("run", help="join the federation: train locally each round, send only backbone deltas",
                         description="Registers with the coordinator, trains on the people enrolled in --data (one "
                                     "folder each) every round it is picked for, sends only the backbone delta, and "
