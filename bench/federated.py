@@ -93,10 +93,8 @@ def round_overhead_rows(n_devices: int, rounds: int) -> list[dict]:
         rows = []
         store = service.engine.store
         for r in store.rounds():
-            updates = store._q("SELECT metrics, bytes FROM updates WHERE round_id=? AND accepted=1", (r["round_id"],))
-            import json
-
-            metrics = [json.loads(u["metrics"]) for u in updates]
+            updates = store.accepted_updates(r["round_id"])
+            metrics = [u["metrics"] for u in updates]
             wall = r["closed_at"] - r["started_at"]
             slowest = max(m["fetch_seconds"] + m["train_seconds"] for m in metrics)
             rows.append({"round": r["round_id"], "devices": len(metrics), "round_wall_s": wall,

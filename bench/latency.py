@@ -17,6 +17,7 @@ from bench.common import faces_dir, time_calls, write_results
 from models.face_model import FaceModel, ModelConfig
 from models.faces.detect import HaarDetector, YuNetDetector
 from models.faces.imageio import read_rgb
+from models.faces.preprocess import to_input
 from models.onnx_export import export_onnx
 from models.runtime import OnnxEmbedder
 
@@ -29,7 +30,7 @@ def embedding_rows(model: FaceModel, onnx_path: Path, repeats: int) -> list[dict
         ort = OnnxEmbedder(onnx_path, threads=threads)
         for batch in (1, 64):
             crops = rng.integers(0, 255, (batch, 128, 128, 3), dtype=np.uint8)
-            x = torch.from_numpy(ort_input(crops))
+            x = torch.from_numpy(to_input(crops))
             n = repeats if batch == 1 else max(5, repeats // 10)
             with torch.inference_mode():
                 runs = {"onnxruntime": time_calls(lambda: ort.embed(crops, batch_size=batch), n),
@@ -39,12 +40,6 @@ def embedding_rows(model: FaceModel, onnx_path: Path, repeats: int) -> list[dict
                              "median_ms_per_call": t["median_ms"], "p95_ms_per_call": t["p95_ms"],
                              "ms_per_face": t["median_ms"] / batch, "faces_per_s": 1000.0 * batch / t["median_ms"]})
     return rows
-
-
-def ort_input(crops: np.ndarray) -> np.ndarray:
-    from models.faces.preprocess import to_input
-
-    return to_input(crops)
 
 
 def frames(n: int) -> list[np.ndarray]:

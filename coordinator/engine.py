@@ -10,7 +10,6 @@ import logging
 import random
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -302,6 +301,3 @@ def _mean_metrics(per_device: dict[str, dict]) -> dict:
     keys = {k for m in per_device.values() for k in m}
     return {f"mean_{k}": float(np.mean([m[k] for m in per_device.values() if k in m])) for k in sorted(keys)}
 
-
-def new_transfer_id() -> str:
-    return uuid.uuid4().hex

@@ -131,6 +131,10 @@ class Store:
         self._q("INSERT OR REPLACE INTO updates VALUES (?,?,?,?,?,?,?,?)",
                 (round_id, device_id, n_samples, int(accepted), reason, n_bytes, time.time(), json.dumps(metrics)))
 
+    def accepted_updates(self, round_id: int) -> list[dict]:
+        rows = self._q("SELECT * FROM updates WHERE round_id=? AND accepted=1", (round_id,))
+        return [{**dict(r), "metrics": json.loads(r["metrics"] or "{}")} for r in rows]
+
     def update_accepted(self, round_id: int, device_id: str) -> bool:
         return bool(self._q("SELECT 1 FROM updates WHERE round_id=? AND device_id=? AND accepted=1", (round_id, device_id)))
 

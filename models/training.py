@@ -226,9 +226,9 @@ class Trainer:
         metrics = self._write_metrics(final=report)
         from models.evaluation.plots import training_curves_png
 
-        for png in (training_curves_png(self.history, self.out / "curves.png", self.best_epoch),
-                    *( [self.out / "roc.png"] if curve is not None else [])):
-            self.tracker.log_artifact(png)
+        self.tracker.log_artifact(training_curves_png(self.history, self.out / "curves.png", self.best_epoch))
+        if curve is not None:
+            self.tracker.log_artifact(self.out / "roc.png")
         self.tracker.log_metrics({f"final_{k}": v for k, v in report.items()}, self.history[-1]["epoch"])
         self.tracker.log_artifact(self.out / "metrics.json")
         self.tracker.end()

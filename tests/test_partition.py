@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from models.cli import main
-from models.faces.partition import Partition, PartitionError, allocate, client_shares, partition, split_images
+from models.faces.partition import Partition, PartitionError, allocate, client_shares, partition
+from models.faces.splits import stratified_split as split_images
 
 IDS = [f"person{i:04d}" for i in range(1000)]
 

@@ -9,6 +9,7 @@ A person lives on exactly one device (as they would in a real fleet). Schemes:
 - `attribute`: devices defined by rules over per-image attributes (CelebA's attribute file).
 Every device gets at least one identity. A fraction of identities is kept off every device to
 measure the global model on unseen people, and some devices can be held out of training.
+Images within a device are split per identity by `models.faces.splits.stratified_split`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 
 SCHEMES = ("iid", "dirichlet", "lognormal", "equal", "attribute")
 
@@ -155,19 +157,3 @@ def read_celeba_attributes(path: Path, image_identity: dict[str, str]) -> dict[s
         ident = image_identity[parts[0]]
         sums[ident] = sums.get(ident, np.zeros(len(names))) + np.array(parts[1:], dtype=float)
     return {i: {n: 1 if v >= 0 else -1 for n, v in zip(names, s)} for i, s in sums.items()}
-
-
-def split_images(labels: np.ndarray, fractions: tuple[float, float, float] = (0.7, 0.1, 0.2),
-                 seed: int = 0) -> np.ndarray:
-    """0/1/2 (train/val/test) per image, stratified by identity; train keeps at least one image."""
-    rng = np.random.default_rng(seed)
-    out = np.zeros(len(labels), dtype=np.int8)
-    for label in np.unique(labels):
-        idx = rng.permutation(np.flatnonzero(labels == label))
-        n_test = int(round(len(idx) * fractions[2]))
-        n_val = int(round(len(idx) * fractions[1]))
-        n_test = min(n_test, len(idx) - 1)
-        n_val = min(n_val, len(idx) - 1 - n_test)
-        out[idx[:n_test]] = 2
-        out[idx[n_test:n_test + n_val]] = 1
-    return out

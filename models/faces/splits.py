@@ -37,15 +37,23 @@ def split_identities(n_identities: int, holdout_fraction: float, seed: int) -> t
     return np.sort(ids[n_hold:]), np.sort(ids[:n_hold])
 
 
-def split_images(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask of validation images: about `val_fraction` of each identity, never its last image."""
-    rng = np.random.default_rng(seed + 1)
-    val = np.zeros(len(labels), bool)
+def stratified_split(labels: np.ndarray, fractions: tuple[float, float, float] = (0.7, 0.1, 0.2),
+                     seed: int = 0) -> np.ndarray:
+    """0/1/2 (train/val/test) per image, stratified by identity; train keeps at least one image."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros(len(labels), dtype=np.int8)
     for label in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == label))
-        n_val = min(len(idx) - 1, int(round(len(idx) * val_fraction)))
-        val[idx[:max(0, n_val)]] = True
-    return val
+        n_test = min(int(round(len(idx) * fractions[2])), len(idx) - 1)
+        n_val = min(int(round(len(idx) * fractions[1])), len(idx) - 1 - n_test)
+        out[idx[:n_test]] = 2
+        out[idx[n_test:n_test + n_val]] = 1
+    return out
+
+
+def split_images(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
+    """Boolean mask of validation images: about `val_fraction` of each identity, never its last image."""
+    return stratified_split(labels, (1.0 - val_fraction, val_fraction, 0.0), seed + 1) == 1
 
 
 def training_split(crops: FaceCrops, holdout_fraction: float = 0.2, val_fraction: float = 0.1,
