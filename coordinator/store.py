@@ -66,6 +66,10 @@ class Store:
         path = self.root / "models" / rows[0]["path"]
         return rows[0]["version"], load_file(str(path)), rows[0]["sha256"]
 
+    def load_model(self, version: int) -> dict[str, np.ndarray] | None:
+        rows = self._q("SELECT path FROM models WHERE version=?", (version,))
+        return load_file(str(self.root / "models" / rows[0]["path"])) if rows else None
+
     def model_bytes(self, version: int) -> bytes | None:
         rows = self._q("SELECT path FROM models WHERE version=?", (version,))
         return (self.root / "models" / rows[0]["path"]).read_bytes() if rows else None

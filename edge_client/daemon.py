@@ -16,11 +16,11 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import torch
-from safetensors.torch import load_file as load_torch, save_file as save_torch
+from safetensors.torch import load_file as load_torch
 
 from edge_client.home import DeviceHome
 from edge_client.local_training import train_round
-from models.face_model import FaceModel, ModelConfig, from_numpy_state, private_state
+from models.face_model import FaceModel, ModelConfig, from_numpy_state, private_state, shareable_state
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
 from protocol import topics
@@ -36,21 +36,23 @@ log = logging.getLogger("edge_client")
 class EdgeDevice:
     def __init__(self, device_id: str, data: Path, home: Path, broker: str, detector: str | None = None,
                  username: str | None = None, password: str | None = None, ca_file: str | None = None,
-                 export_onnx: bool = True, seed: int = 0):
+                 export_onnx: bool = True, seed: int = 0, crop_cache: Path | None = None):
         self.device_id, self.home = device_id, DeviceHome(home)
         self.export_onnx, self.seed = export_onnx, seed
         index = load_index(data)
         config = CropConfig(detector=detector or ("none" if index.synthetic else "haar"), fallback_center=True)
-        self.crops = crop_index(index, config, cache_dir=self.home.root / "crops", progress=False, min_images=1)
+        self.crops = crop_index(index, config, cache_dir=crop_cache or self.home.root / "crops", progress=False, min_images=1)
         self.key = self.home.load_key()
         self._seq = int(time.time() * 1000)
         self.model: FaceModel | None = None
         self.jobs: queue.Queue[RoundAnnouncement] = queue.Queue()
+        self.queued_rounds: set[int] = set()  # an announcement can arrive twice (retained + re-sent on hello)
         self.registered = threading.Event()
         self.acked: dict[int, threading.Event] = {}
         self.download: Reassembler | None = None
         self.downloaded = threading.Event()
         self.done_rounds = {e["round_id"] for e in self.home.rounds_log()}
+        self.failed_rounds: dict[int, str] = {}
         self.last_error: str | None = None
         self.stop_event = threading.Event()
         self.finished = threading.Event()
@@ -106,7 +108,9 @@ class EdgeDevice:
             self.registered.set()
             log.info("%s: registered", self.device_id)
         elif isinstance(body, RoundAnnouncement):
-            if self.device_id in body.participants and body.round_id not in self.done_rounds:
+            fresh = body.round_id not in self.done_rounds and body.round_id not in self.queued_rounds
+            if self.device_id in body.participants and fresh:
+                self.queued_rounds.add(body.round_id)
                 self.jobs.put(body)
         elif isinstance(body, Ack) and body.of == "update" and body.round_id is not None:
             self.acked.setdefault(body.round_id, threading.Event()).set()
@@ -124,7 +128,8 @@ class EdgeDevice:
                 continue
             try:
                 self._run_round(job)
-            except Exception:  # noqa: BLE001 - one failed round must not kill the daemon
+            except Exception as exc:  # noqa: BLE001 - one failed round must not kill the daemon
+                self.failed_rounds[job.round_id] = f"{type(exc).__name__}: {exc}"
                 log.exception("%s: round %d failed", self.device_id, job.round_id)
 
     def _fetch_global(self, job: RoundAnnouncement, timeout: float = 120.0) -> dict[str, torch.Tensor]:
@@ -179,7 +184,8 @@ class EdgeDevice:
         cfg = job.config
         result = train_round(model, self.crops, global_state, cfg.epochs, cfg.batch_size, cfg.lr,
                              cfg.prox_mu if cfg.algorithm == "fedprox" else 0.0, seed=self.seed + job.round_id)
-        save_torch({k: v.contiguous() for k, v in private_state(model).items()}, str(self.home.private_state))
+        self.home.save_tensors(self.home.private_state, private_state(model))
+        self.home.save_tensors(self.home.local_backbone, shareable_state(model))  # the personalised model's Theta
         encoded = encode(result.delta, cfg.wire_dtype)
         header = UpdateHeader(round_id=job.round_id, base_version=job.model_version, n_samples=result.n_samples,
                               transfer_id=f"{self.device_id}-r{job.round_id}-{encoded.sha256[:12]}",
@@ -194,11 +200,11 @@ class EdgeDevice:
         if acked:
             payload_path.unlink(missing_ok=True)
             header_path.unlink(missing_ok=True)
-        self.done_rounds.add(job.round_id)
         if self.export_onnx:
             self._export(model)
         self.home.log_round({"round_id": job.round_id, "base_version": job.model_version, "acked": acked,
                              "bytes_sent": len(encoded.data), **result.metrics})
+        self.done_rounds.add(job.round_id)  # last: whoever waits on it finds the round logged
         if job.round_id >= job.total_rounds:
             self.finished.set()
 

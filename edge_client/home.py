@@ -35,6 +35,20 @@ class DeviceHome:
         return self.root / "private" / "head_and_dfc.safetensors"
 
     @property
+    def local_backbone(self) -> Path:
+        """The backbone after this device's last local training: Theta of its personalised model."""
+        return self.root / "private" / "local_backbone.safetensors"
+
+    @staticmethod
+    def save_tensors(path: Path, tensors: dict) -> None:
+        """Atomic safetensors write: a device killed mid-write keeps its previous state."""
+        from safetensors.torch import save_file
+
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp))
+        tmp.replace(path)
+
+    @property
     def personalised_onnx(self) -> Path:
         return self.root / "models" / "personalised.onnx"
 

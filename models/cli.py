@@ -197,67 +197,15 @@ def cmd_edge_run(args) -> int:
                export_onnx=not args.no_export, seed=args.seed)
 
 
-def cmd_fleet_partition(args) -> int:
-    from models.faces.datasets import load_index
-    from models.faces.partition import partition, read_celeba_attributes
-
-    index = load_index(args.data, args.layout)
-    counts = index.counts()
-    attributes, rules = None, None
-    if args.partition == "attribute":
-        if index.attributes_file is None:
-            raise DatasetError(f"{args.data} has no per-image attributes (CelebA's list_attr_celeba.txt), "
-                               "so it cannot be partitioned by attribute")
-        if args.rules is None:
-            raise ValueError("--partition attribute needs --rules FILE")
-        attributes = read_celeba_attributes(index.attributes_file, {s.path.name: s.identity for s in index.samples})
-        rules = json.loads(args.rules.read_text())
-    result = partition(index.identities, args.clients, args.partition, args.seed, args.holdout_identities,
-                       args.heldout_clients, args.alpha, args.alpha_x100, args.mu, args.sigma, attributes, rules)
-    if args.out:
-        result.save(args.out)
-    summary = result.summary(counts)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
-    print(f"{summary['scheme']} partition of {len(index.identities)} identities over {summary['n_clients']} clients "
-          f"(seed {args.seed}); {summary['holdout_identities']} identities ({summary['holdout_images']} images) "
-          f"held out for global evaluation; imbalance ratio {summary['imbalance_ratio']:.1f}")
-    print(f"{'client':>6} {'identities':>10} {'images':>7}")
-    for row in summary["clients"]:
-        flag = "  (held out of training)" if row["held_out_of_training"] else ""
-        print(f"{row['client']:>6} {row['identities']:>10} {row['images']:>7}{flag}")
-    return 0
-
-
 def _command_group(sub, name: str, help: str):
     """`ffr NAME COMMAND ...`: a group of related subcommands."""
     return sub.add_parser(name, help=help).add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
 
 
 def _add_fleet_commands(sub) -> None:
-    fsub = _command_group(sub, "fleet", "fleet simulation tools")
-    p = fsub.add_parser("partition", help="show how a dataset's people would be spread over simulated devices",
-                        description="Identity-level partition of a dataset over N clients, deterministic from "
-                                    "--seed; prints identities and images per client and the imbalance ratio "
-                                    "(largest/smallest client by images). Nothing is trained.")
-    p.add_argument("--data", required=True, type=Path)
-    p.add_argument("--layout", choices=LAYOUTS, default="auto")
-    p.add_argument("--clients", type=int, default=10, help="number of simulated devices (default 10)")
-    p.add_argument("--partition", choices=("iid", "dirichlet", "lognormal", "equal", "attribute"), default="iid")
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
-    p.add_argument("--alpha-x100", action="store_true",
-                   help="multiply alpha by 100, as the design document's code does")
-    p.add_argument("--mu", type=float, default=3.0, help="lognormal mu")
-    p.add_argument("--sigma", type=float, default=3.0, help="lognormal sigma")
-    p.add_argument("--rules", type=Path, help='attribute rules, JSON: [{"where": {"Male": 1}}, {"where": {"Male": -1}}]')
-    p.add_argument("--holdout-identities", type=float, default=0.1,
-                   help="fraction of identities kept off every device, for evaluation on unseen people")
-    p.add_argument("--heldout-clients", type=int, default=0, help="clients kept out of training entirely")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="save the partition as JSON (to repeat a run exactly)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_fleet_partition)
+    from fleet.cli import add_commands
+
+    add_commands(_command_group(sub, "fleet", "fleet simulation: partition, simulate, report"))
 
 
 def _add_broker_options(p: argparse.ArgumentParser, default: str | None) -> None:

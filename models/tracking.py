@@ -50,7 +50,8 @@ class MlflowTracker:
             self._mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
 
     def log_metrics(self, metrics: dict, step: int) -> None:
-        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and v == v}
+        numeric = {_metric_name(k): float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v}
         self._mlflow.log_metrics(numeric, step=step)
 
     def log_artifact(self, path: Path) -> None:
@@ -58,3 +59,8 @@ class MlflowTracker:
 
     def end(self, status: str = "FINISHED") -> None:
         self._mlflow.end_run(status=status)
+
+
+def _metric_name(key: str) -> str:
+    """MLflow allows only [A-Za-z0-9_.\- :/] in names: 'tar@1e-2' -> 'tar_at_1e-2', 'local+dfc' -> 'local_dfc'."""
+    return key.replace("@", "_at_").replace("+", "_")

@@ -30,7 +30,7 @@ def make_pairs(labels: np.ndarray, max_pairs: int = 200_000, seed: int = 0) -> t
         i, j = np.triu_indices(n, k=1)
         return np.stack([i, j], 1), labels[i] == labels[j]
     rng = np.random.default_rng(seed)
-    genuine = _genuine_pairs(labels)
+    genuine = genuine_pairs(labels)
     if len(genuine) > max_pairs // 2:
         genuine = genuine[rng.choice(len(genuine), max_pairs // 2, replace=False)]
     n_imp = max_pairs - len(genuine)
@@ -41,7 +41,7 @@ def make_pairs(labels: np.ndarray, max_pairs: int = 200_000, seed: int = 0) -> t
     return pairs, labels[pairs[:, 0]] == labels[pairs[:, 1]]
 
 
-def _genuine_pairs(labels: np.ndarray) -> np.ndarray:
+def genuine_pairs(labels: np.ndarray) -> np.ndarray:
     out = []
     for label in np.unique(labels):
         idx = np.flatnonzero(labels == label)

@@ -153,8 +153,9 @@ def crop_index(index: FaceIndex, config: CropConfig | None = None, cache_dir: Pa
             crop, fell_back = crop_face(rgb, detector, config)
             report.n_center_fallback += int(fell_back)
             cache.put(sample.path, crop)
-        elif isinstance(crop, bytes):
-            crop = None
+        elif isinstance(crop, bytes):  # cached "no face found"; the centre square if asked for
+            crop = center_crop(read_rgb(sample.path), config.size) if config.fallback_center else None
+            report.n_center_fallback += int(crop is not None)
         if crop is None:
             report.no_face.append(str(sample.path))
             continue

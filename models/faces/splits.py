@@ -19,7 +19,7 @@ class TrainingSplit:
         return len(self.train.identities)
 
 
-def _relabel(crops: FaceCrops, keep_ids: np.ndarray) -> FaceCrops:
+def relabel(crops: FaceCrops, keep_ids: np.ndarray) -> FaceCrops:
     mask = np.isin(crops.labels, keep_ids)
     out = crops.select(mask)
     mapping = {old: new for new, old in enumerate(keep_ids)}
@@ -59,9 +59,9 @@ def split_images(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarr
 def training_split(crops: FaceCrops, holdout_fraction: float = 0.2, val_fraction: float = 0.1,
                    seed: int = 0) -> TrainingSplit:
     train_ids, hold_ids = split_identities(len(crops.identities), holdout_fraction, seed)
-    trainable = _relabel(crops, train_ids)
+    trainable = relabel(crops, train_ids)
     val_mask = split_images(trainable.labels, val_fraction, seed)
-    holdout = _relabel(crops, hold_ids) if len(hold_ids) else None
+    holdout = relabel(crops, hold_ids) if len(hold_ids) else None
     return TrainingSplit(_select(trainable, ~val_mask), _select(trainable, val_mask), holdout)
 
 

@@ -1,0 +1,86 @@
+"""Fleet benchmark: centralised vs FedAvg vs FedProx, IID and Dirichlet partitions, on real faces.
+
+Every federated run is a full `ffr fleet simulate` (real coordinator, Mosquitto, edge clients),
+10 clients by default, the same epoch budget for all, DFC on so that each run reports the
+personalised TAR with and without the DFC transform. The centralised upper bound is trained
+once: every partition here keeps the same people off the devices (same seed) and trains on
+the same union of images, so one centralised model serves as the bound for all rows.
+
+    python -m bench.fleet --out bench/results [--rounds 3] [--clients 10]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench.common import faces_dir, write_results
+from fleet.config import SimConfig
+from fleet.simulate import simulate
+
+SETTINGS = [("iid", None), ("dirichlet", 0.5), ("dirichlet", 0.1)]
+
+
+def _tar(stats: dict, verifier: str) -> str:
+    entry = (stats.get(verifier) or {}).get("tar@1e-2")
+    return "n/a" if not entry else f"{entry['mean']:.3f} ± {entry['std']:.3f}"
+
+
+def row(name: str, summary: dict) -> dict:
+    g, clients = summary["global"], summary["personalized"]["training_clients"]
+    return {"run": name, "global AUC": g["auc"], "global EER": g["eer"],
+            "pers. TAR@1e-2 global": _tar(clients, "global"), "pers. TAR@1e-2 local": _tar(clients, "local"),
+            "pers. TAR@1e-2 local+DFC": _tar(clients, "local+dfc"),
+            "s/round": summary["round_seconds_mean"], "MB/round (up)": summary["bytes"]["per_round_up_mean"] / 1e6,
+            "MB/round (down)": summary["bytes"]["per_round_down_mean"] / 1e6, "wall s": summary["wall_seconds"]}
+
+
+def central_row(summary: dict) -> dict:
+    c = summary["centralized"]
+    clients = summary["personalized"]["training_clients"]
+    return {"run": f"centralised ({c['epochs']} epochs)", "global AUC": c["global"]["auc"],
+            "global EER": c["global"]["eer"], "pers. TAR@1e-2 global": _tar(clients, "centralized"),
+            "pers. TAR@1e-2 local": "-", "pers. TAR@1e-2 local+DFC": "-", "s/round": "-",
+            "MB/round (up)": "-", "MB/round (down)": "-", "wall s": c["train_seconds"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--runs", type=Path, default=Path("bench/results/fleet_runs"), help="simulation run folders")
+    parser.add_argument("--data", type=Path, help="default $FFR_FACES_DIR/celeba_subset")
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--algorithms", nargs="+", default=["fedavg", "fedprox"])
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    data = args.data or ((faces_dir() or Path("missing")) / "celeba_subset")
+    if not data.is_dir():
+        print(f"no face data at {data} (set FFR_FACES_DIR or --data)", file=sys.stderr)
+        return 2
+    rows, summaries, central = [], {}, None
+    for scheme, alpha in SETTINGS:
+        for algorithm in args.algorithms:
+            name = f"{algorithm}-{scheme}" + (f"{alpha}" if alpha else "")
+            config = SimConfig(data=str(data), clients=args.clients, rounds=args.rounds, partition=scheme,
+                               alpha=alpha or 0.5, algorithm=algorithm, dfc=True, patience=0, workers=args.workers,
+                               centralized=central is None)
+            print(f"== {name}", flush=True)
+            summary = simulate(config, args.runs / name)
+            summaries[name] = summary
+            if central is None:
+                central = summary
+            rows.append(row(f"{algorithm}, {scheme}" + (f" α={alpha}" if alpha else ""), summary))
+    rows.insert(0, central_row(central))
+    command = "python -m bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_results(args.out, "fleet", {"data": str(data), "clients": args.clients, "rounds": args.rounds,
+                                      "runs": {k: {kk: v[kk] for kk in ("global", "personalized", "bytes",
+                                                                         "wall_seconds", "round_seconds_mean",
+                                                                         "partition", "centralized")}
+                                               for k, v in summaries.items()}},
+                  rows, f"Fleet simulation on {data.name}: {args.clients} clients, {args.rounds} rounds", command)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Fleet simulation: many virtual devices running the real client and coordinator over a real broker."""

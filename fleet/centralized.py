@@ -1,0 +1,43 @@
+"""The upper bound: one model trained centrally on the union of the clients' training images.
+
+Same model, head, augmentation, batch size and learning rate as the devices, and the same
+budget in epochs (rounds x local epochs x client fraction), so the gap to federated training
+is the price of keeping the faces on the devices.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from fleet.config import SimConfig
+from fleet.data import TRAIN, VAL, FleetData
+from models.face_model import FaceModel, load_checkpoint
+from models.faces.splits import TrainingSplit, relabel
+from models.training import TrainConfig, Trainer
+
+
+def budget_epochs(config: SimConfig) -> int:
+    return max(1, math.ceil(config.rounds * config.local_epochs * config.fraction))
+
+
+def centralized_split(data: FleetData) -> TrainingSplit:
+    train_all, val_all = data.union(TRAIN, data.training_clients), data.union(VAL, data.training_clients)
+    keep = np.unique(train_all.labels)
+    val = relabel(val_all, keep) if len(val_all) else relabel(train_all, keep).select(np.zeros(0, np.int64))
+    return TrainingSplit(relabel(train_all, keep), val, data.holdout())
+
+
+def train_centralized(data: FleetData, config: SimConfig, out_dir: Path) -> tuple[FaceModel, dict]:
+    """Train (or resume, or reuse a finished run in `out_dir`) and return the best model and its metrics."""
+    epochs = budget_epochs(config)
+    train_config = TrainConfig(epochs=epochs, batch_size=config.batch_size, lr=config.lr, patience=epochs + 1,
+                               aug="weak", head="cosface", width_mult=config.width_mult, pretrained=config.pretrained,
+                               seed=config.seed, progress=config.progress, max_eval_pairs=config.max_eval_pairs)
+    trainer = Trainer(train_config, centralized_split(data), out_dir)
+    if (out_dir / "latest.pt").exists():
+        trainer.resume()
+    metrics = trainer.fit()
+    model, _ = load_checkpoint(out_dir / "best.pt")
+    return model, metrics

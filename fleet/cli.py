@@ -1,0 +1,163 @@
+"""`ffr fleet partition | simulate | report`: what will federated training give my fleet?"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from models.faces.datasets import LAYOUTS
+
+PARTITIONS = ("iid", "dirichlet", "lognormal", "equal", "attribute")
+
+
+def _partition_options(p: argparse.ArgumentParser, data_required: bool) -> None:
+    g = p.add_argument_group("data and partition")
+    g.add_argument("--data", required=data_required, type=str,
+                   help="face dataset (folder per identity, LFW, or CelebA)"
+                        + ("" if data_required else "; default: SYNTHETIC identities generated into RUN_DIR"))
+    g.add_argument("--layout", choices=LAYOUTS, default="auto")
+    g.add_argument("--clients", type=int, default=10, help="number of simulated devices (default 10)")
+    g.add_argument("--partition", choices=PARTITIONS, default="iid",
+                   help="how identities are spread over devices (default iid)")
+    g.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
+    g.add_argument("--alpha-x100", action="store_true",
+                   help="multiply alpha by 100, as the design document's code does")
+    g.add_argument("--mu", dest="lognormal_mu", type=float, default=3.0, metavar="MU", help="lognormal mu (default 3)")
+    g.add_argument("--sigma", dest="lognormal_sigma", type=float, default=3.0, metavar="SIGMA", help="lognormal sigma (default 3)")
+    g.add_argument("--rules", type=Path,
+                   help='attribute rules, JSON: [{"where": {"Male": 1}}, {"where": {"Male": -1}}]')
+    g.add_argument("--holdout-identities", type=float, default=0.1,
+                   help="fraction of identities kept off every device, for evaluation on unseen people (default 0.1)")
+    g.add_argument("--heldout-clients", type=int, default=0, help="clients kept out of training entirely")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _config(args):
+    from fleet.config import SimConfig
+
+    values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}
+    values["rules"] = json.loads(args.rules.read_text()) if args.rules else None
+    return SimConfig(**values)
+
+
+def cmd_partition(args) -> int:
+    from fleet.data import make_partition
+    from models.faces.datasets import load_index
+
+    config = _config(args)
+    config.validate()
+    index = load_index(args.data, args.layout)
+    result = make_partition(index, index.identities, config)
+    if args.out:
+        result.save(args.out)
+    summary = result.summary(index.counts())
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{summary['scheme']} partition of {len(index.identities)} identities over {summary['n_clients']} clients "
+          f"(seed {args.seed}); {summary['holdout_identities']} identities ({summary['holdout_images']} images) "
+          f"held out for global evaluation; imbalance ratio {summary['imbalance_ratio']:.1f}")
+    print(f"{'client':>6} {'identities':>10} {'images':>7}")
+    for row in summary["clients"]:
+        flag = "  (held out of training)" if row["held_out_of_training"] else ""
+        print(f"{row['client']:>6} {row['identities']:>10} {row['images']:>7}{flag}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from fleet.report import summary_markdown
+    from fleet.simulate import simulate
+
+    config = _config(args)
+    config.progress = not args.quiet
+    if not args.verbose:  # per-message coordinator logs would drown the progress bars
+        logging.getLogger("coordinator").setLevel(logging.WARNING)
+    try:
+        summary = simulate(config, args.out)
+    except KeyboardInterrupt:
+        print(f"\nstopped; the run's state is in {args.out}. Run the same command again to resume.", file=sys.stderr)
+        return 130
+    print()
+    print(summary_markdown(summary))
+    print(f"summary: {args.out / 'summary.json'}, {args.out / 'summary.md'}; MLflow: {args.out / 'mlflow.db'}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from fleet.report import compare, load_summary, run_row
+
+    if args.json:
+        print(json.dumps([run_row(load_summary(d)) for d in args.runs], indent=2))
+        return 0
+    table = compare(args.runs)
+    print(table)
+    if args.out:
+        args.out.write_text(table + "\n")
+    return 0
+
+
+def add_commands(fsub) -> None:
+    """The `ffr fleet` subcommands, added to its subparsers."""
+    p = fsub.add_parser("partition", help="show how a dataset's people would be spread over simulated devices",
+                        description="Identity-level partition of a dataset over N clients, deterministic from "
+                                    "--seed; prints identities and images per client and the imbalance ratio "
+                                    "(largest/smallest client by images). Nothing is trained.")
+    _partition_options(p, data_required=True)
+    p.add_argument("--out", type=Path, help="save the partition as JSON (to repeat a run exactly)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_partition)
+
+    p = fsub.add_parser(
+        "simulate", help="simulate federated training on a fleet of virtual devices",
+        description="Starts a coordinator (embedded mosquitto unless --broker) and N virtual devices running the "
+                    "real edge client, a few at a time in a process pool (their state lives on disk in RUN_DIR). "
+                    "Evaluates the global model every round on unseen people, then each client's personalised "
+                    "verifiers, beside a centrally trained upper bound. Writes RUN_DIR/summary.json, summary.md, "
+                    "plots and an MLflow run. Ctrl-C stops cleanly; the same command resumes.")
+    _partition_options(p, data_required=False)
+    g = p.add_argument_group("federated training")
+    g.add_argument("--rounds", type=int, default=10, help="federated rounds (default 10)")
+    g.add_argument("--algorithm", choices=("fedavg", "fedprox", "fedavgm"), default="fedprox",
+                   help="aggregation / local objective (default fedprox, as in the design)")
+    g.add_argument("--prox-mu", type=float, default=0.01, help="FedProx proximal weight (default 0.01)")
+    g.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (default 0.9)")
+    g.add_argument("--dfc", action=argparse.BooleanOptionalAction, default=True,
+                   help="train the DFC personalisation branch on devices (default on)")
+    g.add_argument("--dfc-weight", type=float, default=1.0, help="weight of the DFC loss (default 1)")
+    g.add_argument("--local-epochs", type=int, default=1, help="epochs per device per round (default 1)")
+    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate on devices (default 1e-4)")
+    g.add_argument("--fraction", type=float, default=1.0, help="fraction of devices sampled per round (default 1)")
+    g.add_argument("--patience", type=int, default=5,
+                   help="stop after this many rounds without a better validation AUC (0: never; default 5)")
+    g.add_argument("--min-delta", type=float, default=1e-3, help="smallest AUC gain that counts as better")
+    g.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier")
+    g.add_argument("--no-pretrained", dest="pretrained", action="store_false",
+                   help="round 0 model from random weights instead of ImageNet")
+    g.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16")
+    g = p.add_argument_group("simulation")
+    g.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR); an existing one is resumed")
+    g.add_argument("--workers", type=int, default=2, help="device worker processes (default 2)")
+    g.add_argument("--broker", help="use this MQTT broker (mqtt://HOST:PORT) instead of an embedded mosquitto")
+    g.add_argument("--detector", choices=("auto", "haar", "none"), default="auto",
+                   help="face detector (auto: none for SYNTHETIC data, else haar with a centre-crop fallback)")
+    g.add_argument("--synthetic-identities", type=int, default=60, help="without --data: SYNTHETIC identities")
+    g.add_argument("--synthetic-images", type=int, default=10, help="without --data: images per identity")
+    g.add_argument("--crop-cache", help="folder of cached face crops (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)")
+    g.add_argument("--round-timeout", type=float, default=3600.0, help="seconds a round waits for its devices")
+    g.add_argument("--no-centralized", dest="centralized", action="store_false",
+                   help="skip the centralised upper bound")
+    g.add_argument("--impostor-images", type=int, default=300,
+                   help="other clients' test images each client's verifier is tried against (default 300)")
+    g.add_argument("--no-mlflow", dest="mlflow", action="store_false", help="do not log to MLflow")
+    p.set_defaults(func=cmd_simulate)
+
+    p = fsub.add_parser("report", help="several simulation runs side by side",
+                        description="One Markdown table (or JSON) with a row per RUN_DIR's summary.json.")
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    p.add_argument("--out", type=Path, help="also write the table to this Markdown file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_report)

@@ -1,0 +1,96 @@
+"""What a fleet simulation runs: one dataclass, saved in the run folder so a run can be resumed or repeated.
+
+Defaults follow the design document: 10 clients, weak augmentation, batch 32, Adam at 1e-4,
+FedProx with mu 0.01, DFC on.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+ALGORITHMS = ("fedavg", "fedprox", "fedavgm")
+
+# Options that may change between an interrupted run and its resumption; all others must match.
+RESUMABLE_CHANGES = {"rounds", "workers", "patience", "min_delta", "round_timeout", "centralized", "mlflow", "broker", "crop_cache",
+                     "progress"}
+
+
+@dataclass
+class SimConfig:
+    data: str | None = None            # None: SYNTHETIC identities generated into the run folder
+    layout: str = "auto"
+    synthetic_identities: int = 60
+    synthetic_images: int = 10
+    detector: str = "auto"             # auto: none for SYNTHETIC/pre-cropped data, else haar
+    clients: int = 10
+    rounds: int = 10
+    partition: str = "iid"
+    alpha: float = 0.5
+    alpha_x100: bool = False
+    lognormal_mu: float = 3.0
+    lognormal_sigma: float = 3.0
+    rules: list | None = None
+    holdout_identities: float = 0.1
+    heldout_clients: int = 0
+    split: tuple[float, float, float] = (0.7, 0.1, 0.2)
+    algorithm: str = "fedprox"
+    prox_mu: float = 0.01
+    server_momentum: float = 0.9
+    dfc: bool = True
+    dfc_weight: float = 1.0
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 1e-4
+    fraction: float = 1.0
+    patience: int = 5                  # rounds without a better validation AUC before stopping; 0: never
+    min_delta: float = 1e-3
+    seed: int = 0
+    width_mult: float = 1.0
+    pretrained: bool = True
+    wire_dtype: str = "fp16"
+    workers: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
+    round_timeout: float = 3600.0
+    centralized: bool = True
+    impostor_images: int = 300         # other clients' test images each client's verifier is tried on
+    max_eval_pairs: int = 100_000
+    broker: str | None = None
+    crop_cache: str | None = None      # None: the user's crop cache ($FFR_CACHE_DIR), shared with other commands
+    mlflow: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.clients < 1:
+            raise ValueError("--clients must be at least 1")
+        if self.rounds < 1:
+            raise ValueError("--rounds must be at least 1")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown --algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if not 0 < self.fraction <= 1:
+            raise ValueError("--fraction must be in (0, 1]")
+        if self.data is not None and not Path(self.data).exists():
+            raise FileNotFoundError(f"dataset path does not exist: {self.data}")
+        if abs(sum(self.split) - 1.0) > 1e-6 or min(self.split) < 0:
+            raise ValueError(f"--split fractions must be >= 0 and sum to 1, got {self.split}")
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> "SimConfig":
+        raw = json.loads(path.read_text())
+        known = {f.name for f in fields(cls)}
+        config = cls(**{k: v for k, v in raw.items() if k in known})
+        config.split = tuple(config.split)
+        return config
+
+    def differences(self, other: "SimConfig") -> list[str]:
+        """Options that differ from `other` and may not change when resuming."""
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{k}: {theirs[k]!r} -> {mine[k]!r}" for k in mine
+                if k not in RESUMABLE_CHANGES and _norm(mine[k]) != _norm(theirs[k])]
+
+
+def _norm(value):
+    return list(value) if isinstance(value, tuple) else value

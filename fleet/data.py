@@ -1,0 +1,137 @@
+"""A simulated fleet's data: who lives on which device, and which images each device may train on.
+
+Faces are cropped once (cache shared with the devices, keyed by file), identities are
+partitioned over clients (`models.faces.partition`), and each identity's images are split
+train/validation/test. A device's folder holds links to its *training* images only, in the
+folder-per-identity layout the edge client reads; validation and test images stay with the
+simulator, which plays the role of the evaluator that a real fleet does not have.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fleet.config import SimConfig
+from models.faces.crops import CropConfig, FaceCrops, crop_index, default_cache_dir
+from models.faces.datasets import SYNTHETIC_MARKER, FaceIndex, load_index
+from models.faces.partition import Partition, PartitionError, partition, read_celeba_attributes
+from models.faces.splits import stratified_split
+
+TRAIN, VAL, TEST = 0, 1, 2
+
+
+def device_id(client: int) -> str:
+    return f"client-{client:03d}"
+
+
+def resolve_detector(config: SimConfig, index: FaceIndex) -> str:
+    return config.detector if config.detector != "auto" else ("none" if index.synthetic else "haar")
+
+
+def dataset_index(config: SimConfig, run_dir: Path) -> FaceIndex:
+    """The user's dataset, or SYNTHETIC identities written once into the run folder."""
+    if config.data is not None:
+        return load_index(config.data, config.layout)
+    from models.faces.synthetic import write_dataset
+
+    root = run_dir / "synthetic_data"
+    if not (root / SYNTHETIC_MARKER).exists():
+        write_dataset(root, config.synthetic_identities, config.synthetic_images, seed=config.seed)
+    return load_index(root)
+
+
+def make_partition(index: FaceIndex, identities: list[str], config: SimConfig) -> Partition:
+    """The identity partition `config` asks for; every impossibility is a PartitionError, before training."""
+    attributes = None
+    if config.partition == "attribute":
+        if index.attributes_file is None:
+            raise PartitionError(f"{index.root} has no per-image attributes (CelebA's list_attr_celeba.txt), "
+                                 "so it cannot be partitioned by attribute")
+        if not config.rules:
+            raise PartitionError("--partition attribute needs --rules FILE")
+        attributes = read_celeba_attributes(index.attributes_file, {s.path.name: s.identity for s in index.samples})
+    return partition(identities, config.clients, config.partition, config.seed, config.holdout_identities,
+                     config.heldout_clients, config.alpha, config.alpha_x100, config.lognormal_mu,
+                     config.lognormal_sigma, attributes, config.rules)
+
+
+def crop_cache(config: SimConfig) -> Path:
+    """Where faces are cropped once, for the simulator and every simulated device alike."""
+    return Path(config.crop_cache) if config.crop_cache else default_cache_dir()
+
+
+@dataclass
+class FleetData:
+    crops: FaceCrops          # every usable face of the dataset
+    split: np.ndarray         # TRAIN/VAL/TEST per crop (held-out identities: all TEST)
+    partition: Partition
+    detector: str
+
+    def client_mask(self, client: int, part: int | None = None) -> np.ndarray:
+        names = set(self.partition.clients[client])
+        mask = np.isin(np.array(self.crops.identities)[self.crops.labels], list(names))
+        return mask if part is None else mask & (self.split == part)
+
+    def holdout_mask(self) -> np.ndarray:
+        names = np.array(self.crops.identities)[self.crops.labels]
+        return np.isin(names, self.partition.holdout_identities)
+
+    def holdout(self) -> FaceCrops | None:
+        """Images of the people on no device: the global model's unseen identities."""
+        return self.crops.select(self.holdout_mask()) if self.partition.holdout_identities else None
+
+    @property
+    def training_clients(self) -> list[int]:
+        return [k for k in range(len(self.partition.clients)) if k not in self.partition.heldout_clients]
+
+    def union(self, part: int, clients: list[int]) -> FaceCrops:
+        mask = np.zeros(len(self.crops), bool)
+        for k in clients:
+            mask |= self.client_mask(k, part)
+        return self.crops.select(mask)
+
+
+def prepare(config: SimConfig, run_dir: Path) -> FleetData:
+    """Crop, partition (reusing the saved partition when resuming) and split; nothing is trained here."""
+    index = dataset_index(config, run_dir)
+    detector = resolve_detector(config, index)
+    crop_config = CropConfig(detector=detector, fallback_center=True)
+    crops = crop_index(index, crop_config, cache_dir=crop_cache(config), progress=config.progress, min_images=2)
+    saved = run_dir / "partition.json"
+    if saved.exists():
+        part = Partition.load(saved)
+    else:
+        part = make_partition(index, crops.identities, config)
+        part.save(saved)
+    split = stratified_split(crops.labels, tuple(config.split), config.seed)
+    data = FleetData(crops, split, part, detector)
+    split[data.holdout_mask()] = TEST
+    empty = [k for k in data.training_clients if not data.client_mask(k, TRAIN).any()]
+    if empty:
+        raise PartitionError(f"clients {empty} have no training images")
+    return data
+
+
+def write_device_folders(data: FleetData, devices_dir: Path) -> dict[int, Path]:
+    """Per client, a folder-per-identity view (symbolic links) of its training images."""
+    out = {}
+    for k in data.training_clients:
+        root = devices_dir / device_id(k) / "data"
+        done = root / ".complete"
+        out[k] = root
+        if done.exists():
+            continue
+        for i in np.flatnonzero(data.client_mask(k, TRAIN)):
+            source = Path(data.crops.paths[i]).resolve()
+            link = root / data.crops.identities[data.crops.labels[i]] / f"{i:06d}_{source.name}"
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.is_symlink():
+                link.symlink_to(source)
+        if data.crops.synthetic:
+            (root / SYNTHETIC_MARKER).write_text("SYNTHETIC faces: links into the simulation's generated dataset\n")
+        done.write_text(json.dumps({"client": k, "identities": data.partition.clients[k]}))
+    return out
+

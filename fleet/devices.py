@@ -1,0 +1,91 @@
+"""Virtual devices: a small pool of worker processes runs devices' turns one after another.
+
+A turn is the real edge client (`edge_client.daemon.EdgeDevice`) connecting to the broker,
+doing what the coordinator asks (register, or train the open round and upload its delta),
+and disconnecting. Everything a device owns (key, head, DFC branch, local backbone, pending
+update) lives in its home folder between turns, so memory is bounded by the pool, not by
+the number of devices.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class Turn:
+    device_id: str
+    data: str
+    home: str
+    broker: str
+    crop_cache: str
+    detector: str
+    seed: int
+    round_id: int | None = None   # None: only register
+    timeout_s: float = 600.0
+
+
+def _init_worker(threads: int) -> None:
+    """Workers ignore Ctrl-C (the simulator stops them) and share the cores between them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+
+
+def run_turn(turn: Turn) -> dict:
+    """One device's turn; returns its round log entry (loss, accuracy, bytes sent) or why it failed."""
+    from edge_client.daemon import EdgeDevice
+
+    started = time.perf_counter()
+    device = EdgeDevice(turn.device_id, Path(turn.data), Path(turn.home), turn.broker, detector=turn.detector,
+                        export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache))
+    device.start()
+    result = {"device_id": turn.device_id, "round_id": turn.round_id, "ok": False}
+    try:
+        deadline = time.monotonic() + turn.timeout_s
+        if turn.round_id is None:
+            result["ok"] = device.registered.wait(turn.timeout_s)
+            result.setdefault("error", None if result["ok"] else "not registered in time")
+            return result
+        while turn.round_id not in device.done_rounds:
+            if turn.round_id in device.failed_rounds:
+                result["error"] = device.failed_rounds[turn.round_id]
+                return result
+            if time.monotonic() > deadline:
+                result["error"] = f"round {turn.round_id} not done within {turn.timeout_s:.0f} s"
+                return result
+            time.sleep(0.05)
+        entry = next(e for e in reversed(device.home.rounds_log()) if e["round_id"] == turn.round_id)
+        result.update(entry, ok=bool(entry.get("acked")))
+        return result
+    finally:
+        device.stop()
+        result["turn_seconds"] = time.perf_counter() - started
+
+
+class DevicePool:
+    """`workers` processes (spawned: the parent holds MQTT threads), `threads` torch threads each."""
+
+    def __init__(self, workers: int, threads: int):
+        context = multiprocessing.get_context("spawn")
+        self.pool = context.Pool(workers, initializer=_init_worker, initargs=(threads,))
+
+    def run(self, turns: list[Turn]) -> Iterator[dict]:
+        """Results as devices finish (not in submission order)."""
+        return self.pool.imap_unordered(run_turn, turns)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.pool.join()
+
+    def terminate(self) -> None:
+        """Ctrl-C: stop mid-turn. Device state is written atomically, so every home stays usable."""
+        self.pool.terminate()
+        self.pool.join()

@@ -1,0 +1,94 @@
+"""The simulation's pictures (PNG, 150 dpi): rounds, client bars, confusion matrix, partition."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from models.evaluation.plots import plt
+
+DPI = 150
+
+
+def _save(fig, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return out
+
+
+def rounds_png(history: list[dict], best_round: int | None, centralized: dict | None, out: Path) -> Path:
+    """Loss and accuracy of local training, AUC and EER of the global model, per round."""
+    rounds = [h["round"] for h in history]
+    panels = [("local training loss", ("train_loss",)), ("local training accuracy", ("train_acc",)),
+              ("AUC (global model)", ("holdout_auc", "val_auc")), ("EER (global model)", ("holdout_eer", "val_eer"))]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for key in keys:
+            values = [np.nan if h.get(key) is None else h[key] for h in history]
+            if not np.all(np.isnan(values)):
+                label = {"holdout_auc": "unseen people", "val_auc": "validation",
+                         "holdout_eer": "unseen people", "val_eer": "validation"}.get(key, key)
+                ax.plot(rounds, values, marker="o", ms=4, label=label)
+        metric = title.split()[0].lower()
+        if centralized and metric in ("auc", "eer") and centralized.get(metric) is not None:
+            ax.axhline(centralized[metric], color="black", ls=":", lw=1.2, label="centralised (unseen people)")
+        if best_round is not None:
+            ax.axvline(best_round, color="grey", ls="--", lw=1, label=f"best round ({best_round})")
+        ax.set_title(title)
+        ax.set_xlabel("round")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def client_bars_png(rows: list[dict], verifiers: list[str], out: Path, metric: str = "tar@1e-2") -> Path:
+    """Per-client bars of `metric` (AUC where the client has too few impostor pairs for it)."""
+    usable = [r for r in rows if any(v in r for v in verifiers)]
+    if any(r.get(v, {}).get(metric) is None for r in usable for v in verifiers if v in r):
+        metric = "auc"
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(usable) * len(verifiers)), 4.5))
+    width = 0.8 / max(1, len(verifiers))
+    x = np.arange(len(usable))
+    for n, name in enumerate(verifiers):
+        values = [r.get(name, {}).get(metric) or 0.0 for r in usable]
+        ax.bar(x + n * width, values, width, label=name)
+    ax.set_xticks(x + width * (len(verifiers) - 1) / 2)
+    ax.set_xticklabels([f"{r['client']}{'*' if r['held_out'] else ''}" for r in usable])
+    ax.set_xlabel("client (* held out of training)")
+    ax.set_ylabel(metric.upper() if metric == "auc" else metric.replace("tar@", "TAR @ FAR "))
+    ax.set_ylim(0, 1.02)
+    ax.set_title("per-client verification: federated vs personalised")
+    ax.grid(True, axis="y", alpha=0.3)
+    if usable:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no client has enough test images\nfor genuine and impostor pairs", ha="center",
+                va="center", transform=ax.transAxes)
+    return _save(fig, out)
+
+
+def confusion_png(matrix: np.ndarray, names: list[str], accuracy: float, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 6))
+    image = ax.imshow(matrix, cmap="Blues")
+    ax.set_xticks(range(len(names)), [n[:12] for n in names], rotation=90, fontsize=7)
+    ax.set_yticks(range(len(names)), [n[:12] for n in names], fontsize=7)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(f"1:N identification, unseen people (accuracy {accuracy:.2f})")
+    fig.colorbar(image, ax=ax, fraction=0.046)
+    return _save(fig, out)
+
+
+def partition_png(summary: dict, out: Path) -> Path:
+    rows = summary["clients"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key in zip(axes, ("identities", "images")):
+        ax.bar([r["client"] for r in rows], [r[key] for r in rows],
+               color=["tab:grey" if r["held_out_of_training"] else "tab:blue" for r in rows])
+        ax.set_xlabel("client (grey: held out of training)")
+        ax.set_ylabel(key)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"{summary['scheme']} partition, imbalance ratio {summary['imbalance_ratio']:.1f}")
+    return _save(fig, out)

@@ -1,0 +1,101 @@
+"""A run's summary as JSON and Markdown, and `ffr fleet report`: several runs side by side."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VERIFIERS = ("global", "local", "local+dfc", "centralized")
+
+
+def _f(value, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _ms(stats: dict | None, metric: str) -> str:
+    if not stats or not stats.get(metric):
+        return "n/a"
+    return f"{stats[metric]['mean']:.3f} ± {stats[metric]['std']:.3f}"
+
+
+def run_row(summary: dict) -> dict:
+    """The figures one row of a comparison table shows."""
+    c, g = summary["config"], summary["global"]
+    central = (summary.get("centralized") or {}).get("global") or {}
+    training = summary["personalized"]["training_clients"]
+    partition = c["partition"] + (f" {c['alpha']}" if c["partition"] == "dirichlet" else "")
+    return {
+        "run": Path(summary["run"]).name, "data": summary["data_kind"], "partition": partition,
+        "algorithm": c["algorithm"] + (" +DFC" if c["dfc"] else ""), "clients": c["clients"],
+        "rounds": summary["rounds_completed"], "best round": summary["best_round"],
+        "global AUC": _f(g.get("auc")), "global EER": _f(g.get("eer")), "global TAR@1e-2": _f(g.get("tar@1e-2")),
+        "central AUC": _f(central.get("auc")), "central EER": _f(central.get("eer")),
+        **{f"pers. TAR@1e-2 {v}": _ms(training.get(v), "tar@1e-2") for v in ("global", "local", "local+dfc")},
+        "MB/round up": _f(summary["bytes"]["per_round_up_mean"] / 1e6, 1),
+        "s/round": _f(summary.get("round_seconds_mean"), 1), "wall s": _f(summary["wall_seconds"], 0),
+    }
+
+
+def markdown_table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def summary_markdown(summary: dict) -> str:
+    c = summary["config"]
+    lines = [f"# Fleet simulation: {Path(summary['run']).name}", "",
+             f"{'SYNTHETIC faces' if summary['data_kind'] == 'synthetic' else 'data: ' + str(c['data'])}; "
+             f"{c['clients']} clients, {c['partition']} partition, {c['algorithm']}"
+             f"{' + DFC' if c['dfc'] else ''}, {summary['rounds_completed']} rounds ({summary['status']}), "
+             f"best round {summary['best_round']}.", "",
+             "## Global model on unseen people", "",
+             "| model | AUC | EER | TAR@1e-1 | TAR@1e-2 | TAR@1e-3 |", "|---|---|---|---|---|---|"]
+    rows = [("federated", summary["global"])]
+    if summary.get("centralized"):
+        rows.append(("centralised (upper bound)", summary["centralized"]["global"]))
+    for name, g in rows:
+        lines.append(f"| {name} | {_f(g.get('auc'))} | {_f(g.get('eer'))} | {_f(g.get('tar@1e-1'))} | "
+                     f"{_f(g.get('tar@1e-2'))} | {_f(g.get('tar@1e-3'))} |")
+    if not summary["personalized"]["training_clients"]:
+        lines += ["", "## Personalised verification", "",
+                  "Not measured: no client has two test images of one person (more images per identity needed)."]
+    for title, key in (("training clients", "training_clients"), ("clients held out of training", "held_out_clients")):
+        stats = summary["personalized"][key]
+        if not stats:
+            continue
+        lines += ["", f"## Personalised verification, {title} (mean ± std over clients)", "",
+                  "| verifier | clients | AUC | EER | TAR@1e-2 | TAR@1e-3 |", "|---|---|---|---|---|---|"]
+        for name in VERIFIERS:
+            if name in stats:
+                s = stats[name]
+                lines.append(f"| {name} | {s['clients']} | {_ms(s, 'auc')} | {_ms(s, 'eer')} | {_ms(s, 'tar@1e-2')} | "
+                             f"{_ms(s, 'tar@1e-3')} |")
+    b = summary["bytes"]
+    lines += ["", "## Cost", "",
+              f"- bytes up (device -> coordinator): {b['up'] / 1e6:.1f} MB in all, {b['per_round_up_mean'] / 1e6:.1f} MB per round",
+              f"- bytes down (model downloads): {b['down'] / 1e6:.1f} MB in all",
+              f"- wall time: {summary['wall_seconds']:.0f} s; {_f(summary.get('round_seconds_mean'), 1)} s per round",
+              "", "## Plots", ""] + [f"- {k}: `{v}`" for k, v in summary["plots"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(summary: dict, out: Path) -> list[Path]:
+    json_path, md_path = out / "summary.json", out / "summary.md"
+    tmp = json_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(json_path)
+    md_path.write_text(summary_markdown(summary))
+    return [json_path, md_path]
+
+
+def load_summary(run_dir: Path) -> dict:
+    path = Path(run_dir) / "summary.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no summary.json in {run_dir}: has the simulation finished?")
+    return json.loads(path.read_text())
+
+
+def compare(run_dirs: list[Path]) -> str:
+    """`ffr fleet report`: one Markdown table, a row per run."""
+    return markdown_table([run_row(load_summary(d)) for d in run_dirs])

@@ -1,0 +1,355 @@
+"""`ffr fleet simulate`: the real coordinator and the real edge client, over a real broker, on partitioned faces.
+
+The simulator only plays the parts a real fleet has no one for: it hands each device its
+share of a dataset, lets a small process pool run the devices' turns, opens one round at a
+time (so it can evaluate the global model between rounds and stop early), and finally
+measures everything against a centrally trained upper bound. Every step leaves its state in
+the run folder, so Ctrl-C and running the same command again picks up where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from coordinator.service import Service, ServiceConfig
+from coordinator.engine import RoundSettings
+from edge_client.home import DeviceHome
+from fleet import plots
+from fleet.config import SimConfig
+from fleet.data import VAL, FleetData, crop_cache, device_id, prepare, write_device_folders
+from fleet.devices import DevicePool, Turn
+from fleet.evaluation import confusion, embed, evaluate_clients, flat, load_local_model
+from fleet.report import write_summary
+from models.face_model import FaceModel, ModelConfig, from_numpy_state, load_shareable_state
+from models.tracking import MlflowTracker, NullTracker, default_tracking_uri
+from models.training import verification
+from protocol.messages import TrainingConfig
+
+log = logging.getLogger("ffr.fleet")
+
+
+@dataclass
+class RunState:
+    """What the run folder remembers between invocations (rewritten atomically after every round)."""
+
+    history: list[dict] = field(default_factory=list)
+    status: str = "running"
+    mlflow_run_id: str | None = None
+    elapsed_s: float = 0.0
+
+    @classmethod
+    def load(cls, path: Path) -> "RunState":
+        return cls(**json.loads(path.read_text())) if path.exists() else cls()
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
+
+
+def best_round(history: list[dict]) -> int | None:
+    """The round whose global model had the best validation AUC (early stopping's choice)."""
+    scored = [h for h in history if h.get("select_auc") is not None]
+    return max(scored, key=lambda h: h["select_auc"])["round"] if scored else None
+
+
+def should_stop(history: list[dict], patience: int, min_delta: float) -> bool:
+    """True after `patience` rounds without a validation AUC at least `min_delta` above the best before."""
+    if patience <= 0 or len(history) <= patience:
+        return False
+    scores = [h.get("select_auc") for h in history]
+    if any(s is None for s in scores):
+        return False
+    best_before = max(scores[:-patience])
+    return max(scores[-patience:]) < best_before + min_delta
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, run_dir: Path):
+        config.validate()
+        self.config, self.run_dir = config, Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._check_resume()
+        self.data: FleetData = prepare(config, self.run_dir)  # every data/partition error surfaces here
+        config.save(self.run_dir / "config.json")
+        self.state_path = self.run_dir / "state.json"
+        self.state = RunState.load(self.state_path)
+        self.cores = os.cpu_count() or 1
+
+    def _check_resume(self) -> None:
+        path = self.run_dir / "config.json"
+        if path.exists():
+            changed = self.config.differences(SimConfig.load(path))
+            if changed:
+                raise ValueError(f"{self.run_dir} holds another simulation ({'; '.join(changed)}); "
+                                 "run the same command to resume it, or choose another --out")
+
+    # setup ------------------------------------------------------------------
+    def _service(self) -> Service:
+        c = self.config
+        training = TrainingConfig(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, dfc=c.dfc,
+                                  dfc_weight=c.dfc_weight, wire_dtype=c.wire_dtype, width_mult=c.width_mult)
+        settings = RoundSettings(rounds=c.rounds, min_clients=1, fraction=c.fraction, round_timeout_s=c.round_timeout,
+                                 training=training, seed=c.seed)
+        return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, strategy=c.algorithm,
+                                     prox_mu=c.prox_mu, server_momentum=c.server_momentum, pretrained=c.pretrained,
+                                     start_paused=True), settings)
+
+    def _turn(self, client: int, round_id: int | None) -> Turn:
+        root = self.run_dir / "devices" / device_id(client)
+        return Turn(device_id(client), str(root / "data"), str(root / "home"), self.service.broker_url,
+                    str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
+                    self.config.round_timeout)
+
+    # the run ----------------------------------------------------------------
+    def run(self) -> dict:
+        c = self.config
+        started = time.time()
+        write_device_folders(self.data, self.run_dir / "devices")
+        tracker = MlflowTracker(default_tracking_uri(self.run_dir), "ffr-fleet") if c.mlflow else NullTracker()
+        tracker.start(self.run_dir.name, asdict(c), self.state.mlflow_run_id)
+        self.state.mlflow_run_id, self.state.status = tracker.run_id, "running"
+        self.service = self._service()
+        pool = DevicePool(c.workers, max(1, self.cores // c.workers))
+        try:
+            self._register(pool)
+            self._rounds(pool, tracker)
+            pool.close()
+        except BaseException as exc:
+            pool.terminate()
+            self.service.close()
+            self.state.status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            self.state.elapsed_s += time.time() - started
+            self.state.save(self.state_path)
+            tracker.end("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+            raise
+        self.service.close()
+        summary = self._finish(tracker, started)
+        tracker.end()
+        return summary
+
+    def _register(self, pool: DevicePool) -> None:
+        known = set(self.service.engine.store.device_keys())
+        turns = [self._turn(k, None) for k in self.data.training_clients if device_id(k) not in known]
+        for result in tqdm(pool.run(turns), total=len(turns), desc="registering devices", unit="device",
+                           disable=not (self.config.progress and turns)):
+            if not result["ok"]:
+                raise RuntimeError(f"{result['device_id']} could not register: {result.get('error')}")
+
+    def _rounds(self, pool: DevicePool, tracker) -> None:
+        c, engine = self.config, self.service.engine
+        self._catch_up(tracker)
+        while engine.store.completed_rounds() < c.rounds:
+            if should_stop(self.state.history, c.patience, c.min_delta):
+                self.state.status = "early_stopped"
+                tqdm.write(f"early stop: no validation AUC gain of {c.min_delta} in {c.patience} rounds")
+                return
+            with engine.lock:
+                engine.running = True
+                engine.tick()
+                engine.running = False
+                current = engine.current
+            if current is None:
+                raise RuntimeError("the coordinator opened no round: no device is registered")
+            round_started = time.time()
+            self._run_devices(pool, current.round_id, current.participants)
+            self._close(current.round_id)
+            self._catch_up(tracker, wall_s=time.time() - round_started)
+        self.state.status = "completed"
+
+    def _run_devices(self, pool: DevicePool, round_id: int, participants: list[str]) -> None:
+        clients = [int(d.removeprefix("client-")) for d in participants]
+        done = self.service.engine.store
+        turns = [self._turn(k, round_id) for k in clients if not done.update_accepted(round_id, device_id(k))]
+        number = self.service.engine.store.completed_rounds() + 1
+        bar = tqdm(pool.run(turns), total=len(turns), desc=f"round {number}/{self.config.rounds}", unit="device",
+                   disable=not self.config.progress)
+        for result in bar:
+            if result["ok"]:
+                bar.set_postfix(device=result["device_id"], loss=f"{result.get('train_loss', float('nan')):.3f}")
+            else:
+                tqdm.write(f"  {result['device_id']}: dropped from round {round_id}: {result.get('error')}")
+
+    def _close(self, round_id: int, grace_s: float = 10.0) -> None:
+        """Wait for the coordinator to aggregate; devices that failed are given up on after `grace_s`."""
+        engine, waited = self.service.engine, time.monotonic()
+        while True:
+            with engine.lock:
+                if engine.current is None or engine.current.round_id != round_id:
+                    return
+                if time.monotonic() - waited > grace_s:
+                    engine.current.deadline = engine.now()
+            time.sleep(0.1)
+
+    def _catch_up(self, tracker, wall_s: float | None = None) -> None:
+        """Evaluate every aggregated round not yet in the history (also the one a Ctrl-C interrupted)."""
+        seen = {h["round_id"] for h in self.state.history}
+        for row in self.service.engine.store.rounds():
+            if row["status"] != "completed" or row["round_id"] in seen:
+                continue
+            record = self._round_record(row, wall_s)
+            self.state.history.append(record)
+            self.state.save(self.state_path)
+            tracker.log_metrics(record, record["round"])
+            shown = " ".join(f"{k}={record[k]:.4f}" for k in ("train_loss", "train_acc", "val_auc", "holdout_auc",
+                                                              "holdout_eer") if record.get(k) is not None)
+            tqdm.write(f"round {record['round']}: {shown} ({record['updates']} updates, "
+                       f"{record['bytes_up'] / 1e6:.1f} MB up)")
+
+    def _round_record(self, row: dict, wall_s: float | None) -> dict:
+        m = row["metrics"]
+        version = row["new_version"]
+        model = self._global_model(version)
+        record = {"round": len(self.state.history) + 1, "round_id": row["round_id"], "model_version": version,
+                  "updates": row["n_updates"], "dropped": row["n_dropped"],
+                  "train_loss": m.get("mean_train_loss"), "train_acc": m.get("mean_train_acc"),
+                  "bytes_up": m.get("bytes_received", 0),
+                  "bytes_down": len(self.service.engine.store.model_bytes(row["base_version"])) * len(row["participants"]),
+                  "wall_s": wall_s if wall_s is not None else (row["closed_at"] or 0) - (row["started_at"] or 0),
+                  "aggregation_s": m.get("aggregation_seconds")}
+        self._eval_threads()
+        val = self.data.union(VAL, self.data.training_clients)
+        val_report, _ = verification(model, val, self.config.max_eval_pairs, self.config.seed)
+        hold_report, _ = verification(model, self.data.holdout(), self.config.max_eval_pairs, self.config.seed)
+        record.update({f"val_{k}": v for k, v in flat(val_report).items() if k in ("auc", "eer")})
+        record.update({f"holdout_{k}": v for k, v in flat(hold_report).items()})
+        # early stopping watches validation images of the devices' own people; unseen people when too few
+        record["select_auc"] = record.get("val_auc") if record.get("val_auc") is not None else record.get("holdout_auc")
+        return record
+
+    def _eval_threads(self) -> None:
+        torch.set_num_threads(self.cores)
+
+    def _global_model(self, version: int) -> FaceModel:
+        c = self.config
+        model = FaceModel(ModelConfig(n_classes=1, width_mult=c.width_mult, pretrained=False))
+        load_shareable_state(model, from_numpy_state(self.service.engine.store.load_model(version)))
+        return model.eval()
+
+    # the end ----------------------------------------------------------------
+    def _finish(self, tracker, started: float) -> dict:
+        c, history = self.config, self.state.history
+        self._eval_threads()
+        best = best_round(history) or (history[-1]["round"] if history else None)
+        chosen = next(h for h in history if h["round"] == best) if best else None
+        global_model = self._global_model(chosen["model_version"] if chosen else 0)
+        central_model, central_metrics = None, None
+        if c.centralized:
+            from fleet.centralized import budget_epochs, train_centralized
+
+            tqdm.write(f"centralised upper bound: {budget_epochs(c)} epochs on the union of the clients' training images")
+            central_model, central_metrics = train_centralized(self.data, c, self.run_dir / "centralized")
+        out = self.run_dir
+        holdout = self.data.holdout()
+        global_report, global_curve = verification(global_model, holdout, c.max_eval_pairs, c.seed)
+        central_report, central_curve = (verification(central_model, holdout, c.max_eval_pairs, c.seed)
+                                         if central_model is not None else ({}, None))
+        clients = evaluate_clients(self.data, self._verifiers(global_model, central_model), c.impostor_images, c.seed)
+        figures = self._plots(history, best, global_curve, central_curve, central_report, clients, global_model)
+        self.state.elapsed_s += time.time() - started
+        self.state.save(self.state_path)
+        summary = {
+            "run": str(out), "status": self.state.status,
+            "data_kind": "synthetic" if self.data.crops.synthetic else "real",
+            "config": asdict(c),
+            "partition": self.data.partition.summary(self._images_per_identity()),
+            "rounds_completed": len(history), "best_round": best,
+            "global": {**flat(global_report), "evaluated_on": "unseen identities (on no device)",
+                       "model_version": chosen["model_version"] if chosen else 0,
+                       "n_genuine_pairs": global_report.get("n_genuine_pairs"),
+                       "n_impostor_pairs": global_report.get("n_impostor_pairs")},
+            "personalized": {"training_clients": clients["training"], "held_out_clients": clients["held_out"],
+                             "per_client": clients["clients"]},
+            "centralized": None if central_model is None else {
+                "global": flat(central_report), "epochs": central_metrics["epochs_run"],
+                "best_epoch": central_metrics["best_epoch"],
+                "train_seconds": float(sum(h.get("train_seconds", 0.0) for h in central_metrics["history"]))},
+            "bytes": {"up": int(sum(h["bytes_up"] for h in history)), "down": int(sum(h["bytes_down"] for h in history)),
+                      "per_round_up_mean": float(np.mean([h["bytes_up"] for h in history])) if history else 0.0,
+                      "per_round_down_mean": float(np.mean([h["bytes_down"] for h in history])) if history else 0.0},
+            "wall_seconds": self.state.elapsed_s,
+            "round_seconds_mean": float(np.mean([h["wall_s"] for h in history])) if history else None,
+            "history": history, "plots": {k: str(v) for k, v in figures.items()},
+            "mlflow_run_id": tracker.run_id,
+        }
+        paths = write_summary(summary, out)
+        tracker.log_metrics(_final_metrics(summary), len(history))
+        for path in [*figures.values(), *paths]:
+            tracker.log_artifact(path)
+        return summary
+
+    def _verifiers(self, global_model: FaceModel, central_model: FaceModel | None) -> dict:
+        c, cache = self.config, {}
+
+        def local(client: int, personalised: bool):
+            if client in self.data.partition.heldout_clients:
+                return None
+            if client not in cache:
+                home = DeviceHome(self.run_dir / "devices" / device_id(client) / "home")
+                cache.clear()  # one client's model in memory at a time
+                cache[client] = load_local_model(home, len(self.data.partition.clients[client]), c.width_mult, c.dfc)
+            model = cache[client]
+            return None if model is None else (lambda x: embed(model, x, personalised))
+
+        verifiers = {"global": lambda k: (lambda x: embed(global_model, x)),
+                     "local": lambda k: local(k, False)}
+        if c.dfc:
+            verifiers["local+dfc"] = lambda k: local(k, True)
+        if central_model is not None:
+            verifiers["centralized"] = lambda k: (lambda x: embed(central_model, x))
+        return verifiers
+
+    def _plots(self, history, best, global_curve, central_curve, central_report, clients, global_model) -> dict:
+        out, figures = self.run_dir, {}
+        figures["rounds"] = plots.rounds_png(history, best, flat(central_report) if central_report else None,
+                                             out / "rounds.png")
+        curves = {"federated (global model)": global_curve} if global_curve else {}
+        if central_curve:
+            curves["centralised"] = central_curve
+        from models.evaluation.plots import roc_png
+
+        if curves:
+            figures["roc_global"] = roc_png(curves, out / "roc_global.png", "ROC, unseen people")
+        if clients["curves"]:
+            figures["roc_personalized"] = roc_png(clients["curves"], out / "roc_personalized.png",
+                                                  "ROC, each client's own people (pooled)")
+        names = [n for n in ("global", "local", "local+dfc", "centralized") if n in clients["curves"]]
+        figures["client_tar"] = plots.client_bars_png(clients["clients"], names, out / "client_tar.png")
+        holdout = self.data.holdout()
+        if holdout is not None:
+            result = confusion(embed(global_model, holdout.images), holdout.labels, holdout.identities,
+                               seed=self.config.seed)
+            if result is not None:
+                figures["confusion"] = plots.confusion_png(*result, out / "confusion.png")
+        figures["partition"] = plots.partition_png(self.data.partition.summary(self._images_per_identity()),
+                                                   out / "partition.png")
+        return figures
+
+    def _images_per_identity(self) -> dict[str, int]:
+        counts = np.bincount(self.data.crops.labels, minlength=len(self.data.crops.identities))
+        return dict(zip(self.data.crops.identities, counts.tolist()))
+
+
+def _final_metrics(summary: dict) -> dict:
+    out = {f"final_global_{k}": v for k, v in summary["global"].items() if isinstance(v, float)}
+    for name, stats in summary["personalized"]["training_clients"].items():
+        for metric, value in stats.items():
+            if isinstance(value, dict):
+                out[f"final_personalized_{name}_{metric}_mean"] = value["mean"]
+                out[f"final_personalized_{name}_{metric}_std"] = value["std"]
+    if summary["centralized"]:
+        out.update({f"final_centralized_{k}": v for k, v in summary["centralized"]["global"].items()
+                    if isinstance(v, float)})
+    return out
+
+
+def simulate(config: SimConfig, run_dir: Path) -> dict:
+    return Simulation(config, run_dir).run()

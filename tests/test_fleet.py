@@ -1,0 +1,166 @@
+"""`ffr fleet simulate`: the real client and coordinator over Mosquitto, resume after Ctrl-C, bad input."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fleet.data import TEST, TRAIN
+from fleet.evaluation import client_pairs, fairness
+from fleet.report import compare
+from fleet.simulate import best_round, should_stop
+from models.cli import main
+
+# small but real: 12 SYNTHETIC people x 10 images, a narrow MobileNetV2, 3 devices
+TINY = ["--synthetic-identities", "12", "--synthetic-images", "10", "--holdout-identities", "0.25",
+        "--width-mult", "0.35", "--no-pretrained", "--lr", "1e-3", "--batch-size", "16", "--workers", "2"]
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory, mosquitto) -> Path:
+    out = tmp_path_factory.mktemp("fleet") / "run"
+    rc = main(["-q", "fleet", "simulate", "--clients", "3", "--rounds", "2", "--partition", "iid", "--algorithm",
+               "fedprox", "--dfc", "--broker", mosquitto.url, "--patience", "0", *TINY, "--out", str(out)])
+    assert rc == 0
+    return out
+
+
+def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
+    summary = json.loads((simulated / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 2
+    assert summary["data_kind"] == "synthetic"
+    assert [h["model_version"] for h in summary["history"]] == [1, 2]
+    assert all(h["updates"] == 3 and h["bytes_up"] > 0 for h in summary["history"])
+    assert 0.0 <= summary["global"]["auc"] <= 1.0 and summary["global"]["n_impostor_pairs"] > 0
+    assert summary["centralized"]["epochs"] == 2 and 0.0 <= summary["centralized"]["global"]["auc"] <= 1.0
+    personalised = summary["personalized"]["training_clients"]
+    assert set(personalised) == {"global", "local", "local+dfc", "centralized"}
+    assert personalised["local+dfc"]["clients"] == 3 and personalised["local+dfc"]["auc"]["std"] >= 0.0
+    # the local models really differ from the global one (they were trained on the device)
+    rows = summary["personalized"]["per_client"]
+    assert any(r["local"]["auc"] != r["global"]["auc"] for r in rows)
+    assert summary["bytes"]["up"] == sum(h["bytes_up"] for h in summary["history"])
+    for name in ("rounds", "roc_global", "roc_personalized", "client_tar", "confusion", "partition"):
+        png = Path(summary["plots"][name])
+        assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "| federated |" in (simulated / "summary.md").read_text()
+
+
+def test_simulation_used_the_real_coordinator_and_devices(simulated):
+    db = sqlite3.connect(simulated / "coordinator" / "coordinator.sqlite")
+    statuses = [r[0] for r in db.execute("SELECT status FROM rounds ORDER BY round_id")]
+    assert statuses == ["completed", "completed"]
+    accepted = db.execute("SELECT COUNT(*) FROM updates WHERE accepted=1").fetchone()[0]
+    assert accepted == 6  # 3 devices x 2 rounds, each delta sent over MQTT and verified
+    for k in range(3):
+        home = simulated / "devices" / f"client-{k:03d}" / "home"
+        assert (home / "private" / "local_backbone.safetensors").exists()
+        assert len(json.loads((home / "rounds.json").read_text())) == 2
+
+
+def test_devices_hold_only_their_training_images(simulated):
+    from fleet.config import SimConfig
+    from fleet.data import prepare
+
+    config = SimConfig.load(simulated / "config.json")
+    config.progress = False
+    data = prepare(config, simulated)
+    for k in data.training_clients:
+        linked = {str(p.resolve()) for p in (simulated / "devices" / f"client-{k:03d}" / "data").rglob("*.png")}
+        expected = {str(Path(data.crops.paths[i]).resolve()) for i in np.flatnonzero(data.client_mask(k, TRAIN))}
+        assert linked == expected
+        tests = {str(Path(data.crops.paths[i]).resolve()) for i in np.flatnonzero(data.client_mask(k, TEST))}
+        assert not linked & tests
+
+
+def test_mlflow_has_the_run(simulated):
+    db = sqlite3.connect(simulated / "mlflow.db")
+    steps = {r[0] for r in db.execute("SELECT step FROM metrics WHERE key='holdout_auc'")}
+    assert steps == {1, 2}
+    assert db.execute("SELECT COUNT(*) FROM metrics WHERE key LIKE 'final_personalized_local_dfc_auc%'").fetchone()[0] == 2
+
+
+def test_report_puts_runs_side_by_side(simulated, capsys):
+    assert main(["fleet", "report", str(simulated), str(simulated)]) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[0].startswith("| run |") and len(table) == 4
+    assert compare([simulated]).count("fedprox +DFC") == 1
+
+
+def _history(run: Path) -> list[dict]:
+    path = run / "state.json"
+    try:
+        return json.loads(path.read_text())["history"] if path.exists() else []
+    except json.JSONDecodeError:
+        return []
+
+
+def test_ctrl_c_leaves_a_resumable_run(tmp_path, mosquitto):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "models.cli", "-q", "fleet", "simulate", "--clients", "3", "--rounds", "3",
+           "--no-centralized", "--no-mlflow", "--patience", "0", "--broker", mosquitto.url, *TINY, "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not _history(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Run the same command again to resume" in err
+    state = json.loads((out / "state.json").read_text())
+    assert state["status"] == "interrupted"
+    first = state["history"][0]
+
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    assert summary["history"][0] == first  # the finished round is kept, not redone
+    assert [h["model_version"] for h in summary["history"]] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "/nonexistent/faces"], "does not exist"),
+    (["--clients", "40"], "cannot give each of 40 clients an identity"),
+    (["--partition", "attribute", "--rules", "RULES"], "no per-image attributes"),
+])
+def test_bad_input_fails_before_training(tmp_path, capsys, args, message):
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps([{"where": {"Male": 1}}]))
+    args = [str(rules) if a == "RULES" else a for a in args]
+    out = tmp_path / "run"
+    assert main(["-q", "fleet", "simulate", *TINY, *args, "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (out / "coordinator").exists() and not (out / "devices").exists()
+
+
+def test_resuming_with_other_options_is_refused(simulated, capsys):
+    assert main(["-q", "fleet", "simulate", "--clients", "4", "--rounds", "2", *TINY, "--out", str(simulated)]) == 2
+    assert "holds another simulation" in capsys.readouterr().err
+
+
+def test_early_stopping_and_best_round():
+    history = [{"round": r, "select_auc": a} for r, a in enumerate([0.6, 0.7, 0.69, 0.7005, 0.65], 1)]
+    assert best_round(history) == 4
+    assert not should_stop(history[:3], patience=2, min_delta=1e-3)
+    assert should_stop(history[:4], patience=2, min_delta=1e-3)   # 0.7005 < 0.7 + 1e-3
+    assert not should_stop(history[:4], patience=2, min_delta=1e-4)
+    assert not should_stop(history, patience=0, min_delta=0.0)
+
+
+def test_client_pairs_are_own_genuine_and_cross_client_impostors():
+    pairs, same = client_pairs(np.array([0, 0, 1, 1, 1]), n_other=4)
+    assert same.sum() == 1 + 3 and (~same).sum() == 5 * 4
+    assert (pairs[~same][:, 1] >= 5).all() and (pairs[~same][:, 0] < 5).all()
+    stats = fairness([{"held_out": False, "g": {"auc": 0.5, "eer": 0.2, "tar@1e-2": None, "tar@1e-3": None}},
+                      {"held_out": False, "g": {"auc": 0.7, "eer": 0.4, "tar@1e-2": None, "tar@1e-3": None}}], ["g"])
+    assert stats["g"]["auc"] == pytest.approx({"mean": 0.6, "std": 0.1}) and stats["g"]["tar@1e-2"] is None
