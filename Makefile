@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 FFR_FACES_DIR ?= $(abspath ../shared/faces)
 export FFR_FACES_DIR
 
-.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated bench-fleet clean
+.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated bench-fleet bench-device clean
 
 install: $(STAMP)
 
@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
-bench: bench-latency bench-train bench-federated bench-quality
+bench: bench-latency bench-train bench-federated bench-quality bench-fleet bench-device
 
 bench-latency: $(STAMP)
 	$(PY) -m bench.latency --out bench/results
@@ -36,6 +36,11 @@ bench-train: $(STAMP)
 
 bench-federated: $(STAMP)
 	$(PY) -m bench.federated --out bench/results
+
+# the peer, face_recognition (dlib), from PyPI wheels: --no-deps, or pip would build dlib from source
+bench-device: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps face_recognition==1.3.0 face_recognition_models==0.3.0 dlib-bin==20.0.1.post1
+	$(PY) -m bench.device --out bench/results
 
 bench-fleet: $(STAMP)
 	$(PY) -m bench.fleet --out bench/results

@@ -1,0 +1,171 @@
+"""On-device speed and quality: our ONNX pipeline vs the `face_recognition` package (dlib).
+
+python -m bench.device --out bench/results
+
+Latency, end to end per 640x480 frame: detect, quality gate + crop, preprocess, embed, and
+match against 100 templates; median and p95 at 1 and 2 threads. The peer does the same with
+its own HOG detector, its ResNet encoder and `face_distance` against 100 encodings.
+Quality: AUC/EER on the held-out identities of each real set (the same 70/30 identity split,
+seed 0, as `bench.verify_quality`), for the embedder a fresh device ships with (ImageNet
+initialisation), the centrally trained checkpoint from `bench.verify_quality` when present,
+and face_recognition, all on the same crops and pairs.
+
+face_recognition needs `face_recognition`, `face_recognition_models` and `dlib-bin` (prebuilt
+dlib), installed with --no-deps by `make bench-device`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from bench.common import faces_dir, time_calls, write_results
+from bench.latency import frames
+from edge_client.capture import QualityGate, check_face, device_detector
+from models.evaluation.metrics import make_pairs, roc_report
+from models.runtime import OnnxEmbedder
+
+SETS = ("orl", "extended_yale_b", "glint24_aligned", "celeba_subset")
+N_TEMPLATES = 100
+
+
+def load_face_recognition():
+    """Import face_recognition; its models package still calls pkg_resources, gone from new setuptools."""
+    if "pkg_resources" not in sys.modules:
+        try:
+            import pkg_resources  # noqa: F401
+        except ImportError:
+            shim = types.ModuleType("pkg_resources")
+            shim.resource_filename = lambda package, name: str(importlib.resources.files(package) / name)
+            sys.modules["pkg_resources"] = shim
+    import face_recognition
+
+    return face_recognition
+
+
+def ours_per_frame(embedder: OnnxEmbedder, detector, templates: np.ndarray, frame_bgr: np.ndarray) -> float | None:
+    check = check_face(frame_bgr, detector, QualityGate())
+    if check.crop is None:
+        return None
+    emb = embedder.embed(check.crop[None])[0]
+    return float(np.max(templates @ (emb / np.linalg.norm(emb))))
+
+
+def peer_per_frame(fr, templates: np.ndarray, frame_rgb: np.ndarray) -> float | None:
+    boxes = fr.face_locations(frame_rgb)
+    if not boxes:
+        return None
+    enc = fr.face_encodings(frame_rgb, boxes[:1])[0]
+    return float(np.min(fr.face_distance(templates, enc)))
+
+
+def latency_rows(onnx_path: Path, fr, repeats: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rgb_frames = frames(20)
+    bgr_frames = [cv2.cvtColor(f, cv2.COLOR_RGB2BGR) for f in rgb_frames]
+    rows = []
+    for threads in (1, 2):
+        cv2.setNumThreads(threads)
+        embedder = OnnxEmbedder(onnx_path, threads=threads)
+        detector = device_detector("auto")
+        templates = rng.normal(size=(N_TEMPLATES, embedder.info.embedding_dim)).astype(np.float32)
+        templates /= np.linalg.norm(templates, axis=1, keepdims=True)
+        k = iter(range(10**9))
+        t = time_calls(lambda: ours_per_frame(embedder, detector, templates, bgr_frames[next(k) % 20]), repeats)
+        found = sum(ours_per_frame(embedder, detector, templates, f) is not None for f in bgr_frames)
+        rows.append({"pipeline": f"ffr-edge ({type(detector).__name__.removesuffix('Detector')} at 320 px + "
+                                 "MobileNetV2-1.0 ONNX)", "threads": threads, "median_ms": t["median_ms"],
+                     "p95_ms": t["p95_ms"], "frames_with_face": f"{found}/20"})
+    if fr is not None:
+        cv2.setNumThreads(1)
+        templates = rng.normal(size=(N_TEMPLATES, 128)) * 0.1
+        k = iter(range(10**9))
+        t = time_calls(lambda: peer_per_frame(fr, templates, rgb_frames[next(k) % 20]), max(10, repeats // 4), 2)
+        found = sum(peer_per_frame(fr, templates, f) is not None for f in rgb_frames)
+        rows.append({"pipeline": "face_recognition 1.3 (dlib HOG + ResNet)", "threads": 1, "median_ms": t["median_ms"],
+                     "p95_ms": t["p95_ms"], "frames_with_face": f"{found}/20"})
+    return rows
+
+
+def quality_rows(onnx_path: Path, fr, max_pairs: int) -> list[dict]:
+    from bench.verify_quality import SETS as CROPS
+    from models.embedders import load_embedder
+    from models.evaluation.evaluate import embed_all
+    from models.faces.crops import crop_index
+    from models.faces.datasets import load_index
+    from models.faces.splits import training_split
+
+    root, rows = faces_dir(), []
+    for name in SETS:
+        if root is None or not (root / name).is_dir():
+            continue
+        crops = crop_index(load_index(root / name), CROPS[name], progress=False, min_images=2)
+        held = training_split(crops, holdout_fraction=0.3, val_fraction=0.1, seed=0).holdout
+        pairs, same = make_pairs(held.labels, max_pairs, 0)
+        candidates = {"ffr-edge, ImageNet init (fresh device)": OnnxEmbedder(onnx_path, threads=2)}
+        trained = Path("bench/results/quality_runs") / name / "cosface-weak" / "best.pt"
+        if trained.exists():
+            candidates["ffr-edge, trained on this set's other people (CosFace)"] = load_embedder(trained)
+        scored = {k: _cosine(embed_all(e, held.images), pairs) for k, e in candidates.items()}
+        if fr is not None:
+            scored["face_recognition (dlib)"] = -_euclidean(peer_embeddings(fr, held.images), pairs)
+        for model, scores in scored.items():
+            report = roc_report(scores, same)
+            rows.append({"set": name, "model": model, "auc": report["auc"], "eer": report["eer"],
+                         "tar@far=1e-2": report["tar_at_far"]["0.01"], "identities": len(held.identities),
+                         "images": len(held), "pairs": f"{int(same.sum())}/{int((~same).sum())}"})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def peer_embeddings(fr, crops: np.ndarray) -> np.ndarray:
+    """dlib encodings of our 128 px crops, the face box being the crop less its 20% margin."""
+    inner = (18, 110, 110, 18)  # top, right, bottom, left
+    return np.stack([fr.face_encodings(np.ascontiguousarray(c), [inner])[0] for c in crops])
+
+
+def _cosine(emb: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    emb = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    return np.einsum("ij,ij->i", emb[pairs[:, 0]], emb[pairs[:, 1]])
+
+
+def _euclidean(emb: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    return np.linalg.norm(emb[pairs[:, 0]] - emb[pairs[:, 1]], axis=1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--max-pairs", type=int, default=50_000)
+    parser.add_argument("--skip-quality", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        fr = load_face_recognition()
+    except ImportError as exc:
+        print(f"face_recognition not installed ({exc}); the peer is skipped", file=sys.stderr)
+        fr = None
+    from models.face_model import FaceModel, ModelConfig
+    from models.onnx_export import export_onnx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx_path = export_onnx(FaceModel(ModelConfig(n_classes=2)).eval(), Path(tmp) / "generic.onnx")
+        latency = latency_rows(onnx_path, fr, args.repeats)
+        quality = [] if args.skip_quality else quality_rows(onnx_path, fr, args.max_pairs)
+    command = "python -m bench.device " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_results(args.out, "device_latency", {"templates": N_TEMPLATES}, latency,
+                  "End-to-end latency per 640x480 frame (detect, crop, embed, match 100 templates)", command.strip())
+    if quality:
+        write_results(args.out, "device_quality", {}, quality, "Verification on held-out people: ffr-edge vs "
+                      "face_recognition", command.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
