@@ -81,7 +81,10 @@ def _key_from_env(value: str) -> bytes:
     try:
         key = bytes.fromhex(value)
     except ValueError:
-        key = base64.b64decode(value, validate=True) if value else b""
+        try:
+            key = base64.b64decode(value, validate=True)
+        except ValueError:
+            key = b""
     if len(key) != 32:
         raise VaultError(f"${KEY_ENV} must hold a 32-byte key, hex or base64 (got {len(key)} bytes)")
     return key

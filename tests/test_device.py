@@ -196,3 +196,26 @@ def test_bad_input_is_a_clear_error(case, tmp_path, home, videos, faces_dir):
         os.environ.pop("FFR_STORE_KEY", None)
     assert rc == 2, (out, err)
     assert expected in err, err
+
+
+def test_vault_refuses_swapped_files_and_ignores_half_written_ones(tmp_path, monkeypatch):
+    from edge_client.vault import Vault, VaultError, new_person
+
+    monkeypatch.delenv("FFR_STORE_KEY", raising=False)
+    vault = Vault.open(tmp_path / "store")
+    crops = np.random.default_rng(0).integers(0, 255, (2, 8, 8, 3), dtype=np.uint8)
+    for name in ("ann", "bob"):
+        vault.put(new_person(name, crops, np.ones(4), "sha"))
+    # a crash mid-write leaves only a temporary file beside the records: it is never read
+    (tmp_path / "store" / "people" / ".x.person.tmp123").write_bytes(b"half")
+    assert vault.names() == ["ann", "bob"]
+    ann, bob = vault._path("ann"), vault._path("bob")
+    bob.write_bytes(ann.read_bytes())  # ann's record put under bob's name: its associated data no longer fits
+    with pytest.raises(VaultError, match="tampered"):
+        vault.get("bob")
+    monkeypatch.setenv("FFR_STORE_KEY", "ab" * 32)
+    with pytest.raises(VaultError, match="wrong key"):
+        Vault.open(tmp_path / "store")
+    monkeypatch.setenv("FFR_STORE_KEY", "too-short")
+    with pytest.raises(VaultError, match="32-byte key"):
+        Vault.open(tmp_path / "store")
