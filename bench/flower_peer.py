@@ -1,6 +1,6 @@
 """The peer: the same federated run in Flower's simulation (FedAvg, Ray backend), for `bench.fleet`.
 
-python bench/flower_peer.py --run RUN_DIR --out RESULT.json   (in a venv with flwr[simulation])
+python -m bench.flower_peer --run RUN_DIR --out RESULT.json   (in a venv with flwr[simulation])
 
 It reads a finished `ffr fleet simulate` run folder and repeats its federated part with Flower:
 the same crops, partition and per-image splits (`fleet.data.prepare` on the saved config and
@@ -78,15 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         saved = private_dir / f"client-{k:03d}.safetensors"
         if saved.exists():
             model.load_state_dict(load_file(str(saved)), strict=False)
-        global_state = {n: torch.from_numpy(np.array(a, copy=True)) for n, a in
-                        msg.content["arrays"].to_numpy_ndarrays_dict().items()} \
-            if hasattr(msg.content["arrays"], "to_numpy_ndarrays_dict") else msg.content["arrays"].to_torch_state_dict()
+        global_state = msg.content["arrays"].to_torch_state_dict()
         round_no = int(msg.content["config"]["server-round"])
         result = train_round(model, crops, global_state, config.local_epochs, config.batch_size, config.lr,
                              0.0, seed=config.seed * 1000 + k + round_no)
         save_file({n: v.contiguous() for n, v in private_state(model).items()}, str(saved))
-        updated = shareable_state(model)
-        content = RecordDict({"arrays": ArrayRecord({n: v.numpy() for n, v in updated.items()}),
+        content = RecordDict({"arrays": ArrayRecord(shareable_state(model)),
                               "metrics": MetricRecord({"train_loss": result.metrics["train_loss"],
                                                        "num-examples": result.n_samples})})
         return Message(content=content, reply_to=msg)
@@ -97,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         def configure_train(self, server_round, arrays, config_record, grid):
             stats["round_started"].append(time.perf_counter())
             messages = list(super().configure_train(server_round, arrays, config_record, grid))
-            stats["bytes_down"] += sum(_nbytes(m.content["arrays"]) for m in messages)
+            stats["bytes_down"] += sum(m.content["arrays"].count_bytes() for m in messages)
             return messages
 
         def aggregate_train(self, server_round, replies):
             replies = list(replies)
-            stats["bytes_up"] += sum(_nbytes(r.content["arrays"]) for r in replies if r.has_content())
+            stats["bytes_up"] += sum(r.content["arrays"].count_bytes() for r in replies if r.has_content())
             out = super().aggregate_train(server_round, replies)
             stats["round_s"].append(time.perf_counter() - stats["round_started"][-1])
             return out
@@ -116,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         strategy = TimedFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=len(clients),
                                min_available_nodes=len(clients))
         started = time.perf_counter()
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial), train_config=ConfigRecord({}),
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(from_numpy_state(initial)), train_config=ConfigRecord({}),
                                 num_rounds=len(json.loads((args.run / "state.json").read_text())["history"]))
         final["seconds"] = time.perf_counter() - started
         final["arrays"] = result.arrays
@@ -126,12 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                    backend_config={"client_resources": {"num_cpus": max(1, (os.cpu_count() or 2) // args.workers)}})
     wall = time.perf_counter() - started
     model = FaceModel(ModelConfig(n_classes=1, width_mult=config.width_mult, pretrained=False))
-    arrays = final["arrays"]
-    state = {n: np.asarray(a) for n, a in (arrays.to_numpy_ndarrays_dict().items()
-                                           if hasattr(arrays, "to_numpy_ndarrays_dict")
-                                           else {k: v.numpy() for k, v in arrays.to_torch_state_dict().items()}.items())}
-    reference = shareable_state(model)
-    load_shareable_state(model, from_numpy_state({n: state[n].astype(reference[n].numpy().dtype) for n in reference}))
+    load_shareable_state(model, final["arrays"].to_torch_state_dict())  # integer buffers are cast back on load
     report, _ = verification(model.eval(), data.holdout(), config.max_eval_pairs, config.seed)
     rounds = len(stats["round_s"])
     out = {"framework": "flwr", "rounds": rounds, "clients": len(clients), "wall_seconds": wall,
@@ -142,10 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
     return 0
-
-
-def _nbytes(record) -> int:
-    return int(sum(np.asarray(a).nbytes for a in record.to_numpy_ndarrays()))
 
 
 if __name__ == "__main__":

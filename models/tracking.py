@@ -62,5 +62,5 @@ class MlflowTracker:
 
 
 def _metric_name(key: str) -> str:
-    """MLflow allows only [A-Za-z0-9_.\- :/] in names: 'tar@1e-2' -> 'tar_at_1e-2', 'local+dfc' -> 'local_dfc'."""
+    r"""MLflow allows only [A-Za-z0-9_.\- :/] in names: 'tar@1e-2' -> 'tar_at_1e-2', 'local+dfc' -> 'local_dfc'."""
     return key.replace("@", "_at_").replace("+", "_")
