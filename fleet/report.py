@@ -51,7 +51,8 @@ def summary_markdown(summary: dict) -> str:
              f"best round {summary['best_round']}.", "",
              "## Global model on unseen people", "",
              "| model | AUC | EER | TAR@1e-1 | TAR@1e-2 | TAR@1e-3 |", "|---|---|---|---|---|---|"]
-    rows = [("federated", summary["global"])]
+    rows = [("starting model (round 0)", summary["initial"])] if summary.get("initial") else []
+    rows.append((f"federated (round {summary['best_round']})", summary["global"]))
     if summary.get("centralized"):
         rows.append(("centralised (upper bound)", summary["centralized"]["global"]))
     for name, g in rows:

@@ -56,7 +56,7 @@ class RunState:
 
 
 def best_round(history: list[dict]) -> int | None:
-    """The round whose global model had the best validation AUC (early stopping's choice)."""
+    """The round whose global model had the best validation AUC (what early stopping keeps)."""
     scored = [h for h in history if h.get("select_auc") is not None]
     return max(scored, key=lambda h: h["select_auc"])["round"] if scored else None
 
@@ -192,10 +192,12 @@ class Simulation:
     def _catch_up(self, tracker, wall_s: float | None = None) -> None:
         """Evaluate every aggregated round not yet in the history (also the one a Ctrl-C interrupted)."""
         seen = {h["round_id"] for h in self.state.history}
-        for row in self.service.engine.store.rounds():
+        initial = {"round_id": 0, "status": "completed", "new_version": 0, "base_version": 0, "n_updates": 0,
+                   "n_dropped": 0, "participants": [], "metrics": {}, "started_at": 0, "closed_at": 0}
+        for row in [initial, *self.service.engine.store.rounds()]:  # round 0: the starting model, for reference
             if row["status"] != "completed" or row["round_id"] in seen:
                 continue
-            record = self._round_record(row, wall_s)
+            record = self._round_record(row, wall_s if row["round_id"] else 0.0)
             self.state.history.append(record)
             self.state.save(self.state_path)
             tracker.log_metrics(record, record["round"])
@@ -205,10 +207,11 @@ class Simulation:
                        f"{record['bytes_up'] / 1e6:.1f} MB up)")
 
     def _round_record(self, row: dict, wall_s: float | None) -> dict:
+        """Cost and global-model quality of one aggregated round (round 0: the starting model)."""
         m = row["metrics"]
         version = row["new_version"]
         model = self._global_model(version)
-        record = {"round": len(self.state.history) + 1, "round_id": row["round_id"], "model_version": version,
+        record = {"round": len(self.state.history), "round_id": row["round_id"], "model_version": version,
                   "updates": row["n_updates"], "dropped": row["n_dropped"],
                   "train_loss": m.get("mean_train_loss"), "train_acc": m.get("mean_train_acc"),
                   "bytes_up": m.get("bytes_received", 0),
@@ -237,9 +240,10 @@ class Simulation:
     # the end ----------------------------------------------------------------
     def _finish(self, tracker, started: float) -> dict:
         c, history = self.config, self.state.history
+        trained = [h for h in history if h["round"] > 0]
         self._eval_threads()
-        best = best_round(history) or (history[-1]["round"] if history else None)
-        chosen = next(h for h in history if h["round"] == best) if best else None
+        best = best_round(trained)  # the federated model: the best trained round, never the starting one
+        chosen = next((h for h in history if h["round"] == best), None)
         global_model = self._global_model(chosen["model_version"] if chosen else 0)
         central_model, central_metrics = None, None
         if c.centralized:
@@ -261,7 +265,7 @@ class Simulation:
             "data_kind": "synthetic" if self.data.crops.synthetic else "real",
             "config": asdict(c),
             "partition": self.data.partition.summary(self._images_per_identity()),
-            "rounds_completed": len(history), "best_round": best,
+            "rounds_completed": len(trained), "best_round": best,
             "global": {**flat(global_report), "evaluated_on": "unseen identities (on no device)",
                        "model_version": chosen["model_version"] if chosen else 0,
                        "n_genuine_pairs": global_report.get("n_genuine_pairs"),
@@ -272,11 +276,13 @@ class Simulation:
                 "global": flat(central_report), "epochs": central_metrics["epochs_run"],
                 "best_epoch": central_metrics["best_epoch"],
                 "train_seconds": float(sum(h.get("train_seconds", 0.0) for h in central_metrics["history"]))},
-            "bytes": {"up": int(sum(h["bytes_up"] for h in history)), "down": int(sum(h["bytes_down"] for h in history)),
-                      "per_round_up_mean": float(np.mean([h["bytes_up"] for h in history])) if history else 0.0,
-                      "per_round_down_mean": float(np.mean([h["bytes_down"] for h in history])) if history else 0.0},
+            "initial": {k.removeprefix("holdout_"): v for k, v in history[0].items() if k.startswith("holdout_")}
+            if history else None,
+            "bytes": {"up": int(sum(h["bytes_up"] for h in trained)), "down": int(sum(h["bytes_down"] for h in trained)),
+                      "per_round_up_mean": float(np.mean([h["bytes_up"] for h in trained])) if trained else 0.0,
+                      "per_round_down_mean": float(np.mean([h["bytes_down"] for h in trained])) if trained else 0.0},
             "wall_seconds": self.state.elapsed_s,
-            "round_seconds_mean": float(np.mean([h["wall_s"] for h in history])) if history else None,
+            "round_seconds_mean": float(np.mean([h["wall_s"] for h in trained])) if trained else None,
             "history": history, "plots": {k: str(v) for k, v in figures.items()},
             "mlflow_run_id": tracker.run_id,
         }

@@ -37,8 +37,9 @@ def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
     summary = json.loads((simulated / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
     assert summary["data_kind"] == "synthetic"
-    assert [h["model_version"] for h in summary["history"]] == [1, 2]
-    assert all(h["updates"] == 3 and h["bytes_up"] > 0 for h in summary["history"])
+    assert [h["model_version"] for h in summary["history"]] == [0, 1, 2]  # round 0: the starting model
+    assert all(h["updates"] == 3 and h["bytes_up"] > 0 for h in summary["history"][1:])
+    assert summary["initial"]["auc"] == summary["history"][0]["holdout_auc"]
     assert 0.0 <= summary["global"]["auc"] <= 1.0 and summary["global"]["n_impostor_pairs"] > 0
     assert summary["centralized"]["epochs"] == 2 and 0.0 <= summary["centralized"]["global"]["auc"] <= 1.0
     personalised = summary["personalized"]["training_clients"]
@@ -51,7 +52,7 @@ def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
     for name in ("rounds", "roc_global", "roc_personalized", "client_tar", "confusion", "partition"):
         png = Path(summary["plots"][name])
         assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert "| federated |" in (simulated / "summary.md").read_text()
+    assert "| federated (round " in (simulated / "summary.md").read_text()
 
 
 def test_simulation_used_the_real_coordinator_and_devices(simulated):
@@ -84,7 +85,7 @@ def test_devices_hold_only_their_training_images(simulated):
 def test_mlflow_has_the_run(simulated):
     db = sqlite3.connect(simulated / "mlflow.db")
     steps = {r[0] for r in db.execute("SELECT step FROM metrics WHERE key='holdout_auc'")}
-    assert steps == {1, 2}
+    assert steps == {0, 1, 2}
     assert db.execute("SELECT COUNT(*) FROM metrics WHERE key LIKE 'final_personalized_local_dfc_auc%'").fetchone()[0] == 2
 
 
@@ -125,7 +126,7 @@ def test_ctrl_c_leaves_a_resumable_run(tmp_path, mosquitto):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 3
     assert summary["history"][0] == first  # the finished round is kept, not redone
-    assert [h["model_version"] for h in summary["history"]] == [1, 2, 3]
+    assert [h["model_version"] for h in summary["history"]] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("args, message", [
