@@ -47,6 +47,29 @@ def central_row(summary: dict) -> dict:
             "MB/round (up)": "-", "MB/round (down)": "-", "wall s": c["train_seconds"]}
 
 
+def initial_row(summary: dict, run: Path) -> dict:
+    """The starting model (ImageNet initialisation, round 0) on the same unseen people: what training adds."""
+    initial = summary.get("initial")
+    if initial is None:  # a run made before round 0 was recorded: evaluate its version 0 now
+        from fleet.config import SimConfig
+        from fleet.data import prepare
+        from fleet.evaluation import flat
+        from coordinator.store import Store
+        from models.face_model import FaceModel, ModelConfig, from_numpy_state, load_shareable_state
+        from models.training import verification
+
+        config = SimConfig.load(run / "config.json")
+        config.progress = False
+        model = FaceModel(ModelConfig(n_classes=1, width_mult=config.width_mult, pretrained=False))
+        load_shareable_state(model, from_numpy_state(Store(run / "coordinator").load_model(0)))
+        report, _ = verification(model.eval(), prepare(config, run).holdout(), config.max_eval_pairs, config.seed)
+        initial = flat(report)
+    return {"run": "starting model (ImageNet init, round 0)", "global AUC": initial["auc"],
+            "global EER": initial["eer"], "pers. TAR@1e-2 global": "-", "pers. TAR@1e-2 local": "-",
+            "pers. TAR@1e-2 local+DFC": "-", "s/round": "-", "MB/round (up)": "-", "MB/round (down)": "-",
+            "wall s": "-"}
+
+
 def flower_peer(args, run: Path) -> dict | None:
     """Flower's FedAvg on the same run (same crops, partition, model, budget), in its own venv."""
     if not Path(args.flower_python).exists():
@@ -99,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 central = summary
             rows.append(row(f"{algorithm}, {scheme}" + (f" α={alpha}" if alpha else ""), summary))
     rows.insert(0, central_row(central))
+    rows.insert(0, initial_row(central, args.runs / next(iter(summaries))))
     peer = flower_peer(args, args.runs / "fedavg-iid")
     if peer is not None:
         rows.append(peer_row(peer))

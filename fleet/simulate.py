@@ -162,6 +162,9 @@ class Simulation:
             round_started = time.time()
             self._run_devices(pool, current.round_id, current.participants)
             self._close(current.round_id)
+            row = next(r for r in engine.store.rounds() if r["round_id"] == current.round_id)
+            if row["status"] != "completed":  # every device failed: retrying the same thing would loop forever
+                raise RuntimeError(f"round {current.round_id} failed ({row['reason']}); see the device errors above")
             self._catch_up(tracker, wall_s=time.time() - round_started)
         self.state.status = "completed"
 
