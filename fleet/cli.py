@@ -80,6 +80,10 @@ def cmd_simulate(args) -> int:
     except KeyboardInterrupt:
         print(f"\nstopped; the run's state is in {args.out}. Run the same command again to resume.", file=sys.stderr)
         return 130
+    except RuntimeError as exc:
+        print(f"ffr fleet simulate: failed: {exc}. The run's state is in {args.out}; fix the cause and run the "
+              "same command to resume.", file=sys.stderr)
+        return 1
     print()
     print(summary_markdown(summary))
     print(f"summary: {args.out / 'summary.json'}, {args.out / 'summary.md'}; MLflow: {args.out / 'mlflow.db'}")

@@ -44,10 +44,13 @@ def run_turn(turn: Turn) -> dict:
     from edge_client.daemon import EdgeDevice
 
     started = time.perf_counter()
-    device = EdgeDevice(turn.device_id, Path(turn.data), Path(turn.home), turn.broker, detector=turn.detector,
-                        export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache))
-    device.start()
     result = {"device_id": turn.device_id, "round_id": turn.round_id, "ok": False}
+    try:
+        device = EdgeDevice(turn.device_id, Path(turn.data), Path(turn.home), turn.broker, detector=turn.detector,
+                            export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache))
+    except Exception as exc:  # noqa: BLE001 - a device that cannot start is reported, not fatal to the pool
+        return {**result, "error": f"{type(exc).__name__}: {exc}", "turn_seconds": time.perf_counter() - started}
+    device.start()
     try:
         deadline = time.monotonic() + turn.timeout_s
         if turn.round_id is None:

@@ -165,3 +165,21 @@ def test_client_pairs_are_own_genuine_and_cross_client_impostors():
     stats = fairness([{"held_out": False, "g": {"auc": 0.5, "eer": 0.2, "tar@1e-2": None, "tar@1e-3": None}},
                       {"held_out": False, "g": {"auc": 0.7, "eer": 0.4, "tar@1e-2": None, "tar@1e-3": None}}], ["g"])
     assert stats["g"]["auc"] == pytest.approx({"mean": 0.6, "std": 0.1}) and stats["g"]["tar@1e-2"] is None
+
+
+def test_a_failing_device_is_dropped_and_the_round_goes_on(simulated, tmp_path, mosquitto, capsys):
+    """One device loses its data (a real failure of the real client: no images to train on)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(simulated, run)
+    for identity in (run / "devices" / "client-000" / "data").iterdir():
+        if identity.is_dir():
+            shutil.rmtree(identity)
+    rc = main(["-q", "fleet", "simulate", "--clients", "3", "--rounds", "3", "--partition", "iid", "--algorithm",
+               "fedprox", "--dfc", "--broker", mosquitto.url, "--patience", "0", *TINY, "--out", str(run)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "client-000: dropped from round 3: DatasetError: no images found" in captured.out + captured.err
+    last = json.loads((run / "summary.json").read_text())["history"][-1]
+    assert last["round"] == 3 and last["updates"] == 2 and last["dropped"] == 1
