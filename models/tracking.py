@@ -39,7 +39,13 @@ class MlflowTracker:
         import mlflow
 
         self._mlflow = mlflow
+        users_uri = os.environ.get("MLFLOW_TRACKING_URI")
         mlflow.set_tracking_uri(uri)
+        # MLflow also writes the URI into the environment; undo that so the next run's default is its own folder
+        if users_uri is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = users_uri
         mlflow.set_experiment(experiment)
         self.uri, self.run_id = uri, None
 
