@@ -28,7 +28,7 @@ import numpy as np
 from bench.common import faces_dir, time_calls, write_results
 from bench.latency import frames
 from edge_client.capture import QualityGate, check_face, device_detector
-from models.evaluation.metrics import make_pairs, roc_report
+from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.runtime import OnnxEmbedder
 
 SETS = ("orl", "extended_yale_b", "glint24_aligned", "celeba_subset")
@@ -112,7 +112,7 @@ def quality_rows(onnx_path: Path, fr, max_pairs: int) -> list[dict]:
         trained = Path("bench/results/quality_runs") / name / "cosface-weak" / "best.pt"
         if trained.exists():
             candidates["ffr-edge, trained on this set's other people (CosFace)"] = load_embedder(trained)
-        scored = {k: _cosine(embed_all(e, held.images), pairs) for k, e in candidates.items()}
+        scored = {k: cosine_scores(embed_all(e, held.images), pairs) for k, e in candidates.items()}
         if fr is not None:
             scored["face_recognition (dlib)"] = -_euclidean(peer_embeddings(fr, held.images), pairs)
         for model, scores in scored.items():
@@ -128,11 +128,6 @@ def peer_embeddings(fr, crops: np.ndarray) -> np.ndarray:
     """dlib encodings of our 128 px crops, the face box being the crop less its 20% margin."""
     inner = (18, 110, 110, 18)  # top, right, bottom, left
     return np.stack([fr.face_encodings(np.ascontiguousarray(c), [inner])[0] for c in crops])
-
-
-def _cosine(emb: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    emb = emb / np.linalg.norm(emb, axis=1, keepdims=True)
-    return np.einsum("ij,ij->i", emb[pairs[:, 0]], emb[pairs[:, 1]])
 
 
 def _euclidean(emb: np.ndarray, pairs: np.ndarray) -> np.ndarray:

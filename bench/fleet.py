@@ -19,14 +19,14 @@ from pathlib import Path
 
 from bench.common import faces_dir, write_results
 from fleet.config import SimConfig
+from fleet.report import mean_std
 from fleet.simulate import simulate
 
 SETTINGS = [("iid", None), ("dirichlet", 0.5), ("dirichlet", 0.1)]
 
 
 def _tar(stats: dict, verifier: str) -> str:
-    entry = (stats.get(verifier) or {}).get("tar@1e-2")
-    return "n/a" if not entry else f"{entry['mean']:.3f} ± {entry['std']:.3f}"
+    return mean_std(stats.get(verifier), "tar@1e-2")
 
 
 def row(name: str, summary: dict) -> dict:

@@ -66,13 +66,17 @@ class Store:
         path = self.root / "models" / rows[0]["path"]
         return rows[0]["version"], load_file(str(path)), rows[0]["sha256"]
 
-    def load_model(self, version: int) -> dict[str, np.ndarray] | None:
+    def _model_file(self, version: int) -> Path | None:
         rows = self._q("SELECT path FROM models WHERE version=?", (version,))
-        return load_file(str(self.root / "models" / rows[0]["path"])) if rows else None
+        return self.root / "models" / rows[0]["path"] if rows else None
+
+    def load_model(self, version: int) -> dict[str, np.ndarray] | None:
+        path = self._model_file(version)
+        return load_file(str(path)) if path else None
 
     def model_bytes(self, version: int) -> bytes | None:
-        rows = self._q("SELECT path FROM models WHERE version=?", (version,))
-        return (self.root / "models" / rows[0]["path"]).read_bytes() if rows else None
+        path = self._model_file(version)
+        return path.read_bytes() if path else None
 
     def models(self) -> list[dict]:
         return [dict(r) for r in self._q("SELECT * FROM models ORDER BY version")]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -70,14 +71,17 @@ class FleetData:
     partition: Partition
     detector: str
 
+    @cached_property
+    def names(self) -> np.ndarray:
+        """The identity of every crop, by name (partitions name people, crops number them)."""
+        return np.array(self.crops.identities)[self.crops.labels]
+
     def client_mask(self, client: int, part: int | None = None) -> np.ndarray:
-        names = set(self.partition.clients[client])
-        mask = np.isin(np.array(self.crops.identities)[self.crops.labels], list(names))
+        mask = np.isin(self.names, self.partition.clients[client])
         return mask if part is None else mask & (self.split == part)
 
     def holdout_mask(self) -> np.ndarray:
-        names = np.array(self.crops.identities)[self.crops.labels]
-        return np.isin(names, self.partition.holdout_identities)
+        return np.isin(self.names, self.partition.holdout_identities)
 
     def holdout(self) -> FaceCrops | None:
         """Images of the people on no device: the global model's unseen identities."""

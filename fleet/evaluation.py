@@ -28,6 +28,14 @@ def embed(model: FaceModel, images: np.ndarray, personalised: bool = False) -> n
     return embed_all(TorchEmbedder(model, personalised), images)
 
 
+def embed_once(model: FaceModel, images: np.ndarray, candidates: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """Indices -> embeddings for a model every client shares: each candidate image is embedded once, up front."""
+    rows = np.full(len(images), -1)
+    rows[candidates] = np.arange(len(candidates))
+    table = embed(model, images[candidates])
+    return lambda indices: table[rows[indices]]
+
+
 def flat(report: dict) -> dict:
     """AUC, EER and TAR@FAR as one flat dict (None where there were too few pairs)."""
     tar = report.get("tar_at_far", {})
@@ -57,7 +65,8 @@ def load_local_model(home: DeviceHome, n_classes: int, width_mult: float, dfc: b
 
 def evaluate_clients(data: FleetData, verifiers: dict[str, Callable[[int], Callable[[np.ndarray], np.ndarray] | None]],
                      impostor_images: int, seed: int) -> dict:
-    """Per-client reports for each verifier; `verifiers[name](client)` gives an embedding function or None."""
+    """Per-client reports for each verifier; `verifiers[name](client)` gives a function from crop indices
+    to embeddings (so a model shared by all clients can embed each image once), or None."""
     test_idx = np.flatnonzero(data.split == TEST)
     rows, pooled = [], {name: ([], []) for name in verifiers}
     for k in range(len(data.partition.clients)):
@@ -73,12 +82,12 @@ def evaluate_clients(data: FleetData, verifiers: dict[str, Callable[[int], Calla
             row["note"] = "too few test images for genuine and impostor pairs"
             rows.append(row)
             continue
-        images = data.crops.images[np.concatenate([own, others])]
+        indices = np.concatenate([own, others])
         for name, make in verifiers.items():
             fn = make(k)
             if fn is None:
                 continue
-            scores = cosine_scores(fn(images), pairs)
+            scores = cosine_scores(fn(indices), pairs)
             row[name] = flat(roc_report(scores, same))
             pooled[name][0].append(scores)
             pooled[name][1].append(same)

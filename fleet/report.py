@@ -11,7 +11,7 @@ def _f(value, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def _ms(stats: dict | None, metric: str) -> str:
+def mean_std(stats: dict | None, metric: str) -> str:
     if not stats or not stats.get(metric):
         return "n/a"
     return f"{stats[metric]['mean']:.3f} ± {stats[metric]['std']:.3f}"
@@ -29,7 +29,7 @@ def run_row(summary: dict) -> dict:
         "rounds": summary["rounds_completed"], "best round": summary["best_round"],
         "global AUC": _f(g.get("auc")), "global EER": _f(g.get("eer")), "global TAR@1e-2": _f(g.get("tar@1e-2")),
         "central AUC": _f(central.get("auc")), "central EER": _f(central.get("eer")),
-        **{f"pers. TAR@1e-2 {v}": _ms(training.get(v), "tar@1e-2") for v in ("global", "local", "local+dfc")},
+        **{f"pers. TAR@1e-2 {v}": mean_std(training.get(v), "tar@1e-2") for v in ("global", "local", "local+dfc")},
         "MB/round up": _f(summary["bytes"]["per_round_up_mean"] / 1e6, 1),
         "s/round": _f(summary.get("round_seconds_mean"), 1), "wall s": _f(summary["wall_seconds"], 0),
     }
@@ -70,8 +70,8 @@ def summary_markdown(summary: dict) -> str:
         for name in VERIFIERS:
             if name in stats:
                 s = stats[name]
-                lines.append(f"| {name} | {s['clients']} | {_ms(s, 'auc')} | {_ms(s, 'eer')} | {_ms(s, 'tar@1e-2')} | "
-                             f"{_ms(s, 'tar@1e-3')} |")
+                lines.append(f"| {name} | {s['clients']} | {mean_std(s, 'auc')} | {mean_std(s, 'eer')} | {mean_std(s, 'tar@1e-2')} | "
+                             f"{mean_std(s, 'tar@1e-3')} |")
     b = summary["bytes"]
     lines += ["", "## Cost", "",
               f"- bytes up (device -> coordinator): {b['up'] / 1e6:.1f} MB in all, {b['per_round_up_mean'] / 1e6:.1f} MB per round",

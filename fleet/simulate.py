@@ -24,9 +24,9 @@ from coordinator.engine import RoundSettings
 from edge_client.home import DeviceHome
 from fleet import plots
 from fleet.config import SimConfig
-from fleet.data import VAL, FleetData, crop_cache, device_id, prepare, write_device_folders
+from fleet.data import TEST, VAL, FleetData, crop_cache, device_id, prepare, write_device_folders
 from fleet.devices import DevicePool, Turn
-from fleet.evaluation import confusion, embed, evaluate_clients, flat, load_local_model
+from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model
 from fleet.report import write_summary
 from models.face_model import FaceModel, ModelConfig, from_numpy_state, load_shareable_state
 from models.tracking import MlflowTracker, NullTracker, default_tracking_uri
@@ -79,6 +79,8 @@ class Simulation:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._check_resume()
         self.data: FleetData = prepare(config, self.run_dir)  # every data/partition error surfaces here
+        self.val = self.data.union(VAL, self.data.training_clients)  # evaluation sets, built once
+        self.holdout = self.data.holdout()
         config.save(self.run_dir / "config.json")
         self.state_path = self.run_dir / "state.json"
         self.state = RunState.load(self.state_path)
@@ -222,9 +224,8 @@ class Simulation:
                   "wall_s": wall_s if wall_s is not None else (row["closed_at"] or 0) - (row["started_at"] or 0),
                   "aggregation_s": m.get("aggregation_seconds")}
         self._eval_threads()
-        val = self.data.union(VAL, self.data.training_clients)
-        val_report, _ = verification(model, val, self.config.max_eval_pairs, self.config.seed)
-        hold_report, _ = verification(model, self.data.holdout(), self.config.max_eval_pairs, self.config.seed)
+        val_report, _ = verification(model, self.val, self.config.max_eval_pairs, self.config.seed)
+        hold_report, _ = verification(model, self.holdout, self.config.max_eval_pairs, self.config.seed)
         record.update({f"val_{k}": v for k, v in flat(val_report).items() if k in ("auc", "eer")})
         record.update({f"holdout_{k}": v for k, v in flat(hold_report).items()})
         # early stopping watches validation images of the devices' own people; unseen people when too few
@@ -255,7 +256,7 @@ class Simulation:
             tqdm.write(f"centralised upper bound: {budget_epochs(c)} epochs on the union of the clients' training images")
             central_model, central_metrics = train_centralized(self.data, c, self.run_dir / "centralized")
         out = self.run_dir
-        holdout = self.data.holdout()
+        holdout = self.holdout
         global_report, global_curve = verification(global_model, holdout, c.max_eval_pairs, c.seed)
         central_report, central_curve = (verification(central_model, holdout, c.max_eval_pairs, c.seed)
                                          if central_model is not None else ({}, None))
@@ -296,7 +297,8 @@ class Simulation:
         return summary
 
     def _verifiers(self, global_model: FaceModel, central_model: FaceModel | None) -> dict:
-        c, cache = self.config, {}
+        c, cache, images = self.config, {}, self.data.crops.images
+        tests = np.flatnonzero(self.data.split == TEST)
 
         def local(client: int, personalised: bool):
             if client in self.data.partition.heldout_clients:
@@ -306,14 +308,16 @@ class Simulation:
                 cache.clear()  # one client's model in memory at a time
                 cache[client] = load_local_model(home, len(self.data.partition.clients[client]), c.width_mult, c.dfc)
             model = cache[client]
-            return None if model is None else (lambda x: embed(model, x, personalised))
+            return None if model is None else (lambda idx: embed(model, images[idx], personalised))
 
-        verifiers = {"global": lambda k: (lambda x: embed(global_model, x)),
-                     "local": lambda k: local(k, False)}
+        shared = {"global": embed_once(global_model, images, tests)}
+        if central_model is not None:
+            shared["centralized"] = embed_once(central_model, images, tests)
+        verifiers = {"global": lambda k: shared["global"], "local": lambda k: local(k, False)}
         if c.dfc:
             verifiers["local+dfc"] = lambda k: local(k, True)
         if central_model is not None:
-            verifiers["centralized"] = lambda k: (lambda x: embed(central_model, x))
+            verifiers["centralized"] = lambda k: shared["centralized"]
         return verifiers
 
     def _plots(self, history, best, global_curve, central_curve, central_report, clients, global_model) -> dict:
@@ -332,7 +336,7 @@ class Simulation:
                                                   "ROC, each client's own people (pooled)")
         names = [n for n in ("global", "local", "local+dfc", "centralized") if n in clients["curves"]]
         figures["client_tar"] = plots.client_bars_png(clients["clients"], names, out / "client_tar.png")
-        holdout = self.data.holdout()
+        holdout = self.holdout
         if holdout is not None:
             result = confusion(embed(global_model, holdout.images), holdout.labels, holdout.identities,
                                seed=self.config.seed)
