@@ -1,5 +1,8 @@
 """Frames in, usable face crops out: camera, video file or images through OpenCV, then a quality gate.
 
+Crops are aligned onto the ArcFace five-point template when YuNet found the face (the model
+was trained on such crops); with Haar they are squares around the box.
+
 A frame is refused, with the reason, when it has no face, several faces, a face too small to
 recognise, or a face too blurred (variance of the Laplacian of the crop, the usual focus measure).
 """
@@ -12,7 +15,7 @@ from typing import Iterator
 import cv2
 import numpy as np
 
-from models.faces.detect import FaceDetector, HaarDetector, YuNetDetector, find_yunet_model, square_crop
+from models.faces.detect import FaceDetector, HaarDetector, YuNetDetector, face_crop, find_yunet_model
 from models.faces.imageio import is_image_file
 
 
@@ -88,6 +91,7 @@ class FaceCheck:
     reason: str | None             # why the frame was refused
     box: tuple[int, int, int, int] | None = None
     sharpness: float = 0.0
+    aligned: bool = False          # warped onto the five-point template (YuNet), not a square crop (Haar)
 
 
 def sharpness(rgb_crop: np.ndarray) -> float:
@@ -107,12 +111,12 @@ def check_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> Fa
         return FaceCheck(None, f"{len(others) + 1} faces in the frame; only one person may be in view", box)
     if side < gate.min_face_px:
         return FaceCheck(None, f"face too small ({side:.0f} px < {gate.min_face_px} px); come closer", box)
-    crop = square_crop(rgb, face, gate.margin, gate.size)
+    crop = face_crop(rgb, face, gate.size, gate.margin)  # aligned on the five landmarks when YuNet found it
     sharp = sharpness(crop)
     if sharp < gate.min_sharpness:
         return FaceCheck(None, f"face too blurred (sharpness {sharp:.0f} < {gate.min_sharpness:.0f}); hold still",
                          box, sharp)
-    return FaceCheck(crop, None, box, sharp)
+    return FaceCheck(crop, None, box, sharp, face.landmarks is not None)
 
 
 def device_detector(name: str = "auto", yunet_model: Path | None = None, max_side: int = 320) -> FaceDetector:

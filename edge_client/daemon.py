@@ -40,7 +40,7 @@ class EdgeDevice:
         self.device_id, self.home = device_id, DeviceHome(home)
         self.export_onnx, self.seed = export_onnx, seed
         index = load_index(data)
-        config = CropConfig(detector=detector or ("none" if index.synthetic else "haar"), fallback_center=True)
+        config = CropConfig(detector=detector or ("none" if index.synthetic else "auto"), fallback_center=True)
         self.crops = crop_index(index, config, cache_dir=crop_cache or self.home.root / "crops", progress=False, min_images=1)
         self.key = self.home.load_key()
         self._seq = int(time.time() * 1000)

@@ -29,7 +29,7 @@ def device_id(client: int) -> str:
 
 
 def resolve_detector(config: SimConfig, index: FaceIndex) -> str:
-    return config.detector if config.detector != "auto" else ("none" if index.synthetic else "haar")
+    return "none" if config.detector == "auto" and index.synthetic else config.detector
 
 
 def dataset_index(config: SimConfig, run_dir: Path) -> FaceIndex:

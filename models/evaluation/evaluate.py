@@ -46,6 +46,8 @@ def evaluate_crops(embedder, crops: FaceCrops, pairs_file: Path | None = None, i
         report["identification"] = tpir_at_fpir(emb, crops.labels, seed=seed)
     report.update(n_images=len(crops), n_identities=len(crops.identities),
                   faces_not_detected=crops.report.faces_not_detected,
+                  faces_aligned=crops.report.n_aligned, haar_fallbacks=crops.report.n_haar_fallback,
+                  center_fallbacks=crops.report.n_center_fallback,
                   unreadable_images=len(crops.report.unreadable),
                   data_kind="synthetic" if crops.synthetic else "real")
     if roc_png is not None:

