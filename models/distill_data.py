@@ -1,0 +1,122 @@
+"""Distillation data: aligned face crops in memory and the teacher's embeddings of them, cached on disk.
+
+The teacher is the expensive part (an SFace forward costs more than a student training step
+on a CPU), so each (image, view) is embedded once and kept in a memory-mapped file beside a
+done-mask; an interrupted run, a second run on the same data or a later session reads them back.
+View 0 is the image, view 1 its mirror image: the teacher sees exactly what the student sees,
+before the student's photometric augmentation.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+from tqdm import tqdm
+
+from models.faces.imageio import UnreadableImage, is_image_file, read_rgb
+
+N_VIEWS = 2  # the image and its mirror image
+
+
+def list_images(dirs: list[Path]) -> list[Path]:
+    """Every image file under `dirs` (recursively), sorted, so the order is the same on every machine."""
+    files: list[Path] = []
+    for root in dirs:
+        root = Path(root)
+        if not root.is_dir():
+            raise FileNotFoundError(f"pretraining data folder not found: {root}")
+        files.extend(sorted(p for p in root.rglob("*") if p.is_file() and is_image_file(p)))
+    if not files:
+        raise FileNotFoundError(f"no image files under {', '.join(map(str, dirs))}")
+    return files
+
+
+def _read(path: Path, size: int) -> np.ndarray | None:
+    try:
+        rgb = read_rgb(path)
+    except UnreadableImage:
+        return None
+    if rgb.shape[:2] != (size, size):
+        rgb = cv2.resize(rgb, (size, size), interpolation=cv2.INTER_AREA)
+    return rgb
+
+
+def load_crops(files: list[Path], size: int = 112, threads: int = 2, progress: bool = True
+               ) -> tuple[np.ndarray, list[Path], list[Path]]:
+    """Aligned crops (N,size,size,3 RGB uint8); unreadable files are returned apart, never silently lost."""
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        crops = list(tqdm(pool.map(lambda p: _read(p, size), files), total=len(files), desc="reading faces",
+                          unit="img", disable=not progress, leave=False))
+    ok = [i for i, c in enumerate(crops) if c is not None]
+    bad = [files[i] for i, c in enumerate(crops) if c is None]
+    images = np.stack([crops[i] for i in ok]) if ok else np.zeros((0, size, size, 3), np.uint8)
+    return images, [files[i] for i in ok], bad
+
+
+def view(images: np.ndarray, v: int) -> np.ndarray:
+    """View `v` of a batch of NHWC crops: 0 is the image, 1 its mirror image."""
+    return images if v == 0 else np.ascontiguousarray(images[:, :, ::-1])
+
+
+def dataset_key(files: list[Path]) -> str:
+    """Names, sizes and mtimes of the files: a changed file or list gives a new cache."""
+    digest = hashlib.sha256()
+    for f in files:
+        stat = f.stat()
+        digest.update(f"{f.resolve()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class TeacherTargets:
+    """(views, N, D) float16 teacher embeddings on disk, filled lazily, with a done-mask per entry."""
+
+    root: Path
+    values: np.ndarray
+    done: np.ndarray
+
+    @classmethod
+    def open(cls, root: Path, n: int, dim: int, views: int = N_VIEWS, meta: dict | None = None) -> "TeacherTargets":
+        root.mkdir(parents=True, exist_ok=True)
+        meta_file = root / "meta.json"
+        expected = {"n": n, "dim": dim, "views": views, **(meta or {})}
+        if meta_file.exists() and json.loads(meta_file.read_text()) != expected:
+            raise ValueError(f"{root} holds teacher targets for other data; delete it or use another cache dir")
+        mode = "r+" if (root / "values.f16").exists() else "w+"
+        values = np.lib.format.open_memmap(root / "values.f16", mode=mode, dtype=np.float16, shape=(views, n, dim))
+        done = np.lib.format.open_memmap(root / "done.u8", mode=mode, dtype=np.uint8, shape=(views, n))
+        meta_file.write_text(json.dumps(expected))
+        return cls(root, values, done)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.done.all())
+
+    def fill(self, teacher, images: np.ndarray, batch_size: int = 64, progress: bool = True) -> None:
+        """Embed every (view, image) not yet done; flushed every batch, so Ctrl-C loses at most one."""
+        todo = [(v, i) for v in range(self.done.shape[0]) for i in np.flatnonzero(self.done[v] == 0)]
+        bar = tqdm(total=len(todo), desc="teacher embeddings (cached)", unit="img", disable=not progress)
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            for v in sorted({v for v, _ in chunk}):
+                idx = np.array([i for w, i in chunk if w == v])
+                self.values[v, idx] = teacher.embed(view(images[idx], v)).astype(np.float16)
+                self.values.flush()
+                self.done[v, idx] = 1
+                self.done.flush()
+            bar.update(len(chunk))
+        bar.close()
+
+
+def targets_dir(cache_root: Path, teacher_sha256: str, files: list[Path]) -> Path:
+    return Path(cache_root) / "teacher_targets" / f"{teacher_sha256[:12]}-{dataset_key(files)}"
+
+
+def default_cache_root() -> Path:
+    return Path(os.environ.get("FFR_CACHE_DIR", Path.home() / ".cache" / "ffr-edge"))

