@@ -6,9 +6,9 @@ Latency, end to end per 640x480 frame: detect, quality gate + crop, preprocess, 
 match against 100 templates; median and p95 at 1 and 2 threads. The peer does the same with
 its own HOG detector, its ResNet encoder and `face_distance` against 100 encodings.
 Quality: AUC/EER on the held-out identities of each real set (the same 70/30 identity split,
-seed 0, as `bench.verify_quality`), for the embedder a fresh device ships with (ImageNet
-initialisation), the centrally trained checkpoint from `bench.verify_quality` when present,
-and face_recognition, all on the same crops and pairs.
+seed 0, as `bench.verify_quality`, which has the full table), for the embedder a fresh device
+ships with (the face-pretrained weights, built as ONNX without torch) and face_recognition, on
+the same pairs. The teacher (SFace) is timed per aligned face beside our embedder.
 
 face_recognition needs `face_recognition`, `face_recognition_models` and `dlib-bin` (prebuilt
 dlib), installed with --no-deps by `make bench-device`.
@@ -80,8 +80,18 @@ def latency_rows(onnx_path: Path, fr, repeats: int) -> list[dict]:
         t = time_calls(lambda: ours_per_frame(embedder, detector, templates, bgr_frames[next(k) % 20]), repeats)
         found = sum(ours_per_frame(embedder, detector, templates, f) is not None for f in bgr_frames)
         rows.append({"pipeline": f"ffr-edge ({type(detector).__name__.removesuffix('Detector')} at 320 px + "
-                                 "MobileNetV2-1.0 ONNX)", "threads": threads, "median_ms": t["median_ms"],
-                     "p95_ms": t["p95_ms"], "frames_with_face": f"{found}/20"})
+                                 "5-point alignment + MobileNetV2-1.0 ONNX)", "threads": threads,
+                     "median_ms": t["median_ms"], "p95_ms": t["p95_ms"], "frames_with_face": f"{found}/20"})
+        face = np.zeros((1, 128, 128, 3), np.uint8) + 127
+        t = time_calls(lambda: embedder.embed(face), repeats)
+        rows.append({"pipeline": "  of which: our embedder alone, per aligned face", "threads": threads,
+                     "median_ms": t["median_ms"], "p95_ms": t["p95_ms"], "frames_with_face": "-"})
+        from models.teacher import load_teacher
+
+        teacher = load_teacher("sface", threads=threads)
+        t = time_calls(lambda: teacher.embed(face[:, :112, :112]), repeats)
+        rows.append({"pipeline": "  the teacher (SFace, fp32 in ONNX Runtime), per aligned face", "threads": threads,
+                     "median_ms": t["median_ms"], "p95_ms": t["p95_ms"], "frames_with_face": "-"})
     if fr is not None:
         cv2.setNumThreads(1)
         templates = rng.normal(size=(N_TEMPLATES, 128)) * 0.1
@@ -94,27 +104,20 @@ def latency_rows(onnx_path: Path, fr, repeats: int) -> list[dict]:
 
 
 def quality_rows(onnx_path: Path, fr, max_pairs: int) -> list[dict]:
-    from bench.verify_quality import SETS as CROPS
-    from models.embedders import load_embedder
+    from bench.verify_quality import ALIGNED, GIVEN, HAAR, PHOTO_SETS, held_out
     from models.evaluation.evaluate import embed_all
-    from models.faces.crops import crop_index
-    from models.faces.datasets import load_index
-    from models.faces.splits import training_split
 
     root, rows = faces_dir(), []
     for name in SETS:
         if root is None or not (root / name).is_dir():
             continue
-        crops = crop_index(load_index(root / name), CROPS[name], progress=False, min_images=2)
-        held = training_split(crops, holdout_fraction=0.3, val_fraction=0.1, seed=0).holdout
+        held = held_out(root / name, ALIGNED if name in PHOTO_SETS else GIVEN, 0)[1].holdout
         pairs, same = make_pairs(held.labels, max_pairs, 0)
-        candidates = {"ffr-edge, ImageNet init (fresh device)": OnnxEmbedder(onnx_path, threads=2)}
-        trained = Path("bench/results/quality_runs") / name / "cosface-weak" / "best.pt"
-        if trained.exists():
-            candidates["ffr-edge, trained on this set's other people (CosFace)"] = load_embedder(trained)
-        scored = {k: cosine_scores(embed_all(e, held.images), pairs) for k, e in candidates.items()}
-        if fr is not None:
-            scored["face_recognition (dlib)"] = -_euclidean(peer_embeddings(fr, held.images), pairs)
+        scored = {"ffr-edge, face-pretrained (fresh device)":
+                  cosine_scores(embed_all(OnnxEmbedder(onnx_path, threads=2), held.images), pairs)}
+        if fr is not None:  # dlib on its usual square crops
+            square = held_out(root / name, HAAR, 0)[1].holdout if name in PHOTO_SETS else held
+            scored["face_recognition (dlib)"] = -_euclidean(peer_embeddings(fr, square.images), pairs)
         for model, scores in scored.items():
             report = roc_report(scores, same)
             rows.append({"set": name, "model": model, "auc": report["auc"], "eer": report["eer"],
@@ -146,11 +149,10 @@ def main(argv=None) -> int:
     except ImportError as exc:
         print(f"face_recognition not installed ({exc}); the peer is skipped", file=sys.stderr)
         fr = None
-    from models.face_model import FaceModel, ModelConfig
-    from models.onnx_export import export_onnx
+    from models.face_weights import write_default_onnx
 
     with tempfile.TemporaryDirectory() as tmp:
-        onnx_path = export_onnx(FaceModel(ModelConfig(n_classes=2)).eval(), Path(tmp) / "generic.onnx")
+        onnx_path = write_default_onnx(Path(tmp) / "generic.onnx")  # what `ffr device install-model --default` installs
         latency = latency_rows(onnx_path, fr, args.repeats)
         quality = [] if args.skip_quality else quality_rows(onnx_path, fr, args.max_pairs)
     command = "python -m bench.device " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -6,7 +6,8 @@ personalised TAR with and without the DFC transform. The centralised upper bound
 once: every partition here keeps the same people off the devices (same seed) and trains on
 the same union of images, so one centralised model serves as the bound for all rows.
 
-    python -m bench.fleet --out bench/results [--rounds 3] [--clients 10]
+    python -m bench.fleet --out bench/results [--rounds 3] [--clients 10] [--init face|imagenet]
+                          [--partitions iid dirichlet0.5 dirichlet0.1]
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
 
-SETTINGS = [("iid", None), ("dirichlet", 0.5), ("dirichlet", 0.1)]
+SETTINGS = {"iid": ("iid", None), "dirichlet0.5": ("dirichlet", 0.5), "dirichlet0.1": ("dirichlet", 0.1)}
 
 
 def _tar(stats: dict, verifier: str) -> str:
@@ -48,7 +49,7 @@ def central_row(summary: dict) -> dict:
 
 
 def initial_row(summary: dict, run: Path) -> dict:
-    """The starting model (ImageNet initialisation, round 0) on the same unseen people: what training adds."""
+    """The starting model (round 0) on the same unseen people: what training adds."""
     initial = summary.get("initial")
     if initial is None:  # a run made before round 0 was recorded: evaluate its version 0 now
         from fleet.config import SimConfig
@@ -64,7 +65,8 @@ def initial_row(summary: dict, run: Path) -> dict:
         load_shareable_state(model, from_numpy_state(Store(run / "coordinator").load_model(0)))
         report, _ = verification(model.eval(), prepare(config, run).holdout(), config.max_eval_pairs, config.seed)
         initial = flat(report)
-    return {"run": "starting model (ImageNet init, round 0)", "global AUC": initial["auc"],
+    init = json.loads((run / "config.json").read_text()).get("init", "imagenet")
+    return {"run": f"starting model ({init} init, round 0)", "global AUC": initial["auc"],
             "global EER": initial["eer"], "pers. TAR@1e-2 global": "-", "pers. TAR@1e-2 local": "-",
             "pers. TAR@1e-2 local+DFC": "-", "s/round": "-", "MB/round (up)": "-", "MB/round (down)": "-",
             "wall s": "-"}
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--algorithms", nargs="+", default=["fedavg", "fedprox"])
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--init", choices=("face", "imagenet"), default="face", help="round 0's model (default face)")
+    parser.add_argument("--partitions", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     parser.add_argument("--flower-python", default=os.environ.get("FFR_FLOWER_PYTHON", ".venv-flower/bin/python"),
                         help="a Python with flwr[simulation] and this project (`make bench-fleet` builds one)")
@@ -108,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no face data at {data} (set FFR_FACES_DIR or --data)", file=sys.stderr)
         return 2
     rows, summaries, central = [], {}, None
-    for scheme, alpha in SETTINGS:
+    for scheme, alpha in (SETTINGS[p] for p in args.partitions):
         for algorithm in args.algorithms:
             name = f"{algorithm}-{scheme}" + (f"{alpha}" if alpha else "")
             config = SimConfig(data=str(data), clients=args.clients, rounds=args.rounds, partition=scheme,
                                alpha=alpha or 0.5, algorithm=algorithm, dfc=True, patience=0, workers=args.workers,
-                               centralized=central is None)
+                               centralized=central is None, init=args.init)
             print(f"== {name}", flush=True)
             done = args.runs / name / "summary.json"
             summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row(f"{algorithm}, {scheme}" + (f" α={alpha}" if alpha else ""), summary))
     rows.insert(0, central_row(central))
     rows.insert(0, initial_row(central, args.runs / next(iter(summaries))))
-    peer = flower_peer(args, args.runs / "fedavg-iid")
+    peer = flower_peer(args, args.runs / "fedavg-iid") if "fedavg-iid" in summaries else None
     if peer is not None:
         rows.append(peer_row(peer))
     command = "python -m bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:])

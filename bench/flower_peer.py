@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     @server_app.main()
     def main_fn(grid: Grid, context: Context) -> None:
-        initial = initial_global_state(config.width_mult, 128, config.pretrained)
+        initial = initial_global_state(config.width_mult, 128, config.init)
         strategy = TimedFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=len(clients),
                                min_available_nodes=len(clients))
         started = time.perf_counter()

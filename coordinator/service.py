@@ -33,7 +33,7 @@ class ServiceConfig:
     strategy: str = "fedavg"
     prox_mu: float = 0.01
     server_momentum: float = 0.9
-    pretrained: bool = True
+    init: str = "face"                 # round 0: the shipped face embedder, imagenet, or none (random)
     tick_seconds: float = 0.2
     start_paused: bool = False  # rounds start only when the caller sets engine.running (the fleet simulator)
 
@@ -62,10 +62,16 @@ class Service:
         log.info("coordinator: broker %s, state %s, strategy %s", self.broker_url, config.state, config.strategy)
 
     def _initial_model(self):
+        """Round 0's model. The face weights are read with safetensors + numpy: no torch on the coordinator."""
+        t = self.settings.training
+        if self.config.init == "face":
+            from models.face_weights import check_face_init, face_global_state
+
+            check_face_init(t.width_mult, t.embedding_dim)
+            return face_global_state()
         from models.face_model import initial_global_state
 
-        t = self.settings.training
-        return initial_global_state(t.width_mult, t.embedding_dim, self.config.pretrained)
+        return initial_global_state(t.width_mult, t.embedding_dim, self.config.init)
 
     def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
         self.client.publish(topic, payload, qos=1, retain=retain)

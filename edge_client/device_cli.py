@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+from typing import NamedTuple
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from edge_client.capture import QualityGate, SourceError, check_face, device_detector, frames
 from edge_client.home import DeviceHome
-from edge_client.recognizer import Recognizer, calibrate, file_sha256
+from edge_client.recognizer import Recognizer, calibrate, file_sha256, install_default_model
 from edge_client.vault import Vault, VaultError
 
 MATCH, NO_MATCH, ERROR = 0, 1, 2
@@ -74,8 +75,17 @@ class Viewer:
         cv2.waitKey(1)
 
 
-def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True) -> tuple[list, Counter, int]:
-    """Accepted (crop, sharpness, box, frame, detect_ms) until `wanted` or the source ends; refusal reasons."""
+class Accepted(NamedTuple):
+    crop: np.ndarray
+    sharpness: float
+    box: tuple | None
+    frame: object
+    detect_ms: float
+    aligned: bool
+
+
+def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True) -> tuple[list[Accepted], Counter, int]:
+    """Accepted faces until `wanted` or the source ends; refusal reasons; frames read."""
     from tqdm import tqdm
 
     detector = device_detector(args.detector, args.yunet_model)
@@ -93,7 +103,7 @@ def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True) -> t
                 print(f"  {frame.name}: {check.reason}", file=sys.stderr)
             viewer.show(frame.bgr, check.box, check.reason, None)
         else:
-            accepted.append((check.crop, check.sharpness, check.box, frame, detect_ms))
+            accepted.append(Accepted(check.crop, check.sharpness, check.box, frame, detect_ms, check.aligned))
             viewer.show(frame.bgr, check.box, "face", None)
         bar.set_postfix(accepted=len(accepted), refused=sum(refused.values()))
         if len(accepted) >= wanted:
@@ -116,9 +126,10 @@ def cmd_enroll(args) -> int:
     accepted, refused, n = collect_faces(args, wanted, viewer)
     if not accepted:
         raise _no_face_error(refused, n)
-    best = sorted(accepted, key=lambda a: -a[1])[:args.best]
-    person = recognizer.enrol(args.name, np.stack([a[0] for a in best]))
-    data = {"name": args.name, "faces_kept": len(best), "frames_read": n, "faces_accepted": len(accepted),
+    best = sorted(accepted, key=lambda a: -a.sharpness)[:args.best]
+    person = recognizer.enrol(args.name, np.stack([a.crop for a in best]))
+    data = {"name": args.name, "faces_kept": len(best), "faces_aligned": sum(a.aligned for a in best),
+            "frames_read": n, "faces_accepted": len(accepted),
             "refused": dict(refused), "model": str(recognizer.model_path), "model_sha256": person.model_sha256}
     warn = f" (fewer than the {args.best} asked for)" if len(best) < args.best else ""
     _out(args, f"enrolled {args.name}: kept the {len(best)} sharpest faces{warn} of {len(accepted)} accepted in {n} "
@@ -132,11 +143,11 @@ def _probe(args, recognizer: Recognizer, viewer: Viewer) -> tuple[np.ndarray, li
     if not accepted:
         raise _no_face_error(refused, n)
     embeddings, latency = [], []
-    for crop, _, _, _, detect_ms in accepted:
+    for crop, detect_ms in ((a.crop, a.detect_ms) for a in accepted):
         started = time.perf_counter()
         embeddings.append(recognizer.embed(crop[None])[0])
         latency.append(detect_ms + (time.perf_counter() - started) * 1000)
-    return np.stack(embeddings), latency, accepted, np.array([a[1] for a in accepted])
+    return np.stack(embeddings), latency, accepted, np.array([a.sharpness for a in accepted])
 
 
 def cmd_verify(args) -> int:
@@ -148,7 +159,7 @@ def cmd_verify(args) -> int:
     score = float(np.mean(embeddings @ person.template))
     match_ms = (time.perf_counter() - started) * 1000
     match = score > recognizer.threshold
-    for _, _, box, frame, _ in accepted[-1:]:
+    for box, frame in ((a.box, a.frame) for a in accepted[-1:]):
         viewer.show(frame.bgr, box, f"{args.name}: {'MATCH' if match else 'NO MATCH'} {score:.2f}", match)
     data = {"name": args.name, "match": match, "score": score, "threshold": recognizer.threshold,
             "threshold_note": recognizer.threshold_note, "faces_used": len(embeddings),
@@ -172,7 +183,7 @@ def cmd_identify(args) -> int:
     match_ms = (time.perf_counter() - started) * 1000
     known = bool(scores[best] > recognizer.threshold)
     name = people[best].name if known else "unknown"
-    for _, _, box, frame, _ in accepted[-1:]:
+    for box, frame in ((a.box, a.frame) for a in accepted[-1:]):
         viewer.show(frame.bgr, box, f"{name} {scores[best]:.2f}", known)
     data = {"identity": name, "known": known, "score": float(scores[best]), "closest": people[best].name,
             "threshold": recognizer.threshold, "threshold_note": recognizer.threshold_note,
@@ -236,6 +247,10 @@ def cmd_install_model(args) -> int:
     from models.runtime import OnnxEmbedder
 
     home = DeviceHome(args.home)
+    if args.default == (args.model is not None):
+        raise DeviceError("give exactly one of --model MODEL.onnx or --default")
+    if args.default:
+        return _installed(args, home, install_default_model(home), "generic (shipped face-pretrained)")
     if not args.model.is_file():
         raise FileNotFoundError(f"model not found: {args.model}")
     try:
@@ -246,6 +261,10 @@ def cmd_install_model(args) -> int:
     tmp = target.with_suffix(".tmp")
     shutil.copyfile(args.model, tmp)
     tmp.replace(target)
+    return _installed(args, home, target, kind)
+
+
+def _installed(args, home: DeviceHome, target: Path, kind: str) -> int:
     vault = Vault.open(home.root / "store")
     refreshed = len(Recognizer(home, vault, args.threads).people())  # templates follow the new model now
     _out(args, f"installed {kind} model {target} ({file_sha256(target)[:12]}); {refreshed} template(s) recomputed",
@@ -323,9 +342,12 @@ def add_commands(dsub) -> None:
     p.add_argument("--min-sharpness", type=float, default=15.0)
     p.set_defaults(func=cmd_calibrate)
 
-    p = dsub.add_parser("install-model", help="put an ONNX model (from `ffr export`) into the device's home",
-                        description="Federated rounds replace it later; templates are recomputed for it at once.")
-    p.add_argument("--model", required=True, type=Path, help="MODEL.onnx")
+    p = dsub.add_parser("install-model", help="put an ONNX model (from `ffr export`, or the shipped one) into the home",
+                        description="Federated rounds replace it later; templates are recomputed for it at once. "
+                                    "A home with no model gets the shipped face-pretrained one on first use.")
+    p.add_argument("--model", type=Path, help="MODEL.onnx")
+    p.add_argument("--default", action="store_true",
+                   help="the shipped face-pretrained embedder, built as ONNX on this device (no torch, no download)")
     _common(p)
     p.set_defaults(func=cmd_install_model)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,16 +19,33 @@ from edge_client.vault import Person, Vault, new_person
 from models.evaluation.thresholds import threshold_at_far
 from models.runtime import OnnxEmbedder
 
+log = logging.getLogger(__name__)
+
 DEFAULT_THRESHOLD = 0.5  # cosine; only until `ffr device calibrate` has run
 
 
 def current_model(home: DeviceHome) -> Path:
-    """The most recently delivered model: personalised or generic, whichever is newer."""
+    """The most recently delivered model: personalised or generic, whichever is newer.
+
+    A home with no model yet gets the shipped face-pretrained embedder (built as ONNX without torch),
+    so a new device verifies faces before it has joined any federation.
+    """
     found = [p for p in (home.personalised_onnx, home.generic_onnx) if p.is_file()]
     if not found:
-        raise FileNotFoundError(f"no model in {home.root}: install one with `ffr device install-model --home "
-                                f"{home.root} --model MODEL.onnx`, or join a federation with `ffr edge run`")
+        return install_default_model(home)
     return max(found, key=lambda p: p.stat().st_mtime_ns)
+
+
+def install_default_model(home: DeviceHome) -> Path:
+    from models.face_weights import FaceWeightsError, write_default_onnx
+
+    try:
+        path = write_default_onnx(home.generic_onnx)
+    except FaceWeightsError as exc:
+        raise FileNotFoundError(f"no model in {home.root} and the default one cannot be built ({exc}): install one "
+                                f"with `ffr device install-model --home {home.root} --model MODEL.onnx`") from None
+    log.info("installed the shipped face-pretrained model into %s", path)
+    return path
 
 
 def file_sha256(path: Path) -> str:

@@ -33,7 +33,7 @@ def train_centralized(data: FleetData, config: SimConfig, out_dir: Path) -> tupl
     """Train (or resume, or reuse a finished run in `out_dir`) and return the best model and its metrics."""
     epochs = budget_epochs(config)
     train_config = TrainConfig(epochs=epochs, batch_size=config.batch_size, lr=config.lr, patience=epochs + 1,
-                               aug="weak", head="cosface", width_mult=config.width_mult, pretrained=config.pretrained,
+                               aug="weak", head="cosface", width_mult=config.width_mult, init=config.init,
                                seed=config.seed, progress=config.progress, max_eval_pairs=config.max_eval_pairs)
     trainer = Trainer(train_config, centralized_split(data), out_dir)
     if (out_dir / "latest.pt").exists():

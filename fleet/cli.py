@@ -139,15 +139,18 @@ def add_commands(fsub) -> None:
                    help="stop after this many rounds without a better validation AUC (0: never; default 5)")
     g.add_argument("--min-delta", type=float, default=1e-3, help="smallest AUC gain that counts as better")
     g.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier")
-    g.add_argument("--no-pretrained", dest="pretrained", action="store_false",
-                   help="round 0 model from random weights instead of ImageNet")
+    g.add_argument("--init", choices=("face", "imagenet", "none"), default="face",
+                   help="starting model: face (the shipped face-pretrained embedder, default), imagenet "
+                        "(ImageNet MobileNetV2), none (random)")
+    g.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
     g.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16")
     g = p.add_argument_group("simulation")
     g.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR); an existing one is resumed")
     g.add_argument("--workers", type=int, default=2, help="device worker processes (default 2)")
     g.add_argument("--broker", help="use this MQTT broker (mqtt://HOST:PORT) instead of an embedded mosquitto")
-    g.add_argument("--detector", choices=("auto", "haar", "none"), default="auto",
-                   help="face detector (auto: none for SYNTHETIC data, else haar with a centre-crop fallback)")
+    g.add_argument("--detector", choices=("auto", "yunet", "haar", "none"), default="auto",
+                   help="face detector (auto: none for SYNTHETIC data, else YuNet with five-point alignment, "
+                        "Haar where YuNet finds nothing, the centre square where neither does)")
     g.add_argument("--synthetic-identities", type=int, default=60, help="without --data: SYNTHETIC identities")
     g.add_argument("--synthetic-images", type=int, default=10, help="without --data: images per identity")
     g.add_argument("--crop-cache", help="folder of cached face crops (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)")

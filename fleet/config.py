@@ -23,7 +23,7 @@ class SimConfig:
     layout: str = "auto"
     synthetic_identities: int = 60
     synthetic_images: int = 10
-    detector: str = "auto"             # auto: none for SYNTHETIC/pre-cropped data, else haar
+    detector: str = "auto"             # auto: none for SYNTHETIC data, else YuNet-aligned with Haar fallback
     clients: int = 10
     rounds: int = 10
     partition: str = "iid"
@@ -48,7 +48,7 @@ class SimConfig:
     min_delta: float = 1e-3
     seed: int = 0
     width_mult: float = 1.0
-    pretrained: bool = True
+    init: str = "face"                 # round 0: face (shipped weights) | imagenet | none
     wire_dtype: str = "fp16"
     workers: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
     round_timeout: float = 3600.0

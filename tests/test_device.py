@@ -1,8 +1,8 @@
 """`ffr device`: enrol and verify through OpenCV's real capture path, the encrypted store, every bad input.
 
 The videos are written by the test with cv2.VideoWriter from real face photos (ORL in
-../shared/faces): no camera exists on CI machines. The model is the ImageNet-initialised
-embedder exported to ONNX, which is all a freshly installed device has.
+../shared/faces): no camera exists on CI machines. The model is the shipped face-pretrained
+embedder, built as ONNX by `install-model --default` with torch blocked: what a fresh device has.
 """
 from __future__ import annotations
 
@@ -42,16 +42,6 @@ def write_video(path: Path, frames: list[np.ndarray], fps: int = 10) -> Path:
 
 
 @pytest.fixture(scope="module")
-def onnx_model(tmp_path_factory) -> Path:
-    from models.face_model import FaceModel, ModelConfig
-    from models.onnx_export import export_onnx
-
-    out = tmp_path_factory.mktemp("model") / "generic.onnx"
-    export_onnx(FaceModel(ModelConfig(n_classes=2)), out, personalised=False)
-    return out
-
-
-@pytest.fixture(scope="module")
 def videos(faces_dir, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """Per person: an enrolment video (photos 1-5) and a probe video (photos 6-10)."""
     root = tmp_path_factory.mktemp("videos")
@@ -73,15 +63,17 @@ def ffr(*args: str) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory, onnx_model, videos) -> Path:
+def home(tmp_path_factory, videos) -> Path:
     home = tmp_path_factory.mktemp("device") / "home"
-    rc, out, err = ffr("device", "install-model", "--home", str(home), "--model", str(onnx_model))
+    rc, out, err = ffr("device", "install-model", "--home", str(home), "--default", "--json")
     assert rc == 0, err
+    assert json.loads(out)["installed"].endswith("generic.onnx")
     for person in PEOPLE[:3]:
         rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", person, "--video", str(videos[person][0]),
                            "--json")
         assert rc == 0, err
         assert json.loads(out)["faces_kept"] == 5
+        assert json.loads(out)["faces_aligned"] == 5  # YuNet's landmarks -> the five-point template, torch blocked
     rc, out, err = ffr("device", "calibrate", "--home", str(home), "--far", "0.01", "--json")
     assert rc == 0, err
     return home
@@ -118,7 +110,14 @@ def test_store_holds_no_plaintext_images_or_templates(home):
         assert b"\x89PNG\r\n\x1a\n" not in blobs  # nor any image file
 
 
-def test_list_remove_and_templates_follow_a_new_model(tmp_path, home, onnx_model, videos):
+def test_a_fresh_home_gets_the_shipped_model_on_first_use(tmp_path, videos):
+    home = tmp_path / "fresh"
+    rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][0]), "--json")
+    assert rc == 0, err
+    assert (home / "models" / "generic.onnx").is_file() and json.loads(out)["model"].endswith("generic.onnx")
+
+
+def test_list_remove_and_templates_follow_a_new_model(tmp_path, home, videos):
     import shutil
 
     from edge_client.vault import Vault
@@ -175,9 +174,10 @@ def test_bad_input_is_a_clear_error(case, tmp_path, home, videos, faces_dir):
         source = ["--image", str(tmp_path / "two.png")]
     elif case == "unknown name":
         name = "nobody"
-    elif case == "missing model":
+    elif case == "missing model":  # no model installed, and the shipped weights are gone too
         for f in (copy / "models").glob("*.onnx"):
             f.unlink()
+        os.environ["FFR_FACE_WEIGHTS"] = str(tmp_path / "gone.safetensors")
     elif case == "corrupted store":
         victim = next((copy / "store" / "people").glob("*.person"))
         data = bytearray(victim.read_bytes())
@@ -194,6 +194,7 @@ def test_bad_input_is_a_clear_error(case, tmp_path, home, videos, faces_dir):
         rc, out, err = ffr("device", *env_args, "--home", str(copy), *source)
     finally:
         os.environ.pop("FFR_STORE_KEY", None)
+        os.environ.pop("FFR_FACE_WEIGHTS", None)
     assert rc == 2, (out, err)
     assert expected in err, err
 

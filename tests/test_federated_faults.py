@@ -214,12 +214,14 @@ def _health(base: str) -> dict:
 
 
 def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
-    """`ffr coordinator serve` (embedded broker) and two `ffr edge run` processes, as a user runs them."""
+    """`ffr coordinator serve` (embedded broker, torch blocked: round 0 is the shipped face embedder read with
+    safetensors + numpy) and two `ffr edge run` processes, as a user runs them."""
     datasets = device_datasets(tmp_path / "data", 2, 2, 4)
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    no_torch = "import sys; sys.modules['torch'] = None; from models.cli import main; sys.exit(main(sys.argv[1:]))"
     coordinator = subprocess.Popen(
-        [sys.executable, "-m", "models.cli", "coordinator", "serve", "--rounds", "1", "--min-clients", "2",
+        [sys.executable, "-c", no_torch, "coordinator", "serve", "--rounds", "1", "--min-clients", "2",
          "--state", str(tmp_path / "state"), "--http-port", str(port), "--lr", "1e-3", "--batch-size", "8"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     edges = []
@@ -251,6 +253,11 @@ def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
         for edge in edges:
             assert edge.wait(120) == 0, edge.stdout.read()
         assert (tmp_path / "home0" / "models" / "personalised.onnx").exists()
+        from coordinator.store import Store
+        from models.face_weights import face_global_state
+
+        start, shipped = Store(tmp_path / "state").load_model(0), face_global_state()
+        assert start.keys() == shipped.keys() and all(np.array_equal(start[k], shipped[k]) for k in start)
     finally:
         for proc in edges + [coordinator]:
             if proc.poll() is None:
