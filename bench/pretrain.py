@@ -1,0 +1,51 @@
+"""The learning curve of an `ffr pretrain` run, as a benchmark table (JSON + Markdown).
+
+python -m bench.pretrain --run RUN_DIR --out bench/results
+
+Reads RUN_DIR/metrics.json (written by `ffr pretrain` after every epoch): samples seen, the
+distillation losses, the student's cosine to the teacher on held-out unlabelled images, and
+AUC/EER on each `--eval-data` set (people never in the pretraining data).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench.common import write_results
+
+
+def curve(metrics: dict) -> list[dict]:
+    rows = []
+    for h in metrics["history"]:
+        row = {"epoch": h["epoch"], "samples": h["samples"], "hours": round(h["elapsed_s"] / 3600, 2),
+               "cos loss": h.get("train_cos_loss"), "sim loss": h.get("train_sim_loss"),
+               "cosine to teacher (held-out)": h.get("val_teacher_cosine")}
+        row.update({k: v for k, v in h.items() if k.endswith("_auc") or k.endswith("_eer")})
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, required=True, help="an `ffr pretrain` run folder")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    metrics_file = args.run / "metrics.json"
+    if not metrics_file.is_file():
+        print(f"no metrics.json in {args.run}", file=sys.stderr)
+        return 2
+    metrics = json.loads(metrics_file.read_text())
+    config = metrics["config"]
+    command = "python -m bench.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_results(args.out, "pretrain", {"status": metrics["status"], "images": metrics["images"],
+                                         "teacher": metrics["teacher"], "teacher_sha256": metrics["teacher_sha256"],
+                                         "precision": metrics["precision"], "config": config},
+                  curve(metrics), f"Distillation learning curve ({metrics['images']} unlabelled faces, teacher "
+                  f"{metrics['teacher']}, {config['epochs']} epochs of batch {config['batch_size']})", command.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
