@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--init", choices=("face", "imagenet"), default="face", help="round 0's model (default face)")
     parser.add_argument("--partitions", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--name", default="fleet", help="results file name (default fleet: fleet.json, fleet.md)")
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     parser.add_argument("--flower-python", default=os.environ.get("FFR_FLOWER_PYTHON", ".venv-flower/bin/python"),
                         help="a Python with flwr[simulation] and this project (`make bench-fleet` builds one)")
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if peer is not None:
         rows.append(peer_row(peer))
     command = "python -m bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(args.out, "fleet", {"data": str(data), "clients": args.clients, "rounds": args.rounds,
+    write_results(args.out, args.name, {"init": args.init, "data": str(data), "clients": args.clients, "rounds": args.rounds,
                                       "runs": {k: {kk: v[kk] for kk in ("global", "personalized", "bytes",
                                                                          "wall_seconds", "round_seconds_mean",
                                                                          "partition", "centralized")}
