@@ -18,7 +18,7 @@ WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 SHIPPED_WEIGHTS = WEIGHTS_DIR / "face_embedder.safetensors"
 MODEL_CARD = WEIGHTS_DIR / "MODEL_CARD.md"
 # sha256 of SHIPPED_WEIGHTS: a test pins it, and loading refuses a file that differs.
-SHIPPED_SHA256 = "3d910f5e471c4d3d89eaba82e7430784b8999669d0679229d465fdc89435d774"
+SHIPPED_SHA256 = "4b4ef3d19c9dfdd4763d085dd72ac2e8935581b843568281bd2431ee662a6e3d"
 SHAREABLE_PREFIX = "backbone."
 INITS = ("face", "imagenet", "none")
 
@@ -74,8 +74,8 @@ def save_embedder(path: Path, model, metadata: dict[str, str] | None = None) -> 
 
     state = {}
     for key, value in model.state_dict().items():
-        array = value.detach().float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy()
-        state[key] = array.astype(np.float16) if value.is_floating_point() else array
+        value = value.detach().cpu().contiguous()  # a channels_last weight is otherwise written in memory order
+        state[key] = value.float().numpy().astype(np.float16) if value.is_floating_point() else value.numpy()
     path = Path(path)
     tmp = path.with_suffix(".tmp")
     save_file(state, str(tmp), metadata={"format": "ffr-embedder", "embedding_dim": "128", "input_size": "128",

@@ -22,6 +22,22 @@ def test_shipped_file_is_the_recorded_fp16_safetensors_under_5_mb():
     assert (SHIPPED_WEIGHTS.parent / "MODEL_CARD.md").is_file()
 
 
+def test_saved_weights_round_trip_also_from_a_channels_last_model(tmp_path):
+    """Training runs in channels_last; the file must still hold every tensor in its logical (NCHW) order."""
+    from models.backbone import FaceEmbedder
+    from models.face_weights import load_face_embedder, save_embedder
+
+    torch.manual_seed(0)
+    model = FaceEmbedder(pretrained=False).to(memory_format=torch.channels_last).eval()
+    loaded = load_face_embedder(save_embedder(tmp_path / "e.safetensors", model)).eval()
+    for key, value in model.state_dict().items():
+        if value.is_floating_point():
+            assert torch.allclose(loaded.state_dict()[key], value.half().float(), atol=1e-6), key
+    x = torch.randn(4, 3, 128, 128)
+    with torch.inference_mode():
+        assert (model(x) * loaded(x)).sum(1).min() > 0.999
+
+
 def test_a_tampered_file_is_refused(tmp_path, monkeypatch):
     import models.face_weights as fw
 
