@@ -86,7 +86,10 @@ def test_photo_without_a_face_falls_back_and_is_counted(tmp_path):
         crops = crop_index(index, CropConfig(fallback_center=True), cache_dir=tmp_path / "cache", progress=False)
         assert len(crops) == 4 and crops.report.n_center_fallback == 4 and crops.report.n_aligned == 0
     from models.faces.datasets import DatasetError
+    from models.faces.crops import CropConfig as Config, build_detectors, crop_face
 
+    thumbnail = rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)  # too small to detect anything in: never "aligned"
+    assert crop_face(thumbnail, build_detectors(Config()), Config(fallback_center=True))[1] == "center"
     with pytest.raises(DatasetError, match="without a detected face"):
         crop_index(index, CropConfig(fallback_center=False), cache_dir=tmp_path / "cache", progress=False)
 

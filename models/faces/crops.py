@@ -21,6 +21,8 @@ from models.faces.imageio import UnreadableImage, read_rgb
 
 log = logging.getLogger(__name__)
 _NO_FACE = b"no-face"
+# below this side no detector finds a face reliably; YuNet on such thumbnails returns non-deterministic garbage
+MIN_DETECT_SIDE = 48
 
 
 def default_cache_dir() -> Path:
@@ -59,7 +61,7 @@ class CropConfig:
     def signature(self) -> str:
         model = Path(self.resolved_yunet() or "").name if self.detector in ("auto", "yunet") else ""
         return (f"{self.detector}|{model}|{self.margin:.3f}|{self.size}|{self.face_select}"
-                f"|{'aligned' if self.align else 'square'}|pad-retry")
+                f"|{'aligned' if self.align else 'square'}|pad-retry|min{MIN_DETECT_SIDE}")
 
 
 @dataclass
@@ -164,6 +166,8 @@ def crop_face(rgb: np.ndarray, detectors: list, config: CropConfig) -> tuple[np.
     """
     if not detectors:
         return center_crop(rgb, config.size), "given"
+    if min(rgb.shape[:2]) < MIN_DETECT_SIDE:
+        return (center_crop(rgb, config.size), "center") if config.fallback_center else (None, None)
     # a face that fills the whole image (pre-cropped sets) has no context for a detector: try again with a border
     padded = cv2.copyMakeBorder(rgb, *[max(rgb.shape[:2]) // 4] * 4, cv2.BORDER_REPLICATE)
     for k, detector in enumerate(detectors):
