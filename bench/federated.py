@@ -85,7 +85,7 @@ def round_overhead_rows(n_devices: int, rounds: int) -> list[dict]:
             for i in (2 * d, 2 * d + 1):
                 shutil.copytree(full / identity_name(i), data / identity_name(i))
             (data / SYNTHETIC_MARKER).write_text("synthetic")
-            devices.append(EdgeDevice(f"dev{d:02d}", data, tmp / f"h{d}", service.broker_url, export_onnx=False))
+            devices.append(EdgeDevice(service.admit(f"dev{d:02d}"), data, tmp / f"h{d}", export_onnx=False))
         for device in devices:
             device.start()
         while not service.finished:

@@ -1,44 +1,69 @@
-"""The coordinator's HTTP API (FastAPI): fleet, rounds, the global model, training control, metrics."""
+"""The coordinator's HTTP API (FastAPI): fleet, rounds, the global model, training control, metrics.
+
+Every route that changes state or names a device or a model needs the API token
+(`Authorization: Bearer TOKEN`, the token in `STATE/api-token`). A browser never attaches
+that header to a cross-site form post, so such posts are refused too. `/health` and
+`/metrics` stay open and show counts, never ids.
+"""
 from __future__ import annotations
 
-from fastapi import FastAPI, HTTPException, Response
+import hmac
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
-from coordinator.engine import Engine
+MAX_PAGE = 500
 
 
-def create_app(engine: Engine) -> FastAPI:
-    app = FastAPI(title="ffr-edge coordinator", version="1",
-                  description="Federated face recognition: fleet status, rounds and the global backbone.")
-    store = engine.store
+def create_app(service) -> FastAPI:
+    """`service`: a `coordinator.service.Service` (its engine, its MQTT state, its API token)."""
+    app = FastAPI(title="ffr-edge coordinator", version="2",
+                  description="Federated face recognition: fleet status, rounds and the global backbone. "
+                              "Send `Authorization: Bearer TOKEN` (the token is in STATE/api-token).")
+    engine, store = service.engine, service.engine.store
     registry = CollectorRegistry()
     gauges = {name: Gauge(f"ffr_{name}", doc, registry=registry) for name, doc in (
         ("model_version", "current global model version"), ("completed_rounds", "rounds aggregated so far"),
-        ("devices", "registered devices"), ("rejected_messages", "messages refused since the state was created"))}
+        ("devices", "registered devices"), ("rejected_messages", "messages refused since the coordinator started"),
+        ("handler_errors", "unexpected errors while handling a message"))}
+
+    def authorised(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), service.api_token.encode()):
+            raise HTTPException(401, "missing or wrong API token: send Authorization: Bearer TOKEN "
+                                     "(the token is in STATE/api-token)", headers={"WWW-Authenticate": "Bearer"})
+
+    auth = [Depends(authorised)]
 
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", **engine.status()}
+        mqtt = service.mqtt_state()
+        return {"status": "ok" if mqtt == "connected" else "degraded", "mqtt": mqtt, **engine.status()}
 
-    @app.get("/devices")
+    @app.get("/status", dependencies=auth)
+    def status() -> dict:
+        return {"mqtt": service.mqtt_state(), **engine.status(with_ids=True)}
+
+    @app.get("/devices", dependencies=auth)
     def devices() -> list[dict]:
         return store.devices()
 
-    @app.get("/rounds")
+    @app.get("/rounds", dependencies=auth)
     def rounds() -> list[dict]:
         return store.rounds()
 
-    @app.get("/rejections")
-    def rejections() -> list[dict]:
-        return store.rejections()
+    @app.get("/rejections", dependencies=auth)
+    def rejections(offset: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=MAX_PAGE)) -> dict:
+        return {"total_stored": store.count_rejections(), "offset": offset, "limit": limit,
+                "items": store.rejections(offset, limit)}
 
-    @app.get("/model")
+    @app.get("/model", dependencies=auth)
     def model() -> dict:
         status = engine.status()
         return {"version": status["model_version"], "sha256": status["model_sha256"], "versions": store.models(),
                 "download": f"/model/{status['model_version']}/download"}
 
-    @app.get("/model/{version}/download")
+    @app.get("/model/{version}/download", dependencies=auth)
     def download(version: int) -> Response:
         data = store.model_bytes(version)
         if data is None:
@@ -46,12 +71,12 @@ def create_app(engine: Engine) -> FastAPI:
         return Response(data, media_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="backbone-v{version}.safetensors"'})
 
-    @app.post("/training/stop")
+    @app.post("/training/stop", dependencies=auth)
     def stop() -> dict:
         engine.running = False
         return engine.status()
 
-    @app.post("/training/start")
+    @app.post("/training/start", dependencies=auth)
     def start() -> dict:
         engine.running = True
         return engine.status()
@@ -61,8 +86,9 @@ def create_app(engine: Engine) -> FastAPI:
         status = engine.status()
         gauges["model_version"].set(status["model_version"])
         gauges["completed_rounds"].set(status["completed_rounds"])
-        gauges["devices"].set(len(store.devices()))
-        gauges["rejected_messages"].set(len(store.rejections()))
+        gauges["devices"].set(len(engine.keys))
+        gauges["rejected_messages"].set(status["messages_rejected"])
+        gauges["handler_errors"].set(status["handler_errors"])
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,7 +1,16 @@
-"""An embedded MQTT broker for one-command setups: a `mosquitto` child process on localhost."""
+"""An embedded MQTT broker for one-command setups: a `mosquitto` child process on localhost.
+
+Given the coordinator's state folder, the broker keeps its port and a pid file there, so a
+coordinator restarted after `kill -9` stops the orphaned broker and comes back on the same
+port (devices reconnect by themselves), and it enforces the logins and ACLs that
+`coordinator.broker_acl` writes.
+"""
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -22,23 +31,40 @@ def free_port() -> int:
 
 
 class EmbeddedBroker:
-    """Mosquitto bound to 127.0.0.1 on a free (or given) port; stopped with `close()`."""
+    """Mosquitto bound to 127.0.0.1 on a free (or given, or persisted) port; stopped with `close()`."""
 
-    def __init__(self, port: int | None = None, message_size_limit: int = 0):
+    def __init__(self, port: int | None = None, message_size_limit: int = 0, state_dir: Path | None = None,
+                 acl: bool = False):
         binary = find_mosquitto()
         if binary is None:
             raise RuntimeError("no mosquitto binary for the embedded broker: install it (apt-get install mosquitto) "
                                "or point at a broker with --broker mqtt://HOST:PORT")
-        self.port = port or free_port()
-        self._dir = tempfile.TemporaryDirectory(prefix="ffr-broker-")
-        conf = Path(self._dir.name) / "mosquitto.conf"
-        lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous true", "persistence false",
+        self._tmp = None if state_dir else tempfile.TemporaryDirectory(prefix="ffr-broker-")
+        self.dir = Path(state_dir) / "broker" if state_dir else Path(self._tmp.name)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.pid_file = self.dir / "mosquitto.pid"
+        _stop_orphan(self.pid_file)
+        record = Path(state_dir) / "broker.json" if state_dir else None
+        remembered = json.loads(record.read_text()).get("port") if record and record.exists() else None
+        self.port = port or remembered or free_port()
+        conf = self.dir / "mosquitto.conf"
+        import getpass
+
+        # stay the coordinator's user (mosquitto started as root would switch to `mosquitto` and lose the 0600 files)
+        lines = [f"listener {self.port} 127.0.0.1", f"user {getpass.getuser()}", "persistence false",
                  "max_queued_messages 100000", "log_dest stderr", "log_type error"]
+        if acl:
+            lines += ["allow_anonymous false", f"password_file {self.dir / 'passwd'}", f"acl_file {self.dir / 'acl'}"]
+        else:
+            lines.append("allow_anonymous true")
         if message_size_limit:
             lines.append(f"message_size_limit {message_size_limit}")
         conf.write_text("\n".join(lines) + "\n")
         self.process = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.pid_file.write_text(str(self.process.pid))
         self._wait_ready()
+        if record:
+            record.write_text(json.dumps({"url": self.url, "port": self.port, "embedded": True, "acl": acl}))
 
     @property
     def url(self) -> str:
@@ -64,10 +90,30 @@ class EmbeddedBroker:
                 self.process.wait(5)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-        self._dir.cleanup()
+        self.pid_file.unlink(missing_ok=True)
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
     def __enter__(self) -> "EmbeddedBroker":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _stop_orphan(pid_file: Path) -> None:
+    """Stop a mosquitto left running by a coordinator that was killed (only if it is still mosquitto)."""
+    try:
+        pid = int(pid_file.read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return
+    if b"mosquitto" not in cmdline:
+        return
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(50):
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)

@@ -1,8 +1,12 @@
-"""The round engine: registration, rounds, update intake and aggregation, with no I/O of its own.
+"""The round engine: admission, rounds, update intake and aggregation, with no I/O of its own.
 
 The MQTT connection and the clock are injected (`publish`, `now`), so the same engine runs
-under the service, in tests, and in the fleet simulator. Every refusal is logged, stored,
-and, when the sender is known, answered with an `Error` that says why.
+under the service, in tests, and in the fleet simulator. Every message from the network is
+treated as written by an attacker: it is parsed against bounded schemas, authenticated
+against the sender's own public key, and any failure (even an unexpected exception) is
+logged, counted and stored, never allowed to stop the engine. Only an authenticated sender
+is told why, and at a limited rate. Everything the coordinator sends is signed with its
+Ed25519 key, which devices pin when they are admitted.
 """
 from __future__ import annotations
 
@@ -10,18 +14,20 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from coordinator.aggregation import FedAvgM, RunningMean, Strategy
+from coordinator.robust import COMBINERS, NormBound, clip_to_norm, combine, l2_norm
 from coordinator.store import Store
 from protocol import topics
-from protocol.auth import ReplayGuard, new_device_key
+from protocol.auth import Signer, proof_matches
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
-from protocol.messages import (Ack, Error, Heartbeat, Hello, MessageError, Registered, RoundAnnouncement,
-                               TrainingConfig, UpdateHeader, open_envelope, seal)
+from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageError, Registered, RoundAnnouncement,
+                               TrainingConfig, UpdateHeader, authenticate, parse, seal)
 from protocol.tensors import PayloadError, decode
 
 log = logging.getLogger("coordinator")
@@ -37,7 +43,15 @@ class RoundSettings:
     round_timeout_s: float = 600.0
     training: TrainingConfig = field(default_factory=TrainingConfig)
     max_update_bytes: int = 64 * 1024 * 1024
+    max_inflight_bytes: int = 1024 * 1024 * 1024  # all half-received updates together
     seed: int = 0
+    combine: str = "mean"          # mean | trimmed-mean | median | krum (coordinator.robust)
+    trim: float = 0.2              # trimmed mean: fraction dropped at each end
+    byzantine: int | None = None   # Krum's f; default (n - 3) // 2
+    norm_factor: float = 3.0       # an update may be at most this x the median recent update norm
+    norm_ceiling: float = 0.25     # ... and never above this fraction of the global model's norm
+    norm_action: str = "clip"      # clip | reject an update above the bound
+    errors_per_minute: int = 30    # replies to one device that explain a refusal
 
 
 @dataclass
@@ -46,29 +60,35 @@ class OpenRound:
     base_version: int
     participants: list[str]
     deadline: float
-    mean: RunningMean = field(default_factory=RunningMean)
     headers: dict[str, UpdateHeader] = field(default_factory=dict)
     transfers: dict[str, Reassembler] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
+    weights: dict[str, float] = field(default_factory=dict)
+    norms: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, dict] = field(default_factory=dict)
     bytes_received: int = 0
-    refused_transfers: set[str] = field(default_factory=set)
+    refused_transfers: OrderedDict = field(default_factory=OrderedDict)
 
 
 class Engine:
     def __init__(self, store: Store, strategy: Strategy, settings: RoundSettings, publish: Publish,
-                 initial_model: Callable[[], dict[str, np.ndarray]], now: Callable[[], float] = time.time):
+                 initial_model: Callable[[], dict[str, np.ndarray]], signer: Signer,
+                 now: Callable[[], float] = time.time):
+        if settings.combine not in COMBINERS:
+            raise ValueError(f"unknown combination rule {settings.combine!r}; choose one of {', '.join(COMBINERS)}")
+        if settings.norm_action not in ("clip", "reject"):
+            raise ValueError("norm_action must be clip or reject")
         self.store, self.strategy, self.settings = store, strategy, settings
-        self.publish, self.now = publish, now
+        self.publish, self.now, self.signer = publish, now, signer
         self.lock = threading.RLock()
         self.running = True
         self.current: OpenRound | None = None
         self._seq = int(time.time() * 1000)
         self._rng = random.Random(settings.seed)
-        aborted = store.abort_open_rounds("coordinator restarted mid-round")
-        if aborted:
-            log.warning("resuming: %d round(s) open at shutdown were aborted; training goes on from the last completed one",
-                        aborted)
+        self.handled = 0
+        self.rejected = 0
+        self.handler_errors = 0
+        self._error_times: dict[str, list[float]] = {}
         latest = store.latest_model()
         if latest is None:
             state = initial_model()
@@ -77,19 +97,25 @@ class Engine:
         self.version, self.global_state, self.global_sha = latest
         if isinstance(strategy, FedAvgM):
             strategy.velocity = store.load_strategy_state()
+        from protocol.auth import ReplayGuard
+
+        self.keys = store.device_keys()
+        self.images = store.device_images()
         self.guard = ReplayGuard(store.last_seqs())
+        self.norms = NormBound(ceiling=settings.norm_ceiling * l2_norm(self.global_state), factor=settings.norm_factor)
         self._publish_model()
+        self._resume_open_round()
 
     # outgoing ---------------------------------------------------------------
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
 
-    def _send(self, topic: str, body, retain: bool = False) -> None:
-        self.publish(topic, seal(SENDER, self._next_seq(), body, None), retain)
+    def _send(self, topic: str, body, retain: bool = False, to: str | None = None) -> None:
+        self.publish(topic, seal(SENDER, self._next_seq(), body, self.signer, to), retain)
 
     def _tell(self, device_id: str, body) -> None:
-        self._send(topics.device(device_id, "inbox"), body)
+        self._send(topics.device(device_id, "inbox"), body, to=device_id)
 
     def _publish_model(self) -> None:
         """The global backbone as retained chunk messages, one topic per chunk."""
@@ -106,51 +132,101 @@ class Engine:
 
     # incoming ---------------------------------------------------------------
     def on_message(self, topic: str, payload: bytes) -> None:
+        """Handle one message from the broker. Nothing a sender does can make this raise."""
         parts = topic.split("/")
         if len(parts) < 5 or parts[:3] != ["ffr", "v1", "devices"]:
             return
-        device_id, leaf = parts[3], "/".join(parts[4:])
+        device_id, leaf = parts[3][:64], "/".join(parts[4:])[:32]
         with self.lock:
+            self.handled += 1
+            self._authenticated: str | None = None
+            self._resume: int | None = None
             try:
                 if leaf == "update/chunks":
                     self._on_chunk(device_id, payload)
                 elif leaf in ("hello", "heartbeat", "update"):
                     self._on_envelope(device_id, leaf, payload)
+                elif leaf != "inbox":
+                    raise MessageError(f"unknown topic leaf {leaf!r}")
             except (MessageError, PayloadError, ValueError) as exc:
                 self._reject(device_id, topic, str(exc))
+            except Exception as exc:  # noqa: BLE001 - a bug must cost one message, never the loop
+                self.handler_errors += 1
+                log.exception("unexpected error handling a message from %s on %s", device_id, topic[:160])
+                self._reject(device_id, topic, f"internal error: {type(exc).__name__}")
 
     def _reject(self, device_id: str, topic: str, reason: str) -> None:
-        log.warning("rejected message from %s on %s: %s", device_id, topic, reason)
+        self.rejected += 1
+        reason = reason[:300]
+        log.warning("rejected message from %s on %s: %s", device_id, topic[:160], reason)
         self.store.record_rejection(device_id, topic, reason)
-        if device_id in self.store.device_keys():
-            self._tell(device_id, Error(reason=reason, round_id=self.current.round_id if self.current else None))
+        if self._authenticated == device_id and self._may_explain(device_id):
+            self._tell(device_id, Error(reason=reason, round_id=self.current.round_id if self.current else None,
+                                        resume_seq=self._resume))
+
+    def _may_explain(self, device_id: str) -> bool:
+        """At most `errors_per_minute` error replies to one device: refusals never flood an inbox."""
+        now = time.monotonic()
+        recent = [t for t in self._error_times.get(device_id, []) if now - t < 60.0]
+        allowed = len(recent) < self.settings.errors_per_minute
+        self._error_times[device_id] = recent + [now] if allowed else recent
+        return allowed
 
     def _on_envelope(self, device_id: str, leaf: str, payload: bytes) -> None:
-        keys = self.store.device_keys()
-        if leaf == "hello" and device_id not in keys:
-            envelope = open_envelope(payload)  # first contact: nothing to verify yet
-            if envelope.sender != device_id or not isinstance(envelope.body, Hello):
-                raise MessageError("a first hello must come from the device named in its topic")
-            self._register(device_id, envelope.body)
-            return
-        envelope = open_envelope(payload, keys, self.guard)
+        envelope = parse(payload)
         if envelope.sender != device_id:
             raise MessageError(f"sender {envelope.sender!r} does not match the topic's device {device_id!r}")
+        if envelope.to not in (None, SENDER):
+            raise MessageError("message addressed to someone else")
+        if isinstance(envelope.body, Hello) and envelope.body.token_proof is not None:
+            self._on_admission_hello(device_id, envelope)
+            return
+        key = self.keys.get(device_id)
+        if key is None:
+            raise MessageError(f"unknown device {device_id!r}: it must be admitted (ffr coordinator admit) first")
+        self._authenticate(envelope, key)
         self.store.seen(device_id, envelope.seq)
         body = envelope.body
+        if leaf != body.type:
+            raise MessageError(f"a {body.type!r} message does not belong on {leaf!r}")
         if isinstance(body, UpdateHeader):
             self._on_update_header(device_id, body)
         elif isinstance(body, Hello):
+            if body.public_key != key:
+                raise MessageError("hello with a public key that is not this device's: re-admit the device")
             self._tell(device_id, Ack(of="hello"))
             self._announce_to_late_joiner(device_id)
         elif not isinstance(body, Heartbeat):
             raise MessageError(f"devices may not send {body.type!r} messages")
 
-    def _register(self, device_id: str, hello: Hello) -> None:
-        key = new_device_key()
-        self.store.register(device_id, key, hello.n_images, hello.n_identities)
-        log.info("registered %s (%d identities, %d images)", device_id, hello.n_identities, hello.n_images)
-        self._tell(device_id, Registered(device_id=device_id, key=key))
+    def _authenticate(self, envelope: Envelope, public_key: str) -> None:
+        """Signature first (then the sender may be answered), then the sequence number."""
+        authenticate(envelope, public_key)
+        self._authenticated = envelope.sender
+        try:
+            self.guard.accept(envelope.sender, envelope.seq, int(self.now() * 1000))
+        except ValueError as exc:
+            self._resume = self.guard.resume_point(envelope.sender)
+            raise MessageError(f"{exc}; number messages above {self._resume}") from None
+
+    def _on_admission_hello(self, device_id: str, envelope: Envelope) -> None:
+        """First contact (or re-enrolment): the admission token proves the operator let this device in,
+        the signature proves it holds the private half of the key it registers."""
+        hello: Hello = envelope.body
+        token = self.store.admission_token(device_id)
+        if token is None or not proof_matches(token, device_id, hello.public_key, hello.token_proof):
+            raise MessageError(f"{device_id!r} is not admitted, or its admission token is wrong or already used")
+        authenticate(envelope, hello.public_key)
+        self.guard.last_seen.pop(device_id, None)  # a new key starts a new sequence
+        self.guard.accept(device_id, envelope.seq, int(self.now() * 1000))
+        self.store.register(device_id, hello.public_key, hello.n_images, hello.n_identities)
+        self.store.use_admission(device_id)
+        self.store.seen(device_id, envelope.seq)
+        self.keys[device_id], self.images[device_id] = hello.public_key, hello.n_images
+        self._authenticated = device_id
+        log.info("admitted %s (%d identities, %d images)", device_id, hello.n_identities, hello.n_images)
+        self._tell(device_id, Registered(device_id=device_id))
+        self._announce_to_late_joiner(device_id)
 
     def _announce_to_late_joiner(self, device_id: str) -> None:
         if self.current is not None and device_id in self.current.participants:
@@ -169,7 +245,7 @@ class Engine:
             raise MessageError(f"stale base version {header.base_version}; round {current.round_id} "
                                f"trains version {current.base_version}")
         if device_id in current.done:
-            if current.headers[device_id].transfer_id == header.transfer_id:
+            if current.headers[device_id].transfer_id in (header.transfer_id, "restored"):
                 self._tell(device_id, Ack(of="update", round_id=current.round_id))  # a resend: the ack was lost
                 return
             raise MessageError(f"{device_id} already delivered its update for round {current.round_id}")
@@ -188,13 +264,18 @@ class Engine:
         header = current.headers.get(device_id)
         if header is None or chunk.transfer_id != header.transfer_id:
             if chunk.transfer_id in current.refused_transfers:
-                return  # already refused once: the rest of its chunks are dropped quietly
-            current.refused_transfers.add(chunk.transfer_id)
+                raise MessageError(f"chunk of refused transfer {chunk.transfer_id!r}")
+            current.refused_transfers[chunk.transfer_id] = True
+            while len(current.refused_transfers) > 1024:
+                current.refused_transfers.popitem(last=False)
             raise MessageError(f"chunks of transfer {chunk.transfer_id!r} have no valid signed update header")
         if chunk.sha256 != header.payload_sha256 or chunk.total_bytes != header.payload_bytes:
             raise PayloadError("chunk does not match the signed update header")
         assembler = current.transfers.get(chunk.transfer_id)
         if assembler is None:
+            inflight = sum(t.total_bytes for t in current.transfers.values())
+            if inflight + chunk.total_bytes > self.settings.max_inflight_bytes:
+                raise MessageError("the coordinator is receiving too many updates at once; send again later")
             assembler = current.transfers[chunk.transfer_id] = Reassembler.for_chunk(chunk, self.settings.max_update_bytes)
         try:
             payload = assembler.add(chunk)
@@ -205,24 +286,64 @@ class Engine:
             self._accept_update(device_id, header, payload)
 
     def _accept_update(self, device_id: str, header: UpdateHeader, payload: bytes) -> None:
+        """Check the delta (layout, dtype, finite, norm), make it durable, then acknowledge it."""
         current = self.current
         current.transfers.pop(header.transfer_id, None)
         expected = {k: v.shape for k, v in self.global_state.items()}
         kinds = {k: "f" if np.issubdtype(v.dtype, np.floating) else "i" for k, v in self.global_state.items()}
         try:
             delta = decode(payload, header.payload_sha256, expected, kinds)
+            norm = l2_norm(delta)
+            if not np.isfinite(norm):
+                raise PayloadError("update norm overflows")
+            if norm > self.norms.bound and self.settings.norm_action == "reject":
+                raise PayloadError(f"update norm {norm:.4g} exceeds the bound {self.norms.bound:.4g}")
         except PayloadError as exc:
-            self.store.record_update(current.round_id, device_id, header.n_samples, False, str(exc), len(payload),
-                                     header.metrics)
+            self.store.record_update(current.round_id, device_id, header.n_samples, False, str(exc)[:300],
+                                     len(payload), header.metrics)
             raise
-        current.mean.add(delta, header.n_samples)  # streamed in: the delta itself is dropped right after
+        weight = self._weight(device_id, header.n_samples)
+        self.store.save_update(current.round_id, device_id, payload)
+        current.headers[device_id] = header
         current.done.add(device_id)
+        current.weights[device_id], current.norms[device_id] = weight, norm
         current.metrics[device_id] = header.metrics
         current.bytes_received += len(payload)
-        self.store.record_update(current.round_id, device_id, header.n_samples, True, "", len(payload), header.metrics)
+        self.store.record_update(current.round_id, device_id, header.n_samples, True, "", len(payload),
+                                 {**header.metrics, "update_norm": norm, "weight": weight})
         self._tell(device_id, Ack(of="update", round_id=current.round_id))
-        log.info("round %d: update from %s (%d samples, %d bytes), %d/%d", current.round_id, device_id,
-                 header.n_samples, len(payload), len(current.done), len(current.participants))
+        log.info("round %d: update from %s (%d samples, weight %.0f, norm %.3g, %d bytes), %d/%d", current.round_id,
+                 device_id, header.n_samples, weight, norm, len(payload), len(current.done), len(current.participants))
+
+    def _weight(self, device_id: str, n_samples: int) -> float:
+        """The self-reported sample count, capped by what the device registered: it cannot outweigh its data."""
+        cap = max(1, self.images.get(device_id, 1)) * self.settings.training.epochs
+        return float(min(n_samples, cap))
+
+    def _resume_open_round(self) -> None:
+        """After a crash: resume the open round with its durable updates when it trains the current model."""
+        row = self.store.open_round_row()
+        if row is None:
+            return
+        if row["base_version"] != self.version:
+            self.store.abort_open_rounds("coordinator restarted after the model moved on")
+            return
+        current = OpenRound(row["round_id"], row["base_version"], row["participants"],
+                            max(row["deadline"], self.now() + 60.0))
+        for update in self.store.accepted_updates(current.round_id):
+            path = self.store.update_path(current.round_id, update["device_id"])
+            if path.exists():
+                current.done.add(update["device_id"])
+                current.weights[update["device_id"]] = update["metrics"].get("weight", update["n_samples"])
+                current.norms[update["device_id"]] = update["metrics"].get("update_norm", 0.0)
+                current.metrics[update["device_id"]] = update["metrics"]
+                current.headers[update["device_id"]] = UpdateHeader(
+                    round_id=current.round_id, base_version=current.base_version, n_samples=update["n_samples"],
+                    transfer_id="restored", payload_sha256="0" * 64, payload_bytes=max(1, update["bytes"] or 1))
+        self.current = current
+        log.warning("resuming: round %d was open at shutdown; %d update(s) already received are kept",
+                    current.round_id, len(current.done))
+        self._send(topics.round_announcements(), self._announcement(current), retain=True)
 
     # rounds -----------------------------------------------------------------
     def tick(self) -> None:
@@ -235,7 +356,7 @@ class Engine:
                 self._maybe_close_round()
 
     def _maybe_start_round(self) -> None:
-        devices = sorted(self.store.device_keys())
+        devices = sorted(self.keys)
         if len(devices) < self.settings.min_clients:
             return
         k = max(self.settings.min_clients, int(round(self.settings.fraction * len(devices))))
@@ -254,6 +375,14 @@ class Engine:
                                  total_rounds=self.settings.rounds, deadline_unix=current.deadline, config=config,
                                  participants=current.participants)
 
+    def admit(self, device_id: str) -> str:
+        """A one-time admission token for `device_id` (see coordinator.admission)."""
+        from protocol.auth import new_token
+
+        token = new_token()
+        self.store.admit(device_id, token)
+        return token
+
     def _maybe_close_round(self) -> None:
         current = self.current
         all_in = current.done == set(current.participants)
@@ -271,30 +400,86 @@ class Engine:
         self._send(topics.round_announcements(), Ack(of=f"round-{current.round_id}-closed"), retain=True)
 
     def _aggregate(self, current: OpenRound, dropped: int) -> None:
+        """Bound each update's norm, combine them by the run's rule, check the result, then publish it;
+        a result that fails its checks is not published and the round is rolled back with the reason."""
         started = time.perf_counter()
-        new_state = self.strategy.aggregate(self.global_state, current.mean.mean())
+        bound = self.norms.bound
+        devices = sorted(current.done)
+        mean_delta = self._combine(current, devices, bound)
+        velocity = getattr(self.strategy, "velocity", None)
+        new_state = self.strategy.aggregate(self.global_state, mean_delta)
         seconds = time.perf_counter() - started
+        problem = self._check_new_model(new_state, bound)
+        metrics = {"aggregation_seconds": seconds, "bytes_received": current.bytes_received, "norm_bound": bound,
+                   "clipped_updates": sum(current.norms[d] > bound for d in devices), "combine": self.settings.combine,
+                   **_mean_metrics(current.metrics)}
+        self.store.drop_updates(current.round_id)
+        if problem:
+            if isinstance(self.strategy, FedAvgM):
+                self.strategy.velocity = velocity  # the server's momentum forgets the refused round too
+            self.store.close_round(current.round_id, "rolled_back", None, len(current.done), dropped, metrics, problem)
+            log.error("round %d rolled back: %s; model v%d stays current", current.round_id, problem, self.version)
+            return
+        self.norms.record([min(current.norms[d], bound) for d in devices])
         self.version += 1
         self.global_sha = self.store.save_model(self.version, new_state, current.round_id)
         self.global_state = new_state
         if isinstance(self.strategy, FedAvgM):
             self.store.save_strategy_state(self.strategy.velocity)
-        metrics = {"aggregation_seconds": seconds, "bytes_received": current.bytes_received,
-                   **_mean_metrics(current.metrics)}
         self.store.close_round(current.round_id, "completed", self.version, len(current.done), dropped, metrics)
         self._retract_model(self.version - 1, self.model_chunks)
         self._publish_model()
         log.info("round %d: aggregated %d updates (%d dropped) into model v%d", current.round_id, len(current.done),
                  dropped, self.version)
 
-    def status(self) -> dict:
+    def _load_delta(self, current: OpenRound, device_id: str, bound: float) -> dict[str, np.ndarray]:
+        from safetensors.numpy import load_file
+
+        delta = {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v)
+                 for k, v in load_file(str(self.store.update_path(current.round_id, device_id))).items()}
+        return clip_to_norm(delta, bound)[0]
+
+    def _combine(self, current: OpenRound, devices: list[str], bound: float) -> dict[str, np.ndarray]:
+        """The plain mean streams one update at a time (memory O(model)); robust rules need them all."""
+        if self.settings.combine == "mean":
+            mean = RunningMean()
+            for device in devices:
+                mean.add(self._load_delta(current, device, bound), current.weights[device])
+            return mean.mean()
+        deltas = [self._load_delta(current, d, bound) for d in devices]
+        return combine(deltas, [current.weights[d] for d in devices], self.settings.combine, self.settings.trim,
+                       self.settings.byzantine)
+
+    def _check_new_model(self, new_state: dict[str, np.ndarray], bound: float) -> str:
+        """Why the new global model must not be published ('' when it may)."""
+        if any(not np.isfinite(v).all() for v in new_state.values() if np.issubdtype(v.dtype, np.floating)):
+            return "the new global model holds NaN or Inf"
+        step = l2_norm({k: new_state[k].astype(np.float64) - self.global_state[k] for k in new_state
+                        if np.issubdtype(new_state[k].dtype, np.floating)})
+        # a convex combination of clipped updates stays within the bound; a coordinate-wise rule may leave it by
+        # up to sqrt(n) in theory, 2x allows for that in practice; server momentum sums up to 1 / (1 - beta) steps
+        spread = 1.0 if self.settings.combine in ("mean", "krum") else 2.0
+        limit = bound * spread * getattr(self.strategy, "server_lr", 1.0) / max(1e-6, 1 - getattr(self.strategy, "momentum", 0.0))
+        if step > limit * 1.001:
+            return f"the new global model moved {step:.4g}, beyond the bound {limit:.4g}"
+        return ""
+
+    def status(self, with_ids: bool = False) -> dict:
+        """The engine's state; device ids only for authenticated callers."""
         with self.lock:
-            return {"model_version": self.version, "model_sha256": self.global_sha,
-                    "completed_rounds": self.store.completed_rounds(), "target_rounds": self.settings.rounds,
-                    "training": self.running,
-                    "open_round": None if self.current is None else {
-                        "round_id": self.current.round_id, "participants": self.current.participants,
-                        "received": sorted(self.current.done), "deadline_unix": self.current.deadline}}
+            status = {"model_version": self.version, "model_sha256": self.global_sha,
+                      "completed_rounds": self.store.completed_rounds(), "target_rounds": self.settings.rounds,
+                      "training": self.running, "messages_handled": self.handled, "messages_rejected": self.rejected,
+                      "handler_errors": self.handler_errors, "combine": self.settings.combine,
+                      "open_round": None}
+            if self.current is not None:
+                status["open_round"] = {"round_id": self.current.round_id,
+                                        "n_participants": len(self.current.participants),
+                                        "n_received": len(self.current.done), "deadline_unix": self.current.deadline}
+                if with_ids:
+                    status["open_round"].update(participants=self.current.participants,
+                                                received=sorted(self.current.done))
+            return status
 
 
 def _mean_metrics(per_device: dict[str, dict]) -> dict:

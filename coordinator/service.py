@@ -1,21 +1,28 @@
 """`ffr coordinator serve`: the round engine wired to an MQTT broker and an HTTP server.
 
-With no broker URL an embedded mosquitto is started, so one command runs everything.
+With no broker URL an embedded mosquitto is started, so one command runs everything; it
+enforces per-device logins and topic ACLs, and keeps its port across restarts. The
+coordinator's signing key and the HTTP API token are created in `--state` on first start.
 """
 from __future__ import annotations
 
+import json
 import logging
+import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
+from coordinator.admission import Credential, admit, broker_file, coordinator_signer
 from coordinator.aggregation import make_strategy
 from coordinator.broker import EmbeddedBroker
+from coordinator.broker_acl import BrokerUsers
 from coordinator.engine import Engine, RoundSettings
 from coordinator.store import Store
 from protocol import topics
+from protocol.auth import write_secret
 from protocol.transport import BrokerAddress, make_client
 
 log = logging.getLogger("coordinator")
@@ -36,6 +43,17 @@ class ServiceConfig:
     init: str = "face"                 # round 0: the shipped face embedder, imagenet, or none (random)
     tick_seconds: float = 0.2
     start_paused: bool = False  # rounds start only when the caller sets engine.running (the fleet simulator)
+    broker_acl: bool = True     # the embedded broker enforces per-device logins and ACLs
+
+
+def api_token(state: Path) -> tuple[str, bool]:
+    """The HTTP API's bearer token (STATE/api-token, mode 0600), created on first start; (token, created)."""
+    path = Path(state) / "api-token"
+    if path.exists():
+        return path.read_text().strip(), False
+    token = secrets.token_urlsafe(32)
+    write_secret(path, token)
+    return token, True
 
 
 class Service:
@@ -43,16 +61,26 @@ class Service:
 
     def __init__(self, config: ServiceConfig, settings: RoundSettings):
         self.config, self.settings = config, settings
-        self.broker = None if config.broker else EmbeddedBroker()
+        Path(config.state).mkdir(parents=True, exist_ok=True)
+        self.signer = coordinator_signer(config.state)
+        self.api_token, self.api_token_created = api_token(config.state)
+        username, password = config.username, config.password
+        if config.broker:
+            self.broker = None
+            broker_file(config.state).write_text(json.dumps({"url": config.broker, "embedded": False, "acl": False}))
+        else:
+            if config.broker_acl:
+                username, password = BrokerUsers(config.state).prepare()
+            self.broker = EmbeddedBroker(state_dir=config.state, acl=config.broker_acl)
         self.broker_url = config.broker or self.broker.url
-        address = BrokerAddress.parse(self.broker_url, config.username, config.password)
+        address = BrokerAddress.parse(self.broker_url, username, password)
         self.client = make_client("ffr-coordinator", address, config.ca_file)
         self.client.on_connect = self._on_connect
-        self.client.on_message = lambda c, u, msg: self.engine.on_message(msg.topic, msg.payload)
+        self.client.on_message = self._on_message
         options = {"mu": config.prox_mu} if config.strategy == "fedprox" else \
             {"momentum": config.server_momentum} if config.strategy == "fedavgm" else {}
         strategy = make_strategy(config.strategy, **options)
-        self.engine = Engine(Store(config.state), strategy, settings, self._publish, self._initial_model)
+        self.engine = Engine(Store(config.state), strategy, settings, self._publish, self._initial_model, self.signer)
         self.engine.running = not config.start_paused
         self._stop = threading.Event()
         self.client.connect(address.host, address.port, keepalive=30)
@@ -60,6 +88,25 @@ class Service:
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-clock", daemon=True)
         self._ticker.start()
         log.info("coordinator: broker %s, state %s, strategy %s", self.broker_url, config.state, config.strategy)
+
+    def admit(self, device_id: str, out: Path | None = None) -> Credential:
+        """Admit a device (as `ffr coordinator admit` does); write its credential file when `out` is given."""
+        credential = admit(self.config.state, device_id, self.broker_url)
+        if out is not None:
+            credential.save(out)
+        return credential
+
+    def _on_message(self, client, userdata, msg) -> None:
+        try:
+            self.engine.on_message(msg.topic, msg.payload)
+        except Exception:  # noqa: BLE001 - the engine already guards; this is the last line before paho's thread
+            log.exception("message handler failed")
+
+    def mqtt_state(self) -> str:
+        """'connected' only while paho's network thread is alive and connected to the broker."""
+        thread = getattr(self.client, "_thread", None)
+        alive = thread is not None and thread.is_alive()
+        return "connected" if alive and self.client.is_connected() else "disconnected"
 
     def _initial_model(self):
         """Round 0's model. The face weights are read with safetensors + numpy: no torch on the coordinator."""
@@ -109,7 +156,7 @@ def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool =
     from coordinator.api import create_app
 
     service = Service(config, settings)
-    server = uvicorn.Server(uvicorn.Config(create_app(service.engine), host=config.http_host, port=config.http_port,
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host=config.http_host, port=config.http_port,
                                            log_level="warning"))
     if exit_when_done:
         def watch() -> None:
@@ -118,6 +165,9 @@ def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool =
             server.should_exit = True
         threading.Thread(target=watch, daemon=True).start()
     print(f"coordinator: broker {service.broker_url}, HTTP http://{config.http_host}:{config.http_port}/docs", flush=True)
+    print(f"coordinator public key (devices pin it): {service.signer.public_hex}", flush=True)
+    if service.api_token_created:
+        print(f"HTTP API token (shown once; kept in {Path(config.state) / 'api-token'}): {service.api_token}", flush=True)
     try:
         server.run()
     finally:

@@ -1,12 +1,15 @@
 """The coordinator's durable state: model versions as safetensors files, history in SQLite.
 
-Everything needed to resume after a crash is here: registered devices and their keys, the
-last sequence number seen from each (replay protection survives restarts), every round
-with its outcome, and every global model version.
+Everything needed to resume after a crash is here: admitted devices and their public keys,
+the last sequence number seen from each (replay protection survives restarts), every round
+with its outcome, every global model version, and each accepted update of the open round
+(written before it is acknowledged, so an acked update survives a crash).
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -19,8 +22,10 @@ from protocol.tensors import sha256_hex
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS devices (
-    device_id TEXT PRIMARY KEY, key TEXT NOT NULL, registered_at REAL, last_seen REAL,
+    device_id TEXT PRIMARY KEY, public_key TEXT NOT NULL, registered_at REAL, last_seen REAL,
     last_seq INTEGER DEFAULT -1, rounds_joined INTEGER DEFAULT 0, n_images INTEGER, n_identities INTEGER);
+CREATE TABLE IF NOT EXISTS admissions (
+    device_id TEXT PRIMARY KEY, token TEXT NOT NULL, issued_at REAL, used_at REAL);
 CREATE TABLE IF NOT EXISTS rounds (
     round_id INTEGER PRIMARY KEY, status TEXT, base_version INTEGER, new_version INTEGER,
     started_at REAL, deadline REAL, closed_at REAL, participants TEXT, n_updates INTEGER DEFAULT 0,
@@ -30,8 +35,15 @@ CREATE TABLE IF NOT EXISTS updates (
     received_at REAL, metrics TEXT, PRIMARY KEY (round_id, device_id));
 CREATE TABLE IF NOT EXISTS models (
     version INTEGER PRIMARY KEY, sha256 TEXT, path TEXT, created_at REAL, round_id INTEGER);
-CREATE TABLE IF NOT EXISTS rejections (at REAL, sender TEXT, topic TEXT, reason TEXT);
+CREATE TABLE IF NOT EXISTS rejections (id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL, sender TEXT, topic TEXT,
+    reason TEXT);
 """
+MAX_REJECTIONS = 10_000   # the newest are kept; older ones are dropped (the count of all is kept in memory)
+MAX_REASON_CHARS = 300
+
+
+class StateError(RuntimeError):
+    """A state folder this version cannot use."""
 
 
 class Store:
@@ -43,6 +55,11 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
         self.db.row_factory = sqlite3.Row
+        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(devices)")}
+        if "public_key" not in columns:
+            raise StateError(f"{self.root} was created by an older ffr-edge (devices with shared keys); "
+                             "start from a new --state folder and admit the devices again")
+        self.rejections_total = 0
 
     def _q(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -81,14 +98,20 @@ class Store:
     def models(self) -> list[dict]:
         return [dict(r) for r in self._q("SELECT * FROM models ORDER BY version")]
 
-    # devices --------------------------------------------------------------
-    def register(self, device_id: str, key: str, n_images: int, n_identities: int) -> None:
+    # devices ------------------------------------------------------------
+    def register(self, device_id: str, public_key: str, n_images: int, n_identities: int) -> None:
+        """A new device, or an admitted device's new key (re-enrolment restarts its sequence numbers)."""
         now = time.time()
-        self._q("INSERT INTO devices (device_id, key, registered_at, last_seen, n_images, n_identities) "
-                "VALUES (?,?,?,?,?,?)", (device_id, key, now, now, n_images, n_identities))
+        self._q("INSERT INTO devices (device_id, public_key, registered_at, last_seen, n_images, n_identities) "
+                "VALUES (?,?,?,?,?,?) ON CONFLICT(device_id) DO UPDATE SET public_key=excluded.public_key, "
+                "registered_at=excluded.registered_at, last_seq=-1, n_images=excluded.n_images, "
+                "n_identities=excluded.n_identities", (device_id, public_key, now, now, n_images, n_identities))
 
     def device_keys(self) -> dict[str, str]:
-        return {r["device_id"]: r["key"] for r in self._q("SELECT device_id, key FROM devices")}
+        return {r["device_id"]: r["public_key"] for r in self._q("SELECT device_id, public_key FROM devices")}
+
+    def device_images(self) -> dict[str, int]:
+        return {r["device_id"]: r["n_images"] for r in self._q("SELECT device_id, n_images FROM devices")}
 
     def last_seqs(self) -> dict[str, int]:
         return {r["device_id"]: r["last_seq"] for r in self._q("SELECT device_id, last_seq FROM devices")}
@@ -97,7 +120,19 @@ class Store:
         self._q("UPDATE devices SET last_seen=?, last_seq=MAX(last_seq, ?) WHERE device_id=?", (time.time(), seq, device_id))
 
     def devices(self) -> list[dict]:
-        return [{k: r[k] for k in r.keys() if k != "key"} for r in self._q("SELECT * FROM devices ORDER BY device_id")]
+        return [dict(r) for r in self._q("SELECT * FROM devices ORDER BY device_id")]
+
+    # admissions: one-time tokens the operator hands to a device out of band ----
+    def admit(self, device_id: str, token: str) -> None:
+        self._q("INSERT OR REPLACE INTO admissions VALUES (?,?,?,NULL)", (device_id, token, time.time()))
+
+    def admission_token(self, device_id: str) -> str | None:
+        """The device's token while it is unused; None once used or never issued."""
+        rows = self._q("SELECT token FROM admissions WHERE device_id=? AND used_at IS NULL", (device_id,))
+        return rows[0]["token"] if rows else None
+
+    def use_admission(self, device_id: str) -> None:
+        self._q("UPDATE admissions SET used_at=? WHERE device_id=?", (time.time(), device_id))
 
     # rounds ---------------------------------------------------------------
     def open_round(self, round_id: int, base_version: int, deadline: float, participants: list[str]) -> None:
@@ -147,10 +182,43 @@ class Store:
         return bool(self._q("SELECT 1 FROM updates WHERE round_id=? AND device_id=? AND accepted=1", (round_id, device_id)))
 
     def record_rejection(self, sender: str, topic: str, reason: str) -> None:
-        self._q("INSERT INTO rejections VALUES (?,?,?,?)", (time.time(), sender, topic, reason))
+        """Truncated and capped: a flood of hostile messages cannot fill the disk."""
+        self._q("INSERT INTO rejections (at, sender, topic, reason) VALUES (?,?,?,?)",
+                (time.time(), sender[:64], topic[:160], reason[:MAX_REASON_CHARS]))
+        self.rejections_total += 1
+        if self.rejections_total % 500 == 0:
+            self._q("DELETE FROM rejections WHERE id <= (SELECT MAX(id) FROM rejections) - ?", (MAX_REJECTIONS,))
 
-    def rejections(self) -> list[dict]:
-        return [dict(r) for r in self._q("SELECT * FROM rejections ORDER BY at")]
+    def rejections(self, offset: int = 0, limit: int | None = None) -> list[dict]:
+        """Oldest first, one page at a time."""
+        return [dict(r) for r in self._q("SELECT at, sender, topic, reason FROM rejections ORDER BY id LIMIT ? OFFSET ?",
+                                         (-1 if limit is None else limit, offset))]
+
+    def count_rejections(self) -> int:
+        return self._q("SELECT COUNT(*) FROM rejections")[0][0]
+
+    # accepted updates of the open round, durable before they are acknowledged ---
+    def update_path(self, round_id: int, device_id: str) -> Path:
+        return self.root / "updates" / f"r{round_id:06d}" / f"{device_id}.safetensors"
+
+    def save_update(self, round_id: int, device_id: str, payload: bytes) -> None:
+        path = self.update_path(round_id, device_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(path)
+
+    def drop_updates(self, round_id: int) -> None:
+        shutil.rmtree(self.root / "updates" / f"r{round_id:06d}", ignore_errors=True)
+
+    def open_round_row(self) -> dict | None:
+        rows = self._q("SELECT * FROM rounds WHERE status='open' ORDER BY round_id DESC LIMIT 1")
+        if not rows:
+            return None
+        return {**dict(rows[0]), "participants": json.loads(rows[0]["participants"] or "[]")}
 
     # server optimiser state (FedAvgM velocity) ------------------------------
     def save_strategy_state(self, state: dict[str, np.ndarray] | None) -> None:

@@ -1,4 +1,9 @@
-"""`ffr edge run`: the device daemon. Registers, then trains one round per announcement.
+"""`ffr edge run`: the device daemon. Joins with its credential, then trains one round per announcement.
+
+Trust: the device pins the coordinator's public key from its credential file and drops
+every message that is not signed by it (with a log line saying so); it signs its own
+messages with a key pair it generated itself, and proves its admission token without
+ever sending it. Training settings outside the protocol's bounds are refused by schema.
 
 Threads: paho's network thread only routes messages; a worker thread does the rounds
 (download, train, upload), so a long local epoch never stalls the connection. An update is
@@ -25,6 +30,8 @@ from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
 from protocol import topics
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
+from protocol.auth import Signer, token_proof
+from protocol.credential import Credential
 from protocol.messages import (Ack, Error, Hello, MessageError, Registered, RoundAnnouncement, UpdateHeader,
                                open_envelope, seal)
 from protocol.tensors import PayloadError, decode, encode
@@ -34,30 +41,38 @@ log = logging.getLogger("edge_client")
 
 
 class EdgeDevice:
-    def __init__(self, device_id: str, data: Path, home: Path, broker: str, detector: str | None = None,
-                 username: str | None = None, password: str | None = None, ca_file: str | None = None,
-                 export_onnx: bool = True, seed: int = 0, crop_cache: Path | None = None):
-        self.device_id, self.home = device_id, DeviceHome(home)
+    def __init__(self, credential: Credential | Path | str, data: Path, home: Path, detector: str | None = None,
+                 broker: str | None = None, ca_file: str | None = None, export_onnx: bool = True, seed: int = 0,
+                 crop_cache: Path | None = None):
+        self.credential = credential if isinstance(credential, Credential) else Credential.load(Path(credential))
+        self.device_id, self.home = self.credential.device_id, DeviceHome(home)
+        self.coordinator_key = self.credential.coordinator_public_key
         self.export_onnx, self.seed = export_onnx, seed
         index = load_index(data)
         config = CropConfig(detector=detector or ("none" if index.synthetic else "auto"), fallback_center=True)
         self.crops = crop_index(index, config, cache_dir=crop_cache or self.home.root / "crops", progress=False, min_images=1)
-        self.key = self.home.load_key()
+        self.signer = Signer.load_or_create(self.home.signing_key)
         self._seq = int(time.time() * 1000)
         self.model: FaceModel | None = None
         self.jobs: queue.Queue[RoundAnnouncement] = queue.Queue()
         self.queued_rounds: set[int] = set()  # an announcement can arrive twice (retained + re-sent on hello)
         self.registered = threading.Event()
+        if self.home.registered_with() == (self.coordinator_key, self.credential.token):
+            self.registered.set()
         self.acked: dict[int, threading.Event] = {}
         self.download: Reassembler | None = None
         self.downloaded = threading.Event()
         self.done_rounds = {e["round_id"] for e in self.home.rounds_log()}
         self.failed_rounds: dict[int, str] = {}
         self.last_error: str | None = None
+        self.dropped_messages = 0
         self.stop_event = threading.Event()
         self.finished = threading.Event()
-        address = BrokerAddress.parse(broker, username, password)
-        self.client = make_client(f"ffr-edge-{device_id}", address, ca_file)
+        if self.credential.ca_pem and ca_file is None:
+            ca_file = str(self.home.write_ca(self.credential.ca_pem))
+        address = BrokerAddress.parse(broker or self.credential.broker, self.credential.broker_username,
+                                      self.credential.broker_password)
+        self.client = make_client(f"ffr-edge-{self.device_id}", address, ca_file)
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         self.address = address
@@ -81,16 +96,23 @@ class EdgeDevice:
         return self._seq
 
     def _send(self, leaf: str, body) -> None:
-        self.client.publish(topics.device(self.device_id, leaf), seal(self.device_id, self._next_seq(), body, self.key), qos=1)
+        self.client.publish(topics.device(self.device_id, leaf),
+                            seal(self.device_id, self._next_seq(), body, self.signer, to="coordinator"), qos=1)
+
+    def _hello(self) -> Hello:
+        """Until the coordinator has registered this key, prove the admission token (never send it)."""
+        proof = None if self.registered.is_set() else token_proof(self.credential.token, self.device_id,
+                                                                   self.signer.public_hex)
+        return Hello(n_identities=len(self.crops.identities), n_images=len(self.crops),
+                     public_key=self.signer.public_hex, token_proof=proof)
 
     def _on_connect(self, client: mqtt.Client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             log.error("%s: broker refused the connection: %s", self.device_id, reason_code)
             return
         client.subscribe([(topics.device(self.device_id, "inbox"), 1), (topics.round_announcements(), 1)])
-        self._send("hello", Hello(n_identities=len(self.crops.identities), n_images=len(self.crops)))
-        if self.key:
-            self.registered.set()
+        self._send("hello", self._hello())
+        if self.registered.is_set():
             self._resend_pending()
 
     def _on_message(self, client: mqtt.Client, userdata, msg: mqtt.MQTTMessage) -> None:
@@ -98,18 +120,32 @@ class EdgeDevice:
             if msg.topic.startswith(f"{topics.PREFIX}/models/"):
                 self._on_model_chunk(msg.payload)
                 return
-            body = open_envelope(msg.payload).body
-        except (MessageError, PayloadError) as exc:
-            log.warning("%s: ignoring a message on %s: %s", self.device_id, msg.topic, exc)
-            return
-        if isinstance(body, Registered) and body.device_id == self.device_id and self.key is None:
-            self.key = body.key
-            self.home.save_key(body.key)
-            self.registered.set()
-            log.info("%s: registered", self.device_id)
+            if not msg.payload:
+                return  # a cleared retained message
+            envelope = open_envelope(msg.payload, self.coordinator_key)
+            if envelope.sender != "coordinator" or envelope.to not in (None, self.device_id):
+                raise MessageError(f"addressed from {envelope.sender!r} to {envelope.to!r}")
+            if msg.topic.endswith("/inbox") and envelope.to != self.device_id:
+                raise MessageError("an inbox message not addressed to this device")
+            self._on_body(envelope.body)
+        except (MessageError, PayloadError, ValueError) as exc:
+            self.dropped_messages += 1
+            log.warning("%s: dropping a message on %s that is not from the pinned coordinator or is invalid: %s",
+                        self.device_id, msg.topic[:120], str(exc)[:200])
+        except Exception:  # noqa: BLE001 - nothing on the network may kill paho's thread
+            self.dropped_messages += 1
+            log.exception("%s: error handling a message on %s", self.device_id, msg.topic[:120])
+
+    def _on_body(self, body) -> None:
+        if isinstance(body, Registered) and body.device_id == self.device_id:
+            self.home.save_registration(self.coordinator_key, self.credential.token)
+            if not self.registered.is_set():
+                self.registered.set()
+                log.info("%s: admitted by the coordinator", self.device_id)
+                self._resend_pending()
         elif isinstance(body, RoundAnnouncement):
             fresh = body.round_id not in self.done_rounds and body.round_id not in self.queued_rounds
-            if self.device_id in body.participants and fresh:
+            if self.device_id in body.participants and fresh and body.deadline_unix > time.time():
                 self.queued_rounds.add(body.round_id)
                 self.jobs.put(body)
         elif isinstance(body, Ack) and body.of == "update" and body.round_id is not None:
@@ -117,6 +153,9 @@ class EdgeDevice:
         elif isinstance(body, Error):
             self.last_error = body.reason
             log.warning("%s: coordinator refused a message: %s", self.device_id, body.reason)
+            if body.resume_seq is not None:
+                self._seq = body.resume_seq  # the coordinator's word (signed): number on from there
+                self._send("hello", self._hello())
 
     # rounds -----------------------------------------------------------------
     def _work(self) -> None:
@@ -251,11 +290,11 @@ class EdgeDevice:
         export_onnx(model, self.home.generic_onnx, personalised=False, extra={"device": self.device_id})
 
 
-def run(device_id: str, data: Path, home: Path, broker: str, until_finished: bool = False, **options) -> int:
-    device = EdgeDevice(device_id, data, home, broker, **options)
+def run(credential: Path, data: Path, home: Path, until_finished: bool = False, **options) -> int:
+    device = EdgeDevice(credential, data, home, **options)
     device.start()
-    print(f"edge device {device_id}: {len(device.crops)} face images of {len(device.crops.identities)} people; "
-          f"broker {broker}; home {home}", flush=True)
+    print(f"edge device {device.device_id}: {len(device.crops)} face images of {len(device.crops.identities)} people; "
+          f"broker {device.address}; home {home}; coordinator key {device.coordinator_key[:16]}...", flush=True)
     try:
         while not device.stop_event.is_set():
             if until_finished and device.finished.wait(0.5):

@@ -18,17 +18,30 @@ class DeviceHome:
         os.chmod(self.root, 0o700)
 
     @property
-    def key_file(self) -> Path:
-        return self.root / "device.key"
+    def signing_key(self) -> Path:
+        """The device's own Ed25519 private key (mode 0600); only its public half is ever sent."""
+        return self.root / "device_ed25519.pem"
 
-    def load_key(self) -> str | None:
-        return self.key_file.read_text().strip() if self.key_file.exists() else None
+    @property
+    def _registration(self) -> Path:
+        return self.root / "registered.json"
 
-    def save_key(self, key: str) -> None:
-        fd = os.open(self.key_file.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(key)
-        self.key_file.with_suffix(".tmp").replace(self.key_file)
+    def registered_with(self) -> tuple[str, str] | None:
+        """(coordinator public key, admission token) of the admission this device completed, if any."""
+        if not self._registration.exists():
+            return None
+        saved = json.loads(self._registration.read_text())
+        return saved["coordinator_public_key"], saved["token"]
+
+    def save_registration(self, coordinator_public_key: str, token: str) -> None:
+        from protocol.auth import write_secret
+
+        write_secret(self._registration, json.dumps({"coordinator_public_key": coordinator_public_key, "token": token}))
+
+    def write_ca(self, pem: str) -> Path:
+        path = self.root / "broker-ca.pem"
+        path.write_text(pem)
+        return path
 
     @property
     def private_state(self) -> Path:

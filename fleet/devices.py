@@ -19,7 +19,7 @@ from typing import Iterator
 
 @dataclass(frozen=True)
 class Turn:
-    device_id: str
+    credential: str     # the device's credential file (its id, the coordinator's key, its broker login)
     data: str
     home: str
     broker: str
@@ -44,10 +44,10 @@ def run_turn(turn: Turn) -> dict:
     from edge_client.daemon import EdgeDevice
 
     started = time.perf_counter()
-    result = {"device_id": turn.device_id, "round_id": turn.round_id, "ok": False}
+    result = {"device_id": Path(turn.credential).parent.name, "round_id": turn.round_id, "ok": False}
     try:
-        device = EdgeDevice(turn.device_id, Path(turn.data), Path(turn.home), turn.broker, detector=turn.detector,
-                            export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache))
+        device = EdgeDevice(Path(turn.credential), Path(turn.data), Path(turn.home), broker=turn.broker,
+                            detector=turn.detector, export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache))
     except Exception as exc:  # noqa: BLE001 - a device that cannot start is reported, not fatal to the pool
         return {**result, "error": f"{type(exc).__name__}: {exc}", "turn_seconds": time.perf_counter() - started}
     device.start()

@@ -107,7 +107,7 @@ class Simulation:
 
     def _turn(self, client: int, round_id: int | None) -> Turn:
         root = self.run_dir / "devices" / device_id(client)
-        return Turn(device_id(client), str(root / "data"), str(root / "home"), self.service.broker_url,
+        return Turn(str(root / "credential.json"), str(root / "data"), str(root / "home"), self.service.broker_url,
                     str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
                     self.config.round_timeout)
 
@@ -139,8 +139,12 @@ class Simulation:
         return summary
 
     def _register(self, pool: DevicePool) -> None:
+        """The simulator is the operator too: it admits its own devices, then each joins with its credential."""
         known = set(self.service.engine.store.device_keys())
-        turns = [self._turn(k, None) for k in self.data.training_clients if device_id(k) not in known]
+        new = [k for k in self.data.training_clients if device_id(k) not in known]
+        for k in new:
+            self.service.admit(device_id(k), self.run_dir / "devices" / device_id(k) / "credential.json")
+        turns = [self._turn(k, None) for k in new]
         for result in tqdm(pool.run(turns), total=len(turns), desc="registering devices", unit="device",
                            disable=not (self.config.progress and turns)):
             if not result["ok"]:

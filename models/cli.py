@@ -223,20 +223,32 @@ def cmd_coordinator_serve(args) -> int:
                               wire_dtype=args.wire_dtype, chunk_bytes=args.chunk_kib * 1024, width_mult=args.width_mult,
                               algorithm=args.strategy, prox_mu=args.mu)
     settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
-                             round_timeout_s=args.round_timeout, training=training, seed=args.seed)
+                             round_timeout_s=args.round_timeout, training=training, seed=args.seed,
+                             combine=args.combine, trim=args.trim, byzantine=args.byzantine,
+                             norm_factor=args.norm_factor, norm_ceiling=args.norm_ceiling,
+                             norm_action=args.norm_action)
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
                            strategy=args.strategy, prox_mu=args.mu, server_momentum=args.server_momentum,
-                           init=args.init)
+                           init=args.init, broker_acl=not args.no_broker_acl)
     return serve(config, settings, exit_when_done=args.exit_when_done)
+
+
+def cmd_coordinator_admit(args) -> int:
+    from coordinator.admission import admit
+
+    credential = admit(args.state, args.device_id, args.broker)
+    credential.save(args.out)
+    print(f"admitted {args.device_id}: credential written to {args.out} (mode 0600). Copy it to the device "
+          f"privately and run: ffr edge run --credential {args.out.name} --data DIR --home DIR", flush=True)
+    return 0
 
 
 def cmd_edge_run(args) -> int:
     from edge_client.daemon import run
 
-    return run(args.device_id, args.data, args.home, args.broker, until_finished=args.exit_when_done,
-               detector=args.detector, username=args.username, password=args.password, ca_file=args.ca_file,
-               export_onnx=not args.no_export, seed=args.seed)
+    return run(args.credential, args.data, args.home, until_finished=args.exit_when_done, broker=args.broker,
+               detector=args.detector, ca_file=args.ca_file, export_onnx=not args.no_export, seed=args.seed)
 
 
 def _command_group(sub, name: str, help: str):
@@ -265,6 +277,8 @@ def _add_broker_options(p: argparse.ArgumentParser, default: str | None) -> None
 
 
 def _add_federated_commands(sub) -> None:
+    from coordinator.robust import COMBINERS
+
     csub = _command_group(sub, "coordinator", "the federation coordinator service")
     p = csub.add_parser("serve", help="run federated rounds over MQTT, with an HTTP API",
                         description="Run rounds: sample devices, announce, collect backbone deltas, aggregate, "
@@ -295,17 +309,45 @@ def _add_federated_commands(sub) -> None:
     p.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
+    g = p.add_argument_group("robust aggregation (every update is norm-bounded; the new model is checked)")
+    g.add_argument("--combine", choices=COMBINERS, default="mean",
+                   help="how updates are combined: the weighted mean (FedAvg), a coordinate-wise trimmed mean or "
+                        "median, or Multi-Krum (default mean)")
+    g.add_argument("--trim", type=float, default=0.2, help="trimmed mean: fraction dropped at each end (default 0.2)")
+    g.add_argument("--byzantine", type=int, help="Krum: devices assumed malicious (default (n - 3) / 2)")
+    g.add_argument("--norm-factor", type=float, default=3.0,
+                   help="an update's norm may be at most this x the median of recent ones (default 3)")
+    g.add_argument("--norm-ceiling", type=float, default=0.25,
+                   help="... and never above this fraction of the global model's norm (default 0.25)")
+    g.add_argument("--norm-action", choices=("clip", "reject"), default="clip",
+                   help="what happens to an update above the bound (default clip)")
+    p.add_argument("--no-broker-acl", action="store_true",
+                   help="run the embedded broker without logins and ACLs (not for deployments)")
     p.set_defaults(func=cmd_coordinator_serve)
+
+    p = csub.add_parser("admit", help="admit a device: issue its one-time credential file",
+                        description="Writes a credential file (mode 0600) for one device: its id, a one-time "
+                                    "admission token, the coordinator's public key to pin, the broker address and "
+                                    "(with the embedded broker) the device's broker login. Hand it to the device "
+                                    "out of band; nothing secret crosses the broker. Admitting an id again issues "
+                                    "a new credential (e.g. for a device that lost its home folder).")
+    p.add_argument("--state", type=Path, default=Path("coordinator_state"), help="the coordinator's state folder")
+    p.add_argument("--device-id", required=True, help="the device's id ([A-Za-z0-9_.-], at most 64 characters)")
+    p.add_argument("--out", type=Path, required=True, help="credential file to write")
+    p.add_argument("--broker", help="broker URL devices connect to (default: the one the coordinator serves on)")
+    p.set_defaults(func=cmd_coordinator_admit)
 
     esub = _command_group(sub, "edge", "the edge device daemon")
     p = esub.add_parser("run", help="join the federation: train locally each round, send only backbone deltas",
-                        description="Registers with the coordinator, trains on the people enrolled in --data (one "
+                        description="Joins with its credential file, trains on the people enrolled in --data (one "
                                     "folder each) every round it is picked for, sends only the backbone delta, and "
                                     "exports its personalised ONNX model into --home.")
-    p.add_argument("--device-id", required=True)
+    p.add_argument("--credential", required=True, type=Path,
+                   help="the credential file from `ffr coordinator admit` (device id, coordinator key, broker)")
     p.add_argument("--data", required=True, type=Path, help="the device's enrolled people, one folder each")
     p.add_argument("--home", required=True, type=Path, help="the device's private state folder")
-    _add_broker_options(p, "mqtt://127.0.0.1:1883")
+    p.add_argument("--broker", help="override the broker URL in the credential")
+    p.add_argument("--ca-file", help="CA certificate for mqtts:// brokers (default: the one in the credential)")
     p.add_argument("--detector", choices=DETECTORS, help="face detector for the enrolled images")
     p.add_argument("--no-export", action="store_true", help="do not export ONNX models after each round")
     p.add_argument("--seed", type=int, default=0)

@@ -6,12 +6,19 @@ missing, and refuses chunks that disagree with the transfer they claim to belong
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 
 from protocol.tensors import PayloadError, sha256_hex
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 FRAME_RESERVE = 512  # room for the JSON header, so a framed chunk never exceeds the chunk size
+MAX_HEADER_BYTES = 1024
+MAX_CHUNKS = 1 << 20
+MAX_TOTAL_BYTES = 1 << 31
+_TRANSFER_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class Reassembler:
     sha256: str
     max_bytes: int = 256 * 1024 * 1024
     parts: dict[int, bytes] = field(default_factory=dict)
+    received_bytes: int = 0
 
     @classmethod
     def for_chunk(cls, chunk: Chunk, max_bytes: int = 256 * 1024 * 1024) -> "Reassembler":
@@ -54,7 +62,12 @@ class Reassembler:
 
     @property
     def missing(self) -> list[int]:
+        """The indices still to come (O(count): for reports, not for every chunk)."""
         return [i for i in range(self.count) if i not in self.parts]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.parts) == self.count
 
     def add(self, chunk: Chunk) -> bytes | None:
         if (chunk.transfer_id, chunk.count, chunk.total_bytes, chunk.sha256) != \
@@ -66,8 +79,11 @@ class Reassembler:
             if self.parts[chunk.index] != chunk.data:
                 raise PayloadError(f"chunk {chunk.index} sent twice with different bytes")
             return None  # a harmless duplicate (e.g. QoS 1 redelivery)
+        if self.received_bytes + len(chunk.data) > self.total_bytes:
+            raise PayloadError(f"chunks of transfer {self.transfer_id} exceed its declared {self.total_bytes} bytes")
         self.parts[chunk.index] = chunk.data
-        if self.missing:
+        self.received_bytes += len(chunk.data)
+        if not self.complete:
             return None
         payload = b"".join(self.parts[i] for i in range(self.count))
         if len(payload) != self.total_bytes or sha256_hex(payload) != self.sha256:
@@ -77,22 +93,39 @@ class Reassembler:
 
 def to_bytes(chunk: Chunk) -> bytes:
     """Frame: 4-byte big-endian header length, JSON header, raw chunk bytes."""
-    import json
-
     header = json.dumps({"transfer_id": chunk.transfer_id, "index": chunk.index, "count": chunk.count,
                          "total_bytes": chunk.total_bytes, "sha256": chunk.sha256}).encode()
     return len(header).to_bytes(4, "big") + header + chunk.data
 
 
 def from_bytes(frame: bytes) -> Chunk:
-    import json
-
+    """Parse a frame whose header may be hostile: bounded size, flat JSON, exact types and ranges."""
     if len(frame) < 4:
         raise PayloadError("chunk frame shorter than its header length")
     size = int.from_bytes(frame[:4], "big")
+    if size > MAX_HEADER_BYTES or 4 + size > len(frame):
+        raise PayloadError(f"chunk header length {size} is out of range")
+    raw = frame[4:4 + size]
+    if raw.count(b"[") + raw.count(b"{") > 1:
+        raise PayloadError("chunk header must be one flat JSON object")
     try:
-        header = json.loads(frame[4:4 + size])
-        return Chunk(str(header["transfer_id"]), int(header["index"]), int(header["count"]),
-                     int(header["total_bytes"]), str(header["sha256"]), frame[4 + size:])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PayloadError(f"malformed chunk header: {exc}") from exc
+        header = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PayloadError(f"malformed chunk header: {str(exc)[:80]}") from None
+    if not isinstance(header, dict) or set(header) != {"transfer_id", "index", "count", "total_bytes", "sha256"}:
+        raise PayloadError("chunk header must have exactly transfer_id, index, count, total_bytes, sha256")
+    transfer_id, sha = header["transfer_id"], header["sha256"]
+    index, count, total = header["index"], header["count"], header["total_bytes"]
+    if not (isinstance(transfer_id, str) and _TRANSFER_ID.fullmatch(transfer_id)):
+        raise PayloadError("chunk header: transfer_id must be 1-128 characters of [A-Za-z0-9_.-]")
+    if not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+        raise PayloadError("chunk header: sha256 must be 64 lowercase hex digits")
+    if not all(type(v) is int for v in (index, count, total)):
+        raise PayloadError("chunk header: index, count and total_bytes must be integers")
+    if not (1 <= count <= MAX_CHUNKS and 0 <= index < count and 1 <= total <= MAX_TOTAL_BYTES and count <= total):
+        raise PayloadError(f"chunk header out of range (index {index}, count {count}, total_bytes {total})")
+    return Chunk(transfer_id, index, count, total, sha, frame[4 + size:])
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")

@@ -1,108 +1,131 @@
-"""Typed, versioned messages (pydantic). Every device message travels in a signed `Envelope`.
+"""Typed, versioned, bounded messages (pydantic). Every message travels in a signed `Envelope`.
 
-The body's `type` names its schema; unknown types, wrong schema versions and malformed
-JSON are rejected with a reason, never a crash.
+Everything that arrives from the network is written by a possible attacker, so every field
+is bounded: sizes, lengths, integers (at most 2^53, JSON's safe range), finite floats only,
+ASCII hex for hashes, keys and signatures, and the raw message's size and nesting depth.
+The body's `type` names its schema; unknown types, wrong schema versions and malformed JSON
+are rejected with a reason, never a crash.
 """
 from __future__ import annotations
 
 import time
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 
 from protocol import SCHEMA_VERSION
-from protocol.auth import AuthError, ReplayGuard, sign, verify
+from protocol.auth import (MAX_SEQ, PUBLIC_KEY_PATTERN, SIGNATURE_PATTERN, AuthError, ReplayGuard, Signer,
+                           verify)
+
+MAX_MESSAGE_BYTES = 256 * 1024     # a round announcement for thousands of participants still fits
+MAX_DEVICES_PER_ROUND = 4096
+MAX_INT = 2 ** 53
+
+DeviceId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+MetricName = Annotated[str, StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$")]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Hello(_Body):
+    """A device introduces itself: its public key, and (until admitted) proof of its admission token."""
+
     type: Literal["hello"] = "hello"
-    n_identities: int = Field(ge=0)
-    n_images: int = Field(ge=0)
-    software: str = "ffr-edge"
+    n_identities: int = Field(ge=0, le=1_000_000)
+    n_images: int = Field(ge=0, le=10_000_000)
+    software: str = Field("ffr-edge", max_length=64)
+    public_key: str = Field(pattern=PUBLIC_KEY_PATTERN)
+    token_proof: Hex64 | None = None  # HMAC(token, id | public key): the token itself never travels
 
 
 class Registered(_Body):
-    """The coordinator's answer to a first hello: the device's own signing key."""
+    """The coordinator's answer to an admitted device's first hello. It carries no secret."""
 
     type: Literal["registered"] = "registered"
-    device_id: str
-    key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    device_id: DeviceId
 
 
 class Heartbeat(_Body):
     type: Literal["heartbeat"] = "heartbeat"
-    state: str = "idle"
+    state: str = Field("idle", max_length=32)
 
 
 class TrainingConfig(_Body):
+    """Local training settings, bounded so that no announcement can make a device train forever."""
+
     type: Literal["training_config"] = "training_config"
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(32, ge=1)
-    lr: float = Field(1e-4, gt=0)
+    epochs: int = Field(1, ge=1, le=20)
+    batch_size: int = Field(32, ge=1, le=512)
+    lr: float = Field(1e-4, gt=0, le=1.0)
     algorithm: Literal["fedavg", "fedprox", "fedavgm"] = "fedavg"
-    prox_mu: float = Field(0.01, ge=0)
+    prox_mu: float = Field(0.01, ge=0, le=10.0)
     dfc: bool = True
-    dfc_weight: float = Field(1.0, ge=0)  # alpha: weight of the DFC branch's loss beside the margin head
+    dfc_weight: float = Field(1.0, ge=0, le=100.0)  # alpha: weight of the DFC branch's loss beside the margin head
     wire_dtype: Literal["fp16", "fp32"] = "fp16"
-    chunk_bytes: int = Field(256 * 1024, ge=1024)
-    width_mult: float = 1.0
-    embedding_dim: int = 128
+    chunk_bytes: int = Field(256 * 1024, ge=1024, le=8 * 1024 * 1024)
+    width_mult: float = Field(1.0, ge=0.25, le=1.4)
+    embedding_dim: int = Field(128, ge=16, le=1024)
 
 
 class RoundAnnouncement(_Body):
     type: Literal["round"] = "round"
-    round_id: int = Field(ge=1)
-    model_version: int = Field(ge=0)
-    model_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    model_bytes: int = Field(ge=1)
-    model_chunks: int = Field(ge=1)
-    total_rounds: int = Field(ge=1)
-    deadline_unix: float
+    round_id: int = Field(ge=1, le=MAX_INT)
+    model_version: Count
+    model_sha256: Hex64
+    model_bytes: int = Field(ge=1, le=1 << 31)
+    model_chunks: int = Field(ge=1, le=1 << 20)
+    total_rounds: int = Field(ge=1, le=MAX_INT)
+    deadline_unix: float = Field(ge=0, le=1e11)
     config: TrainingConfig
-    participants: list[str]
+    participants: list[DeviceId] = Field(max_length=MAX_DEVICES_PER_ROUND)
 
 
 class UpdateHeader(_Body):
     """Announces an update whose tensors follow as chunks of transfer `transfer_id`."""
 
     type: Literal["update"] = "update"
-    round_id: int = Field(ge=1)
-    base_version: int = Field(ge=0)
-    n_samples: int = Field(ge=1)
-    transfer_id: str = Field(min_length=1, max_length=128)
-    payload_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    payload_bytes: int = Field(ge=1)
-    metrics: dict[str, float] = {}
+    round_id: int = Field(ge=1, le=MAX_INT)
+    base_version: Count
+    n_samples: int = Field(ge=1, le=MAX_INT)
+    transfer_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    payload_sha256: Hex64
+    payload_bytes: int = Field(ge=1, le=1 << 31)
+    metrics: dict[MetricName, float] = Field(default_factory=dict, max_length=32)
 
 
 class Ack(_Body):
     type: Literal["ack"] = "ack"
-    of: str
-    round_id: int | None = None
+    of: str = Field(max_length=64)
+    round_id: int | None = Field(None, ge=0, le=MAX_INT)
 
 
 class Error(_Body):
     type: Literal["error"] = "error"
-    reason: str
-    round_id: int | None = None
+    reason: str = Field(max_length=512)
+    round_id: int | None = Field(None, ge=0, le=MAX_INT)
+    resume_seq: int | None = Field(None, ge=-1, le=MAX_SEQ)  # a refused counter: number from here
 
 
-Body = Annotated[Union[Hello, Registered, Heartbeat, RoundAnnouncement, UpdateHeader, Ack, Error], Field(discriminator="type")]
+Body = Annotated[Union[Hello, Registered, Heartbeat, RoundAnnouncement, UpdateHeader, Ack, Error],
+                 Field(discriminator="type")]
 
 
 class Envelope(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Who sent it, to whom (None: everyone), its number, and the sender's signature over all of it."""
 
-    schema_version: int
-    sender: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
-    seq: int = Field(ge=0)
-    sent_at: float
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    schema_version: int = Field(ge=0, le=1000)
+    sender: DeviceId
+    to: DeviceId | None = None
+    seq: int = Field(ge=0, le=MAX_SEQ)
+    sent_at: float = Field(ge=0, le=1e11)
     body: Body
-    signature: str = ""
+    signature: str = Field(pattern=SIGNATURE_PATTERN)
 
     def signed_fields(self) -> dict:
         return self.model_dump(mode="json", exclude={"signature"})
@@ -115,32 +138,41 @@ class MessageError(ValueError):
 _ENVELOPE = TypeAdapter(Envelope)
 
 
-def seal(sender: str, seq: int, body: _Body, key: str | None) -> bytes:
-    """Serialise and (when a key is given) sign a message."""
-    envelope = Envelope(schema_version=SCHEMA_VERSION, sender=sender, seq=seq, sent_at=time.time(), body=body)
-    if key is not None:
-        envelope.signature = sign(envelope.signed_fields(), key)
+def seal(sender: str, seq: int, body: _Body, signer: Signer, to: str | None = None) -> bytes:
+    """Serialise and sign a message."""
+    envelope = Envelope(schema_version=SCHEMA_VERSION, sender=sender, to=to, seq=seq, sent_at=time.time(), body=body,
+                        signature="0" * 128)
+    envelope.signature = signer.sign(envelope.signed_fields())
     return envelope.model_dump_json().encode()
 
 
-def open_envelope(raw: bytes, keys: dict[str, str] | None = None, guard: ReplayGuard | None = None) -> Envelope:
-    """Parse, check the schema version, authenticate and refuse replays, in that order."""
+def parse(raw: bytes) -> Envelope:
+    """Bytes -> a schema-valid envelope (not yet authenticated), or MessageError with the first reason."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         envelope = _ENVELOPE.validate_json(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise MessageError(f"invalid message: {where}: {first.get('msg')}") from None
+        where = ".".join(str(p) for p in first.get("loc", ()))[:80]
+        raise MessageError(f"invalid message: {where}: {str(first.get('msg'))[:120]}") from None
     if envelope.schema_version != SCHEMA_VERSION:
         raise MessageError(f"unsupported schema version {envelope.schema_version} (this side speaks {SCHEMA_VERSION})")
-    if keys is not None:
-        key = keys.get(envelope.sender)
-        if key is None:
-            raise MessageError(f"unknown device {envelope.sender!r}")
-        try:
-            verify(envelope.signed_fields(), envelope.signature, key)
-            if guard is not None:
-                guard.accept(envelope.sender, envelope.seq)
-        except AuthError as exc:
-            raise MessageError(str(exc)) from None
     return envelope
+
+
+def authenticate(envelope: Envelope, public_key: str, guard: ReplayGuard | None = None,
+                 now_ms: int | None = None) -> Envelope:
+    """Check the sender's signature, then (with a guard) refuse replays; MessageError otherwise."""
+    try:
+        verify(envelope.signed_fields(), envelope.signature, public_key)
+        if guard is not None:
+            guard.accept(envelope.sender, envelope.seq, now_ms)
+    except AuthError as exc:
+        raise MessageError(str(exc)) from None
+    return envelope
+
+
+def open_envelope(raw: bytes, public_key: str, guard: ReplayGuard | None = None) -> Envelope:
+    """Parse and authenticate a message from the holder of `public_key`."""
+    return authenticate(parse(raw), public_key, guard)

@@ -62,6 +62,8 @@ def decode(data: bytes, sha256: str, expected: dict[str, tuple[int, ...]] | None
     out = {}
     for name, value in tensors.items():
         if np.issubdtype(value.dtype, np.floating):
+            if value.dtype not in (np.float16, np.float32):
+                raise PayloadError(f"tensor {name} is {value.dtype}; only float16 or float32 travel on the wire")
             if not np.isfinite(value).all():
                 raise PayloadError(f"tensor {name} holds NaN or Inf")
             value = value.astype(np.float32)

@@ -63,7 +63,7 @@ def run_fleet(tmp: Path, broker_url: str | None, rounds: int = 2, n_devices: int
     datasets = device_datasets(tmp / "data", n_devices, ids_per_device=3, images=5)
     service = Service(ServiceConfig(state=tmp / "state", broker=broker_url),
                       RoundSettings(rounds=rounds, min_clients=n_devices, round_timeout_s=300, training=TRAINING))
-    devices = [EdgeDevice(f"device{d}", data, tmp / f"home{d}", service.broker_url) for d, data in enumerate(datasets)]
+    devices = [EdgeDevice(service.admit(f"device{d}"), data, tmp / f"home{d}") for d, data in enumerate(datasets)]
     for device in devices:
         device.start()
     try:
@@ -99,7 +99,7 @@ def test_rounds_advance_the_global_model(fleet):
     for device in devices:
         log = device.home.rounds_log()
         assert [e["round_id"] for e in log] == [1, 2] and all(e["acked"] for e in log)
-        assert (device.home.root / "device.key").stat().st_mode & 0o077 == 0
+        assert device.home.signing_key.stat().st_mode & 0o077 == 0
 
 
 def test_each_device_personalised_model_verifies_its_own_people(fleet):
@@ -138,11 +138,13 @@ def test_traffic_audit_only_backbone_tensors_leave_devices(fleet):
         assert b"\x89PNG" not in payload and b"\xff\xd8\xff" not in payload, f"image bytes on {topic}"
         assert b"head." not in payload and b"dfc." not in payload, f"private parameters on {topic}"
         envelope = json.loads(payload)
-        assert set(envelope) == {"schema_version", "sender", "seq", "sent_at", "body", "signature"}
+        assert set(envelope) == {"schema_version", "sender", "to", "seq", "sent_at", "body", "signature"}
         assert envelope["body"]["type"] in ALLOWED_BODY_TYPES
         kinds.add(envelope["body"]["type"])
-        if envelope["sender"] != "coordinator" and envelope["body"]["type"] != "hello":
-            assert len(envelope["signature"]) == 64, "device messages are signed"
+        assert len(envelope["signature"]) == 128, "every message, both ways, is signed (Ed25519)"
+        body = json.dumps(envelope["body"])
+        assert "token" not in envelope["body"] and "key\"" not in body.replace("public_key", ""), \
+            "no secret key or admission token crosses the broker"
     assert {"hello", "registered", "round", "update", "ack", "tensors"} <= kinds
     assert len(payloads) == 3 * 2 + 3  # 6 device updates + 3 global models
     for data in payloads:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -20,8 +21,9 @@ from coordinator.engine import RoundSettings
 from coordinator.service import Service, ServiceConfig
 from edge_client.daemon import EdgeDevice
 from protocol import topics
-from protocol.auth import new_device_key
+from protocol.auth import Signer, token_proof
 from protocol.chunks import split, to_bytes
+from protocol.credential import Credential
 from protocol.messages import Heartbeat, Hello, UpdateHeader, open_envelope, seal
 from protocol.tensors import encode
 from protocol.transport import BrokerAddress, make_client
@@ -31,13 +33,16 @@ from test_federated import TRAINING, wait_for
 class RawDevice:
     """A hand-driven MQTT client speaking the protocol, to send what a real device never would."""
 
-    def __init__(self, url: str, device_id: str):
-        self.device_id, self.key, self.seq = device_id, None, int(time.time() * 1000)
+    def __init__(self, url: str, credential: Credential):
+        self.credential, self.device_id = credential, credential.device_id
+        self.signer, self.seq = Signer.generate(), int(time.time() * 1000)
+        self.registered = False
         self.inbox: list[dict] = []
-        address = BrokerAddress.parse(url)
-        self.client = make_client(f"raw-{device_id}", address)
+        address = BrokerAddress.parse(url, credential.broker_username, credential.broker_password)
+        self.client = make_client(f"raw-{self.device_id}", address)
         ready = threading.Event()
-        self.client.on_connect = lambda c, u, f, rc, p: (c.subscribe(topics.device(device_id, "inbox"), qos=1), ready.set())
+        self.client.on_connect = lambda c, u, f, rc, p: (c.subscribe(topics.device(self.device_id, "inbox"), qos=1),
+                                                         ready.set())
         self.client.on_message = self._on_message
         self.client.connect(address.host, address.port)
         self.client.loop_start()
@@ -45,14 +50,19 @@ class RawDevice:
         time.sleep(0.2)
 
     def _on_message(self, client, userdata, msg) -> None:
-        body = open_envelope(msg.payload).body
+        body = open_envelope(msg.payload, self.credential.coordinator_public_key).body
         if body.type == "registered":
-            self.key = body.key
+            self.registered = True
         self.inbox.append(body.model_dump())
 
+    def hello(self, proof: bool = True) -> Hello:
+        return Hello(n_identities=1, n_images=5, public_key=self.signer.public_hex,
+                     token_proof=token_proof(self.credential.token, self.device_id, self.signer.public_hex)
+                     if proof else None)
+
     def register(self) -> None:
-        self.raw("hello", seal(self.device_id, self.next_seq(), Hello(n_identities=1, n_images=5), None))
-        wait_for(lambda: self.key is not None, 10, f"{self.device_id} registration")
+        self.send("hello", self.hello())
+        wait_for(lambda: self.registered, 10, f"{self.device_id} registration")
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -61,8 +71,8 @@ class RawDevice:
     def raw(self, leaf: str, payload: bytes, device_id: str | None = None) -> None:
         self.client.publish(topics.device(device_id or self.device_id, leaf), payload, qos=1).wait_for_publish(5)
 
-    def send(self, leaf: str, body, key: str | None = "own") -> bytes:
-        payload = seal(self.device_id, self.next_seq(), body, self.key if key == "own" else key)
+    def send(self, leaf: str, body, signer: Signer | None = None) -> bytes:
+        payload = seal(self.device_id, self.next_seq(), body, signer or self.signer, to="coordinator")
         self.raw(leaf, payload)
         return payload
 
@@ -89,7 +99,7 @@ def _start(tmp: Path, url: str, n_devices: int, rounds: int = 1, timeout: float 
                       RoundSettings(rounds=rounds, min_clients=n_devices, round_timeout_s=timeout, training=TRAINING,
                                     **settings))
     service.engine.running = False  # rounds start when the test says so
-    devices = [EdgeDevice(f"device{d}", data, tmp / f"home{d}", url, export_onnx=False)
+    devices = [EdgeDevice(service.admit(f"device{d}"), data, tmp / f"home{d}", export_onnx=False)
                for d, data in enumerate(device_datasets(tmp / "data", n_devices, 2, 4))]
     for device in devices:
         device.start()
@@ -105,17 +115,17 @@ def _stop(service: Service, devices: list[EdgeDevice]) -> None:
 
 def test_bad_inputs_are_rejected_with_reasons_while_a_round_completes(tmp_path, mosquitto):
     service, devices = _start(tmp_path, mosquitto.url, 2, max_update_bytes=8 * 1024 * 1024)
-    mallory = RawDevice(mosquitto.url, "mallory")
+    mallory = RawDevice(mosquitto.url, service.admit("mallory"))
     try:
         mallory.register()
         store = service.engine.store
         # before any round: transport and authentication faults
         mallory.raw("update", b"{this is not json")
-        wrong_version = json.loads(seal("mallory", mallory.next_seq(), Heartbeat(), mallory.key))
+        wrong_version = json.loads(seal("mallory", mallory.next_seq(), Heartbeat(), mallory.signer))
         wrong_version["schema_version"] = 99
         mallory.raw("heartbeat", json.dumps(wrong_version).encode())
-        mallory.raw("heartbeat", seal("ghost", 1, Heartbeat(), new_device_key()), device_id="ghost")
-        mallory.send("heartbeat", Heartbeat(), key=new_device_key())
+        mallory.raw("heartbeat", seal("ghost", 1, Heartbeat(), Signer.generate()), device_id="ghost")
+        mallory.send("heartbeat", Heartbeat(), signer=Signer.generate())
         replayed = mallory.send("heartbeat", Heartbeat())
         mallory.raw("heartbeat", replayed)
         # one round, in which mallory is a participant
@@ -162,7 +172,7 @@ def test_bad_inputs_are_rejected_with_reasons_while_a_round_completes(tmp_path, 
 
 def test_device_dropping_mid_upload_does_not_block_the_round(tmp_path, mosquitto):
     service, devices = _start(tmp_path, mosquitto.url, 2, timeout=15)
-    flaky = RawDevice(mosquitto.url, "flaky")
+    flaky = RawDevice(mosquitto.url, service.admit("flaky"))
     try:
         flaky.register()
         service.engine.running = True
@@ -181,29 +191,40 @@ def test_device_dropping_mid_upload_does_not_block_the_round(tmp_path, mosquitto
         _stop(service, devices)
 
 
-def test_coordinator_restart_mid_round_resumes_from_the_last_completed_round(tmp_path, mosquitto):
+def test_coordinator_restart_mid_round_resumes_the_open_round(tmp_path, mosquitto):
     service, devices = _start(tmp_path, mosquitto.url, 2, rounds=2)
     service.engine.running = True
     wait_for(lambda: service.engine.current is not None and service.engine.current.round_id == 2, 120, "round 2")
-    service.close()  # killed mid-round 2
+    wait_for(lambda: len(service.engine.current.done) >= 1, 120, "an acknowledged update in round 2")
+    acked = set(service.engine.current.done)
+    service.close()  # stopped mid-round 2, one update already acknowledged
     restarted = Service(ServiceConfig(state=tmp_path / "state", broker=mosquitto.url),
                         RoundSettings(rounds=2, min_clients=2, round_timeout_s=300, training=TRAINING))
     try:
+        assert restarted.engine.version == 1 and restarted.engine.current.round_id == 2, "round 2 resumes"
+        assert acked <= restarted.engine.current.done, "an update acknowledged before the crash is not lost"
+        wait_for(lambda: restarted.finished, 180, "the resumed round")
         rounds = restarted.engine.store.rounds()
-        assert [(r["round_id"], r["status"]) for r in rounds] == [(1, "completed"), (2, "aborted")]
-        assert restarted.engine.version == 1, "the model of the last completed round is kept"
-        wait_for(lambda: restarted.finished, 180, "the resumed training")
-        rounds = restarted.engine.store.rounds()
-        assert [(r["round_id"], r["status"], r["base_version"]) for r in rounds] == \
-            [(1, "completed", 0), (2, "aborted", 1), (3, "completed", 1)]
+        assert [(r["round_id"], r["status"], r["base_version"], r["n_updates"]) for r in rounds] == \
+            [(1, "completed", 0, 2), (2, "completed", 1, 2)]
         assert restarted.engine.version == 2
     finally:
         _stop(restarted, devices)
 
 
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=10) as response:
+def _get(url: str, token: str | None = None) -> bytes:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=10) as response:
         return response.read()
+
+
+def _status(url: str, method: str = "GET", headers: dict | None = None, data: bytes | None = None) -> int:
+    request = urllib.request.Request(url, method=method, headers=headers or {}, data=data)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def _health(base: str) -> dict:
@@ -213,45 +234,76 @@ def _health(base: str) -> dict:
         return {}
 
 
+def _serve(tmp_path: Path, port: int, env: dict) -> tuple[subprocess.Popen, str]:
+    no_torch = "import sys; sys.modules['torch'] = None; from models.cli import main; sys.exit(main(sys.argv[1:]))"
+    coordinator = subprocess.Popen(
+        [sys.executable, "-c", no_torch, "coordinator", "serve", "--rounds", "2", "--min-clients", "2",
+         "--state", str(tmp_path / "state"), "--http-port", str(port), "--lr", "1e-3", "--batch-size", "8"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    first = ""
+    for _ in range(50):  # log lines may come first
+        first = coordinator.stdout.readline()
+        if first.startswith("coordinator: broker") or not first:
+            break
+    assert first.startswith("coordinator: broker mqtt://127.0.0.1:"), first
+    return coordinator, first.split()[2].rstrip(",")
+
+
 def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
-    """`ffr coordinator serve` (embedded broker, torch blocked: round 0 is the shipped face embedder read with
-    safetensors + numpy) and two `ffr edge run` processes, as a user runs them."""
+    """`ffr coordinator serve` (embedded broker with ACLs, torch blocked: round 0 is the shipped face embedder read
+    with safetensors + numpy), `ffr coordinator admit` and two `ffr edge run --credential` processes, as a user runs
+    them; the API needs its token; after `kill -9` the coordinator comes back on the same broker port, stops the
+    orphaned broker, and the devices finish the run without help."""
     datasets = device_datasets(tmp_path / "data", 2, 2, 4)
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    no_torch = "import sys; sys.modules['torch'] = None; from models.cli import main; sys.exit(main(sys.argv[1:]))"
-    coordinator = subprocess.Popen(
-        [sys.executable, "-c", no_torch, "coordinator", "serve", "--rounds", "1", "--min-clients", "2",
-         "--state", str(tmp_path / "state"), "--http-port", str(port), "--lr", "1e-3", "--batch-size", "8"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    coordinator, broker = _serve(tmp_path, port, env)
     edges = []
     try:
-        first = ""
-        for _ in range(50):  # log lines may come first
-            first = coordinator.stdout.readline()
-            if first.startswith("coordinator: broker") or not first:
-                break
-        assert first.startswith("coordinator: broker mqtt://127.0.0.1:"), first
-        broker = first.split()[2].rstrip(",")
+        token = (tmp_path / "state" / "api-token").read_text().strip()
+        assert (tmp_path / "state" / "api-token").stat().st_mode & 0o077 == 0
+        assert (tmp_path / "state" / "coordinator.key").stat().st_mode & 0o077 == 0
         for d, data in enumerate(datasets):
+            credential = tmp_path / f"dev{d}.credential"
+            subprocess.run([sys.executable, "-m", "models.cli", "coordinator", "admit", "--state",
+                            str(tmp_path / "state"), "--device-id", f"dev{d}", "--out", str(credential)],
+                           cwd=REPO, check=True, capture_output=True, env=env)
+            assert credential.stat().st_mode & 0o077 == 0
             edges.append(subprocess.Popen(
-                [sys.executable, "-m", "models.cli", "edge", "run", "--device-id", f"dev{d}", "--data", str(data),
-                 "--home", str(tmp_path / f"home{d}"), "--broker", broker, "--exit-when-done"],
+                [sys.executable, "-m", "models.cli", "edge", "run", "--credential", str(credential), "--data",
+                 str(data), "--home", str(tmp_path / f"home{d}"), "--exit-when-done"],
                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
         base = f"http://127.0.0.1:{port}"
         wait_for(lambda: _health(base).get("completed_rounds") == 1, 240, "one round over the CLI")
-        devices = json.loads(_get(f"{base}/devices"))
-        assert {d["device_id"] for d in devices} == {"dev0", "dev1"} and all("key" not in d for d in devices)
-        assert json.loads(_get(f"{base}/rounds"))[0]["status"] == "completed"
-        model = json.loads(_get(f"{base}/model"))
-        assert model["version"] == 1
+        health = _health(base)
+        assert health["mqtt"] == "connected" and "dev0" not in json.dumps(health), "health shows no ids"
+        for path in ("/devices", "/rounds", "/rejections", "/model", "/model/1/download", "/status"):
+            assert _status(base + path) == 401, f"{path} without the token"
+        for path in ("/training/stop", "/training/start"):  # what a cross-site form post can send
+            assert _status(base + path, "POST", {"Content-Type": "application/x-www-form-urlencoded"}, b"x=1") == 401
+            assert _status(base + path, "POST", {"Authorization": "Bearer wrong"}) == 401
+        devices = json.loads(_get(f"{base}/devices", token))
+        assert {d["device_id"] for d in devices} == {"dev0", "dev1"}
+        assert json.loads(_get(f"{base}/rounds", token))[0]["status"] == "completed"
+        assert json.loads(_get(f"{base}/model", token))["version"] >= 1
         from safetensors.numpy import load
 
-        assert all(k.startswith("backbone.") for k in load(_get(f"{base}/model/1/download")))
+        assert all(k.startswith("backbone.") for k in load(_get(f"{base}/model/1/download", token)))
+        assert json.loads(_get(f"{base}/rejections?limit=5", token))["limit"] == 5
         assert b"ffr_completed_rounds 1.0" in _get(f"{base}/metrics")
         assert b"openapi" in _get(f"{base}/openapi.json")
+
+        # kill -9 mid-run: the embedded broker is orphaned; the restart reclaims its port
+        orphan = int((tmp_path / "state" / "broker" / "mosquitto.pid").read_text())
+        coordinator.kill()
+        coordinator.wait(10)
+        assert Path(f"/proc/{orphan}").exists(), "the orphaned broker outlives its coordinator"
+        coordinator, again = _serve(tmp_path, port, env)
+        assert again == broker, "the restarted coordinator serves on the same broker port"
+        assert not Path(f"/proc/{orphan}").exists() or b"mosquitto" not in Path(f"/proc/{orphan}/cmdline").read_bytes()
+        wait_for(lambda: _health(base).get("completed_rounds") == 2, 300, "round 2 after the restart")
         for edge in edges:
-            assert edge.wait(120) == 0, edge.stdout.read()
+            assert edge.wait(180) == 0, edge.stdout.read()
         assert (tmp_path / "home0" / "models" / "personalised.onnx").exists()
         from coordinator.store import Store
         from models.face_weights import face_global_state
@@ -291,7 +343,9 @@ def test_broker_restart_during_upload_is_survived(tmp_path):
 
 def test_device_refuses_a_model_whose_hash_is_not_the_announced_one(tmp_path):
     data = device_datasets(tmp_path / "data", 1, 2, 3)[0]
-    device = EdgeDevice("lonely", data, tmp_path / "home", "mqtt://127.0.0.1:1")  # never connected
+    credential = Credential(device_id="lonely", token="0" * 64, coordinator_public_key=Signer.generate().public_hex,
+                            broker="mqtt://127.0.0.1:1")
+    device = EdgeDevice(credential, data, tmp_path / "home")  # never connected
     real = b"the announced model bytes"
     forged = b"some other model of the same size"[: len(real)]
     from protocol.tensors import sha256_hex

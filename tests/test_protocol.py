@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
 
 from protocol import SCHEMA_VERSION
-from protocol.auth import ReplayGuard, new_device_key
+from protocol.auth import AuthError, ReplayGuard, Signer
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
-from protocol.messages import Hello, MessageError, UpdateHeader, open_envelope, seal
-from protocol.tensors import PayloadError, decode, encode
+from protocol.messages import Ack, Hello, MessageError, TrainingConfig, UpdateHeader, open_envelope, parse, seal
+from protocol.tensors import PayloadError, decode, encode, sha256_hex
 
 
 def _state():
@@ -92,32 +93,96 @@ def test_chunk_faults_are_refused():
         from_bytes(b"\x00\x00\x00\x05{bad}")
 
 
+def _hello(signer: Signer, n_images: int = 30) -> Hello:
+    return Hello(n_identities=3, n_images=n_images, public_key=signer.public_hex)
+
+
 def test_signed_envelopes_and_every_refusal():
-    key, other_key = new_device_key(), new_device_key()
-    keys = {"dev-1": key}
+    signer, other = Signer.generate(), Signer.generate()
     guard = ReplayGuard()
-    raw = seal("dev-1", 1, Hello(n_identities=3, n_images=30), key)
-    assert open_envelope(raw, keys, guard).body.n_images == 30
+    raw = seal("dev-1", 1, _hello(signer), signer)
+    assert open_envelope(raw, signer.public_hex, guard).body.n_images == 30
     with pytest.raises(MessageError, match="replay"):
-        open_envelope(raw, keys, guard)
+        open_envelope(raw, signer.public_hex, guard)
     with pytest.raises(MessageError, match="bad signature"):
-        open_envelope(seal("dev-1", 2, Hello(n_identities=3, n_images=30), other_key), keys, guard)
-    with pytest.raises(MessageError, match="unknown device"):
-        open_envelope(seal("stranger", 1, Hello(n_identities=1, n_images=1), key), keys, guard)
-    tampered = json.loads(seal("dev-1", 3, Hello(n_identities=3, n_images=30), key))
+        open_envelope(seal("dev-1", 2, _hello(signer), other), signer.public_hex, guard)
+    tampered = json.loads(seal("dev-1", 3, _hello(signer), signer))
     tampered["body"]["n_images"] = 3000
     with pytest.raises(MessageError, match="bad signature"):
-        open_envelope(json.dumps(tampered).encode(), keys, guard)
+        open_envelope(json.dumps(tampered).encode(), signer.public_hex, guard)
+    readdressed = json.loads(seal("dev-1", 3, Ack(of="update", round_id=1), signer, to="dev-1"))
+    readdressed["to"] = "dev-2"  # an ack for one device replayed into another's inbox
+    with pytest.raises(MessageError, match="bad signature"):
+        open_envelope(json.dumps(readdressed).encode(), signer.public_hex)
     with pytest.raises(MessageError, match="invalid message"):
-        open_envelope(b"{not json", keys, guard)
-    wrong_version = json.loads(seal("dev-1", 4, Hello(n_identities=3, n_images=30), key))
+        open_envelope(b"{not json", signer.public_hex, guard)
+    wrong_version = json.loads(seal("dev-1", 4, _hello(signer), signer))
     wrong_version["schema_version"] = SCHEMA_VERSION + 1
     with pytest.raises(MessageError, match="schema version"):
-        open_envelope(json.dumps(wrong_version).encode(), keys, guard)
-    unknown_type = json.loads(seal("dev-1", 5, Hello(n_identities=3, n_images=30), key))
+        open_envelope(json.dumps(wrong_version).encode(), signer.public_hex, guard)
+    unknown_type = json.loads(seal("dev-1", 5, _hello(signer), signer))
     unknown_type["body"] = {"type": "images", "pixels": [1, 2, 3]}
     with pytest.raises(MessageError, match="invalid message"):
-        open_envelope(json.dumps(unknown_type).encode(), keys, guard)
+        open_envelope(json.dumps(unknown_type).encode(), signer.public_hex, guard)
+
+
+def test_sequence_numbers_cannot_be_burnt_far_ahead():
+    guard = ReplayGuard()
+    now_ms = int(time.time() * 1000)
+    with pytest.raises(AuthError, match="too far ahead"):
+        guard.accept("dev-1", 2 ** 53, now_ms)
+    guard.accept("dev-1", now_ms, now_ms)
+    assert guard.resume_point("dev-1") == now_ms
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b'{"schema_version":2,"sender":"d","seq":1,"sent_at":1,"signature":"' + "\u00e9".encode() * 64 + b'",'
+     b'"body":{"type":"heartbeat"}}', "invalid message"),                                   # non-ASCII signature
+    (b'{"schema_version":2,"sender":"d","seq":9223372036854775808,"sent_at":1,"signature":"' + b"0" * 128 + b'",'
+     b'"body":{"type":"heartbeat"}}', "invalid message"),                                   # seq >= 2^63
+    (b'{"schema_version":2,"sender":"d","seq":1,"sent_at":Infinity,"signature":"' + b"0" * 128 + b'",'
+     b'"body":{"type":"heartbeat"}}', "invalid message"),                                   # non-finite
+    (b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}", "exceeds"),                        # deep nesting, too large
+    (b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}", "invalid message"),                      # deep nesting
+    (b"\xff\xfe" * 10, "invalid message"),                                                 # not even text
+])
+def test_hostile_envelopes_are_refused_by_schema(raw, reason):
+    with pytest.raises(MessageError, match=reason):
+        parse(raw)
+
+
+def test_hostile_hello_and_update_fields_are_bounded():
+    signer = Signer.generate()
+    with pytest.raises(ValueError):
+        Hello(n_identities=1, n_images=2 ** 63, public_key=signer.public_hex)
+    with pytest.raises(ValueError):
+        UpdateHeader(round_id=1, base_version=0, n_samples=2 ** 63, transfer_id="t", payload_sha256="0" * 64,
+                     payload_bytes=10)
+    with pytest.raises(ValueError):
+        TrainingConfig(epochs=10 ** 6)
+    with pytest.raises(ValueError):
+        TrainingConfig(batch_size=10 ** 6)
+
+
+@pytest.mark.parametrize("header, reason", [
+    (b'{"transfer_id":"t","index":Infinity,"count":1,"total_bytes":1,"sha256":"' + b"0" * 64 + b'"}', "malformed"),
+    (b"[" * 1000, "out of range|flat"),
+    (b'{"transfer_id":"t","index":0,"count":10000000,"total_bytes":10,"sha256":"' + b"0" * 64 + b'"}', "out of range"),
+    (b'{"transfer_id":"t","index":1.5,"count":2,"total_bytes":10,"sha256":"' + b"0" * 64 + b'"}', "integers"),
+    (b'{"transfer_id":"' + b"x" * 200 + b'","index":0,"count":1,"total_bytes":1,"sha256":"' + b"0" * 64 + b'"}',
+     "transfer_id"),
+])
+def test_hostile_chunk_headers_are_refused(header, reason):
+    with pytest.raises(PayloadError, match=reason):
+        from_bytes(len(header).to_bytes(4, "big") + header + b"data")
+
+
+def test_float64_payloads_are_refused():
+    from safetensors.numpy import save
+
+    data = save({"w": np.full((2, 2), 1e300, dtype=np.float64)})
+    with pytest.raises(PayloadError, match="float16 or float32"):
+        decode(data, sha256_hex(data))
 
 
 def test_update_header_validates_its_fields():
