@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 FFR_FACES_DIR ?= $(abspath ../shared/faces)
 export FFR_FACES_DIR
 
-.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated bench-fleet bench-device clean
+.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated bench-fleet bench-device bench-fuzz clean
 
 install: $(STAMP)
 
@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
-bench: bench-latency bench-train bench-federated bench-quality bench-fleet bench-device
+bench: bench-latency bench-train bench-federated bench-quality bench-fleet bench-device bench-fuzz
 
 bench-latency: $(STAMP)
 	$(PY) -m bench.latency --out bench/results
@@ -53,6 +53,9 @@ $(FLOWER_VENV)/.installed:
 
 bench-fleet: $(STAMP) $(FLOWER_VENV)/.installed
 	$(PY) -m bench.fleet --out bench/results --flower-python $(FLOWER_VENV)/bin/python
+
+bench-fuzz: $(STAMP)
+	$(PY) -m bench.fuzz --out bench/results --messages 100000
 
 bench-quality: $(STAMP)
 	$(PY) -m bench.verify_quality --out bench/results
