@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 FFR_FACES_DIR ?= $(abspath ../shared/faces)
 export FFR_FACES_DIR
 
-.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated bench-fleet bench-device bench-fuzz clean
+.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated bench-fleet bench-device bench-fuzz bench-robust clean
 
 install: $(STAMP)
 
@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
-bench: bench-latency bench-train bench-federated bench-quality bench-fleet bench-device bench-fuzz
+bench: bench-latency bench-train bench-federated bench-quality bench-fleet bench-device bench-fuzz bench-robust
 
 bench-latency: $(STAMP)
 	$(PY) -m bench.latency --out bench/results
@@ -56,6 +56,9 @@ bench-fleet: $(STAMP) $(FLOWER_VENV)/.installed
 
 bench-fuzz: $(STAMP)
 	$(PY) -m bench.fuzz --out bench/results --messages 100000
+
+bench-robust: $(STAMP)
+	$(PY) -m bench.robust --out bench/results
 
 bench-quality: $(STAMP)
 	$(PY) -m bench.verify_quality --out bench/results

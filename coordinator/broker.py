@@ -34,7 +34,7 @@ class EmbeddedBroker:
     """Mosquitto bound to 127.0.0.1 on a free (or given, or persisted) port; stopped with `close()`."""
 
     def __init__(self, port: int | None = None, message_size_limit: int = 0, state_dir: Path | None = None,
-                 acl: bool = False):
+                 acl: bool = False, tls: dict[str, Path] | None = None):
         binary = find_mosquitto()
         if binary is None:
             raise RuntimeError("no mosquitto binary for the embedded broker: install it (apt-get install mosquitto) "
@@ -53,6 +53,10 @@ class EmbeddedBroker:
         # stay the coordinator's user (mosquitto started as root would switch to `mosquitto` and lose the 0600 files)
         lines = [f"listener {self.port} 127.0.0.1", f"user {getpass.getuser()}", "persistence false",
                  "max_queued_messages 100000", "log_dest stderr", "log_type error"]
+        self.tls = tls is not None
+        if tls:
+            lines += [f"cafile {tls['ca']}", f"certfile {tls['cert']}", f"keyfile {tls['key']}",
+                      "tls_version tlsv1.2"]
         if acl:
             lines += ["allow_anonymous false", f"password_file {self.dir / 'passwd'}", f"acl_file {self.dir / 'acl'}"]
         else:
@@ -64,11 +68,12 @@ class EmbeddedBroker:
         self.pid_file.write_text(str(self.process.pid))
         self._wait_ready()
         if record:
-            record.write_text(json.dumps({"url": self.url, "port": self.port, "embedded": True, "acl": acl}))
+            record.write_text(json.dumps({"url": self.url, "port": self.port, "embedded": True, "acl": acl,
+                                          "tls": self.tls}))
 
     @property
     def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
+        return f"{'mqtts' if self.tls else 'mqtt'}://127.0.0.1:{self.port}"
 
     def _wait_ready(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

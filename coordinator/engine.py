@@ -51,7 +51,10 @@ class RoundSettings:
     norm_factor: float = 3.0       # an update may be at most this x the median recent update norm
     norm_ceiling: float = 0.25     # ... and never above this fraction of the global model's norm
     norm_action: str = "clip"      # clip | reject an update above the bound
+    weight_factor: float = 3.0     # no update weighs more than this x the round's median weight
     errors_per_minute: int = 30    # replies to one device that explain a refusal
+    dp_noise: float = 0.0          # DP-FedAvg noise multiplier z (needs training.dp_clip); 0: no noise
+    dp_delta: float = 1e-5         # the delta at which epsilon is reported
 
 
 @dataclass
@@ -78,6 +81,10 @@ class Engine:
             raise ValueError(f"unknown combination rule {settings.combine!r}; choose one of {', '.join(COMBINERS)}")
         if settings.norm_action not in ("clip", "reject"):
             raise ValueError("norm_action must be clip or reject")
+        if settings.dp_noise > 0 and settings.training.dp_clip is None:
+            raise ValueError("differential privacy needs a clipping norm (dp_clip) as well as a noise multiplier")
+        if settings.training.dp_clip is not None and settings.combine != "mean":
+            raise ValueError("DP-FedAvg averages updates: use the mean combination rule with it")
         self.store, self.strategy, self.settings = store, strategy, settings
         self.publish, self.now, self.signer = publish, now, signer
         self.lock = threading.RLock()
@@ -316,7 +323,10 @@ class Engine:
                  device_id, header.n_samples, weight, norm, len(payload), len(current.done), len(current.participants))
 
     def _weight(self, device_id: str, n_samples: int) -> float:
-        """The self-reported sample count, capped by what the device registered: it cannot outweigh its data."""
+        """The self-reported sample count, capped by what the device registered: it cannot outweigh its data.
+        Under DP-FedAvg every device weighs the same (the noise is calibrated to one clipped update in n)."""
+        if self.settings.training.dp_clip is not None:
+            return 1.0
         cap = max(1, self.images.get(device_id, 1)) * self.settings.training.epochs
         return float(min(n_samples, cap))
 
@@ -403,14 +413,29 @@ class Engine:
         """Bound each update's norm, combine them by the run's rule, check the result, then publish it;
         a result that fails its checks is not published and the round is rolled back with the reason."""
         started = time.perf_counter()
-        bound = self.norms.bound
+        dp_clip = self.settings.training.dp_clip
+        bound = self.norms.bound if dp_clip is None else dp_clip
         devices = sorted(current.done)
         mean_delta = self._combine(current, devices, bound)
+        dp_metrics = {}
+        if dp_clip is not None:
+            from coordinator import dp
+
+            mean_delta = dp.add_noise(mean_delta, len(devices), self.settings.dp_noise, dp_clip)
+            q = len(current.participants) / max(1, len(self.keys))
+            rates = [r["metrics"]["dp_q"] for r in self.store.rounds()
+                     if r["status"] == "completed" and "dp_q" in r["metrics"]] + [q]
+            n_params = sum(int(np.size(v)) for v in mean_delta.values())
+            dp_metrics = {"dp_q": q, "dp_noise_multiplier": self.settings.dp_noise, "dp_clip": dp_clip,
+                          "dp_delta": self.settings.dp_delta,
+                          "dp_epsilon": _finite_or_none(dp.epsilon(rates, self.settings.dp_noise,
+                                                                   self.settings.dp_delta)),
+                          "dp_noise_norm": dp.noise_norm(n_params, len(devices), self.settings.dp_noise, dp_clip)}
         velocity = getattr(self.strategy, "velocity", None)
         new_state = self.strategy.aggregate(self.global_state, mean_delta)
         seconds = time.perf_counter() - started
-        problem = self._check_new_model(new_state, bound)
-        metrics = {"aggregation_seconds": seconds, "bytes_received": current.bytes_received, "norm_bound": bound,
+        problem = self._check_new_model(new_state, bound, 2.0 * dp_metrics.get("dp_noise_norm", 0.0))
+        metrics = {**dp_metrics, "aggregation_seconds": seconds, "bytes_received": current.bytes_received, "norm_bound": bound,
                    "clipped_updates": sum(current.norms[d] > bound for d in devices), "combine": self.settings.combine,
                    **_mean_metrics(current.metrics)}
         self.store.drop_updates(current.round_id)
@@ -441,16 +466,16 @@ class Engine:
 
     def _combine(self, current: OpenRound, devices: list[str], bound: float) -> dict[str, np.ndarray]:
         """The plain mean streams one update at a time (memory O(model)); robust rules need them all."""
+        weights = capped_weights([current.weights[d] for d in devices], self.settings.weight_factor)
         if self.settings.combine == "mean":
             mean = RunningMean()
-            for device in devices:
-                mean.add(self._load_delta(current, device, bound), current.weights[device])
+            for device, weight in zip(devices, weights):
+                mean.add(self._load_delta(current, device, bound), weight)
             return mean.mean()
         deltas = [self._load_delta(current, d, bound) for d in devices]
-        return combine(deltas, [current.weights[d] for d in devices], self.settings.combine, self.settings.trim,
-                       self.settings.byzantine)
+        return combine(deltas, weights, self.settings.combine, self.settings.trim, self.settings.byzantine)
 
-    def _check_new_model(self, new_state: dict[str, np.ndarray], bound: float) -> str:
+    def _check_new_model(self, new_state: dict[str, np.ndarray], bound: float, noise_allowance: float = 0.0) -> str:
         """Why the new global model must not be published ('' when it may)."""
         if any(not np.isfinite(v).all() for v in new_state.values() if np.issubdtype(v.dtype, np.floating)):
             return "the new global model holds NaN or Inf"
@@ -460,6 +485,7 @@ class Engine:
         # up to sqrt(n) in theory, 2x allows for that in practice; server momentum sums up to 1 / (1 - beta) steps
         spread = 1.0 if self.settings.combine in ("mean", "krum") else 2.0
         limit = bound * spread * getattr(self.strategy, "server_lr", 1.0) / max(1e-6, 1 - getattr(self.strategy, "momentum", 0.0))
+        limit += noise_allowance * getattr(self.strategy, "server_lr", 1.0)
         if step > limit * 1.001:
             return f"the new global model moved {step:.4g}, beyond the bound {limit:.4g}"
         return ""
@@ -480,6 +506,18 @@ class Engine:
                     status["open_round"].update(participants=self.current.participants,
                                                 received=sorted(self.current.done))
             return status
+
+
+def capped_weights(weights: list[float], factor: float) -> list[float]:
+    """Each weight capped at `factor` x the median: a device that registered a huge data set still cannot
+    outweigh the round (its registered size is its own claim)."""
+    cap = factor * float(np.median(weights))
+    return [min(w, cap) for w in weights]
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no infinity: epsilon without noise is reported as null (no privacy)."""
+    return value if np.isfinite(value) else None
 
 
 def _mean_metrics(per_device: dict[str, dict]) -> dict:

@@ -18,26 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-State = dict[str, np.ndarray]
+from models.state_norms import State, clip_to_norm, float_names, l2_norm  # noqa: F401 - re-exported
 COMBINERS = ("mean", "trimmed-mean", "median", "krum")
-
-
-def float_names(state: State) -> list[str]:
-    return [k for k, v in state.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
-
-
-def l2_norm(state: State) -> float:
-    """Norm over the floating tensors (integer buffers such as BatchNorm counters are not parameters)."""
-    return float(np.sqrt(sum(float(np.sum(np.square(state[k], dtype=np.float64))) for k in float_names(state))))
-
-
-def clip_to_norm(delta: State, bound: float) -> tuple[State, float]:
-    """The delta scaled down to norm `bound` when longer, and its original norm."""
-    norm = l2_norm(delta)
-    if norm <= bound or norm == 0.0:
-        return delta, norm
-    scale = bound / norm
-    return {k: (v * scale if k in float_names(delta) else v) for k, v in delta.items()}, norm
 
 
 @dataclass

@@ -44,6 +44,7 @@ class ServiceConfig:
     tick_seconds: float = 0.2
     start_paused: bool = False  # rounds start only when the caller sets engine.running (the fleet simulator)
     broker_acl: bool = True     # the embedded broker enforces per-device logins and ACLs
+    tls: bool = False           # the embedded broker speaks TLS with a CA generated in STATE/tls
 
 
 def api_token(state: Path) -> tuple[str, bool]:
@@ -71,10 +72,17 @@ class Service:
         else:
             if config.broker_acl:
                 username, password = BrokerUsers(config.state).prepare()
-            self.broker = EmbeddedBroker(state_dir=config.state, acl=config.broker_acl)
+            tls = None
+            if config.tls:
+                from coordinator.tls import ensure_broker_tls
+
+                tls = ensure_broker_tls(config.state)
+            self.broker = EmbeddedBroker(state_dir=config.state, acl=config.broker_acl, tls=tls)
         self.broker_url = config.broker or self.broker.url
         address = BrokerAddress.parse(self.broker_url, username, password)
-        self.client = make_client("ffr-coordinator", address, config.ca_file)
+        ca_file = config.ca_file or (str(Path(config.state) / "tls" / "ca.pem") if config.tls and not config.broker
+                                     else None)
+        self.client = make_client("ffr-coordinator", address, ca_file)
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         options = {"mu": config.prox_mu} if config.strategy == "fedprox" else \

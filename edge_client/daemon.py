@@ -27,6 +27,7 @@ from edge_client.home import DeviceHome
 from edge_client.local_training import train_round
 from models.face_model import FaceModel, ModelConfig, from_numpy_state, private_state, shareable_state
 from models.faces.crops import CropConfig, crop_index
+from models.state_norms import clip_to_norm
 from models.faces.datasets import load_index
 from protocol import topics
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
@@ -43,7 +44,10 @@ log = logging.getLogger("edge_client")
 class EdgeDevice:
     def __init__(self, credential: Credential | Path | str, data: Path, home: Path, detector: str | None = None,
                  broker: str | None = None, ca_file: str | None = None, export_onnx: bool = True, seed: int = 0,
-                 crop_cache: Path | None = None):
+                 crop_cache: Path | None = None, delta_hook=None):
+        """`delta_hook(delta, n_samples, global_state) -> (delta, n_samples)`: a fleet experiment's malicious
+        device (fleet.attacks); None on every real device."""
+        self.delta_hook = delta_hook
         self.credential = credential if isinstance(credential, Credential) else Credential.load(Path(credential))
         self.device_id, self.home = self.credential.device_id, DeviceHome(home)
         self.coordinator_key = self.credential.coordinator_public_key
@@ -225,8 +229,13 @@ class EdgeDevice:
                              cfg.prox_mu if cfg.algorithm == "fedprox" else 0.0, seed=self.seed + job.round_id)
         self.home.save_tensors(self.home.private_state, private_state(model))
         self.home.save_tensors(self.home.local_backbone, shareable_state(model))  # the personalised model's Theta
-        encoded = encode(result.delta, cfg.wire_dtype)
-        header = UpdateHeader(round_id=job.round_id, base_version=job.model_version, n_samples=result.n_samples,
+        delta, n_samples = result.delta, result.n_samples
+        if cfg.dp_clip is not None:  # DP-FedAvg: the coordinator adds the noise (coordinator.dp)
+            delta, _ = clip_to_norm(delta, cfg.dp_clip)
+        if self.delta_hook is not None:
+            delta, n_samples = self.delta_hook(delta, n_samples, {k: v.numpy() for k, v in global_state.items()})
+        encoded = encode(delta, cfg.wire_dtype)
+        header = UpdateHeader(round_id=job.round_id, base_version=job.model_version, n_samples=n_samples,
                               transfer_id=f"{self.device_id}-r{job.round_id}-{encoded.sha256[:12]}",
                               payload_sha256=encoded.sha256, payload_bytes=len(encoded.data),
                               metrics={**result.metrics, "fetch_seconds": fetched - started,

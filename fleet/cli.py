@@ -35,6 +35,10 @@ def _partition_options(p: argparse.ArgumentParser, data_required: bool) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+from coordinator.robust import COMBINERS  # noqa: E402 - numpy only
+from fleet.attacks import ATTACKS  # noqa: E402
+
+
 def _config(args):
     from fleet.config import SimConfig
 
@@ -144,6 +148,18 @@ def add_commands(fsub) -> None:
                         "(ImageNet MobileNetV2), none (random)")
     g.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
     g.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16")
+    g = p.add_argument_group("robustness (malicious devices and the coordinator's defences)")
+    g.add_argument("--malicious", type=float, default=0.0,
+                   help="fraction of training clients that poison their updates (default 0)")
+    g.add_argument("--attack", choices=ATTACKS, default="scaled",
+                   help="what they send: scaled (1000x delta), sign-flip (-10x delta), wipe (-global, 10^15 samples)")
+    g.add_argument("--combine", choices=COMBINERS, default="mean",
+                   help="coordinator's combination rule: mean (FedAvg), trimmed-mean, median, krum (default mean)")
+    g.add_argument("--dp-clip", type=float,
+                   help="DP-FedAvg: devices clip their update to this L2 norm; the coordinator averages with equal "
+                        "weights and reports epsilon per round")
+    g.add_argument("--dp-noise", type=float, default=0.0,
+                   help="DP-FedAvg: Gaussian noise multiplier z (std z * clip / n on the mean; default 0)")
     g = p.add_argument_group("simulation")
     g.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR); an existing one is resumed")
     g.add_argument("--workers", type=int, default=2, help="device worker processes (default 2)")

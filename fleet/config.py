@@ -59,6 +59,11 @@ class SimConfig:
     crop_cache: str | None = None      # None: the user's crop cache ($FFR_CACHE_DIR), shared with other commands
     mlflow: bool = True
     progress: bool = True
+    malicious: float = 0.0             # fraction of training clients that poison their updates (fleet.attacks)
+    attack: str = "scaled"
+    combine: str = "mean"              # how the coordinator combines updates (coordinator.robust)
+    dp_clip: float | None = None       # DP-FedAvg: devices clip updates to this L2 norm (coordinator.dp)
+    dp_noise: float = 0.0              # DP-FedAvg: noise multiplier z
 
     def validate(self) -> None:
         if self.clients < 1:
@@ -71,6 +76,19 @@ class SimConfig:
             raise ValueError("--fraction must be in (0, 1]")
         if self.data is not None and not Path(self.data).exists():
             raise FileNotFoundError(f"dataset path does not exist: {self.data}")
+        from coordinator.robust import COMBINERS
+        from fleet.attacks import ATTACKS
+
+        if not 0 <= self.malicious < 1:
+            raise ValueError("--malicious must be in [0, 1)")
+        if self.attack not in ATTACKS:
+            raise ValueError(f"unknown --attack {self.attack!r}; choose one of {', '.join(ATTACKS)}")
+        if self.combine not in COMBINERS:
+            raise ValueError(f"unknown --combine {self.combine!r}; choose one of {', '.join(COMBINERS)}")
+        if self.dp_noise > 0 and self.dp_clip is None:
+            raise ValueError("--dp-noise needs --dp-clip (the L2 norm devices clip their updates to)")
+        if self.dp_clip is not None and (self.dp_clip <= 0 or self.combine != "mean"):
+            raise ValueError("--dp-clip must be > 0, with --combine mean")
         if abs(sum(self.split) - 1.0) > 1e-6 or min(self.split) < 0:
             raise ValueError(f"--split fractions must be >= 0 and sum to 1, got {self.split}")
 

@@ -28,6 +28,7 @@ class Turn:
     seed: int
     round_id: int | None = None   # None: only register
     timeout_s: float = 600.0
+    attack: str | None = None     # a malicious device's attack (fleet.attacks), None for honest ones
 
 
 def _init_worker(threads: int) -> None:
@@ -45,9 +46,17 @@ def run_turn(turn: Turn) -> dict:
 
     started = time.perf_counter()
     result = {"device_id": Path(turn.credential).parent.name, "round_id": turn.round_id, "ok": False}
+    hook = None
+    if turn.attack is not None:
+        from functools import partial
+
+        from fleet.attacks import poison
+
+        hook = partial(poison, turn.attack)
     try:
         device = EdgeDevice(Path(turn.credential), Path(turn.data), Path(turn.home), broker=turn.broker,
-                            detector=turn.detector, export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache))
+                            detector=turn.detector, export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache),
+                            delta_hook=hook)
     except Exception as exc:  # noqa: BLE001 - a device that cannot start is reported, not fatal to the pool
         return {**result, "error": f"{type(exc).__name__}: {exc}", "turn_seconds": time.perf_counter() - started}
     device.start()

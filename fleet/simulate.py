@@ -98,18 +98,22 @@ class Simulation:
     def _service(self) -> Service:
         c = self.config
         training = TrainingConfig(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, dfc=c.dfc,
-                                  dfc_weight=c.dfc_weight, wire_dtype=c.wire_dtype, width_mult=c.width_mult)
+                                  dfc_weight=c.dfc_weight, wire_dtype=c.wire_dtype, width_mult=c.width_mult,
+                                  dp_clip=c.dp_clip)
         settings = RoundSettings(rounds=c.rounds, min_clients=1, fraction=c.fraction, round_timeout_s=c.round_timeout,
-                                 training=training, seed=c.seed)
+                                 training=training, seed=c.seed, combine=c.combine, dp_noise=c.dp_noise)
         return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, strategy=c.algorithm,
                                      prox_mu=c.prox_mu, server_momentum=c.server_momentum, init=c.init,
                                      start_paused=True), settings)
 
     def _turn(self, client: int, round_id: int | None) -> Turn:
         root = self.run_dir / "devices" / device_id(client)
+        from fleet.attacks import malicious_clients
+
+        bad = malicious_clients(self.data.training_clients, self.config.malicious, self.config.seed)
         return Turn(str(root / "credential.json"), str(root / "data"), str(root / "home"), self.service.broker_url,
                     str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
-                    self.config.round_timeout)
+                    self.config.round_timeout, self.config.attack if client in bad else None)
 
     # the run ----------------------------------------------------------------
     def run(self) -> dict:
@@ -197,6 +201,15 @@ class Simulation:
                 if time.monotonic() - waited > grace_s:
                     engine.current.deadline = engine.now()
             time.sleep(0.1)
+
+    def _privacy(self) -> dict | None:
+        """DP-FedAvg's privacy spent after the last completed round (None when DP is off)."""
+        if self.config.dp_clip is None:
+            return None
+        done = [r for r in self.service.engine.store.rounds() if r["status"] == "completed"]
+        last = done[-1]["metrics"] if done else {}
+        return {k.removeprefix("dp_"): last.get(k) for k in ("dp_epsilon", "dp_delta", "dp_noise_multiplier",
+                                                                 "dp_clip", "dp_q")}
 
     def _catch_up(self, tracker, wall_s: float | None = None) -> None:
         """Evaluate every aggregated round not yet in the history (also the one a Ctrl-C interrupted)."""
@@ -293,6 +306,7 @@ class Simulation:
             "round_seconds_mean": float(np.mean([h["wall_s"] for h in trained])) if trained else None,
             "history": history, "plots": {k: str(v) for k, v in figures.items()},
             "mlflow_run_id": tracker.run_id,
+            "privacy": self._privacy(),
         }
         paths = write_summary(summary, out)
         tracker.log_metrics(_final_metrics(summary), len(history))

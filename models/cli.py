@@ -221,16 +221,16 @@ def cmd_coordinator_serve(args) -> int:
     training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=not args.no_dfc,
                               dfc_weight=args.dfc_weight,
                               wire_dtype=args.wire_dtype, chunk_bytes=args.chunk_kib * 1024, width_mult=args.width_mult,
-                              algorithm=args.strategy, prox_mu=args.mu)
+                              algorithm=args.strategy, prox_mu=args.mu, dp_clip=args.dp_clip)
     settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
                              round_timeout_s=args.round_timeout, training=training, seed=args.seed,
                              combine=args.combine, trim=args.trim, byzantine=args.byzantine,
                              norm_factor=args.norm_factor, norm_ceiling=args.norm_ceiling,
-                             norm_action=args.norm_action)
+                             norm_action=args.norm_action, dp_noise=args.dp_noise, dp_delta=args.dp_delta)
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
                            strategy=args.strategy, prox_mu=args.mu, server_momentum=args.server_momentum,
-                           init=args.init, broker_acl=not args.no_broker_acl)
+                           init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls)
     return serve(config, settings, exit_when_done=args.exit_when_done)
 
 
@@ -321,6 +321,14 @@ def _add_federated_commands(sub) -> None:
                    help="... and never above this fraction of the global model's norm (default 0.25)")
     g.add_argument("--norm-action", choices=("clip", "reject"), default="clip",
                    help="what happens to an update above the bound (default clip)")
+    g = p.add_argument_group("differential privacy (DP-FedAvg, McMahan et al. 2018)")
+    g.add_argument("--dp-clip", type=float, help="devices clip their update to this L2 norm; updates weigh the same")
+    g.add_argument("--dp-noise", type=float, default=0.0,
+                   help="noise multiplier z: N(0, (z * clip / n)^2) is added to the mean (default 0: none)")
+    g.add_argument("--dp-delta", type=float, default=1e-5, help="delta at which epsilon is reported (default 1e-5)")
+    p.add_argument("--tls", action="store_true",
+                   help="the embedded broker speaks TLS (mqtts://) with a CA generated in STATE/tls; devices get the "
+                        "CA in their credential files")
     p.add_argument("--no-broker-acl", action="store_true",
                    help="run the embedded broker without logins and ACLs (not for deployments)")
     p.set_defaults(func=cmd_coordinator_serve)

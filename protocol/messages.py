@@ -8,10 +8,11 @@ are rejected with a reason, never a crash.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, TypeAdapter, ValidationError
 
 from protocol import SCHEMA_VERSION
 from protocol.auth import (MAX_SEQ, PUBLIC_KEY_PATTERN, SIGNATURE_PATTERN, AuthError, ReplayGuard, Signer,
@@ -69,6 +70,7 @@ class TrainingConfig(_Body):
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=8 * 1024 * 1024)
     width_mult: float = Field(1.0, ge=0.25, le=1.4)
     embedding_dim: int = Field(128, ge=16, le=1024)
+    dp_clip: float | None = Field(None, gt=0, le=1e6)  # DP-FedAvg: clip the update to this L2 norm before sending
 
 
 class RoundAnnouncement(_Body):
@@ -126,8 +128,13 @@ class Envelope(BaseModel):
     sent_at: float = Field(ge=0, le=1e11)
     body: Body
     signature: str = Field(pattern=SIGNATURE_PATTERN)
+    _received: dict | None = PrivateAttr(default=None)
 
     def signed_fields(self) -> dict:
+        """What the signature covers: the fields exactly as received (so a receiver whose schema has gained an
+        optional field still verifies an older sender), or, for a message being sent, as it will be sent."""
+        if self._received is not None:
+            return self._received
         return self.model_dump(mode="json", exclude={"signature"})
 
 
@@ -158,6 +165,9 @@ def parse(raw: bytes) -> Envelope:
         raise MessageError(f"invalid message: {where}: {str(first.get('msg'))[:120]}") from None
     if envelope.schema_version != SCHEMA_VERSION:
         raise MessageError(f"unsupported schema version {envelope.schema_version} (this side speaks {SCHEMA_VERSION})")
+    received = json.loads(raw)  # safe: the schema (size, depth, types) has already accepted these bytes
+    received.pop("signature", None)
+    envelope._received = received
     return envelope
 
 

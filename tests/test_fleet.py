@@ -183,3 +183,26 @@ def test_a_failing_device_is_dropped_and_the_round_goes_on(simulated, tmp_path, 
     assert "client-000: dropped from round 3: DatasetError: no images found" in captured.out + captured.err
     last = json.loads((run / "summary.json").read_text())["history"][-1]
     assert last["round"] == 3 and last["updates"] == 2 and last["dropped"] == 1
+
+
+def test_a_wiping_device_is_neutralised_by_the_median(tmp_path, mosquitto):
+    """One of four devices sends -global with 10^15 samples; with the median the model is not wiped, and
+    the coordinator recorded the attacker's weight capped and its update clipped."""
+    out = tmp_path / "attacked"
+    rc = main(["-q", "fleet", "simulate", "--clients", "4", "--rounds", "1", "--partition", "iid", "--algorithm",
+               "fedavg", "--no-dfc", "--broker", mosquitto.url, "--no-centralized", "--no-mlflow", *TINY,
+               "--malicious", "0.25", "--attack", "wipe", "--combine", "median", "--out", str(out)])
+    assert rc == 0
+    from coordinator.store import Store
+    from fleet.attacks import malicious_clients
+
+    store = Store(out / "coordinator")
+    row = store.rounds()[0]
+    assert row["status"] == "completed" and row["metrics"]["clipped_updates"] >= 1
+    bad = malicious_clients([0, 1, 2, 3], 0.25, 0)
+    attacker = next(u for u in store.accepted_updates(1) if u["device_id"] == f"client-{min(bad):03d}")
+    assert attacker["n_samples"] == 10 ** 15 and attacker["metrics"]["weight"] < 1000
+    before, after = store.load_model(0), store.load_model(1)
+    floats = [k for k in before if before[k].dtype.kind == "f" and "running" not in k]
+    ratio = np.sqrt(sum(np.sum(after[k] ** 2) for k in floats) / sum(np.sum(before[k] ** 2) for k in floats))
+    assert ratio > 0.9, f"the global model shrank to {ratio:.2f} of its norm"

@@ -188,3 +188,19 @@ def test_float64_payloads_are_refused():
 def test_update_header_validates_its_fields():
     with pytest.raises(ValueError):
         UpdateHeader(round_id=0, base_version=0, n_samples=0, transfer_id="", payload_sha256="nothex", payload_bytes=0)
+
+
+def test_a_receiver_with_a_newer_schema_still_verifies_an_older_sender():
+    """The signature covers the fields as received, not as this side would re-serialise them: a field added
+    later with a default (here: dropped from the sent message, as an older sender would send it) verifies."""
+    signer = Signer.generate()
+    from protocol.messages import RoundAnnouncement
+
+    body = RoundAnnouncement(round_id=1, model_version=0, model_sha256="0" * 64, model_bytes=1, model_chunks=1,
+                             total_rounds=1, deadline_unix=1e9, config=TrainingConfig(), participants=["a"])
+    sent = json.loads(seal("coordinator", 1, body, signer))
+    del sent["body"]["config"]["dp_clip"]  # an older coordinator never had this field
+    fields = {k: v for k, v in sent.items() if k != "signature"}
+    sent["signature"] = signer.sign(fields)
+    envelope = open_envelope(json.dumps(sent).encode(), signer.public_hex)
+    assert envelope.body.config.dp_clip is None

@@ -35,11 +35,12 @@ GLOBAL = {"backbone.w": RNG.normal(size=(64, 32)).astype(np.float32),
 class Harness:
     """A coordinator engine whose published messages are kept, and devices that speak to it."""
 
-    def __init__(self, tmp, min_clients: int = 3, **settings):
+    def __init__(self, tmp, min_clients: int = 3, training: TrainingConfig | None = None, **settings):
         self.sent: list[tuple[str, bytes]] = []
         self.signer = Signer.generate()
         self.tmp = tmp
-        self.settings = RoundSettings(min_clients=min_clients, rounds=5, training=TrainingConfig(epochs=1), **settings)
+        self.settings = RoundSettings(min_clients=min_clients, rounds=5, training=training or TrainingConfig(epochs=1),
+                                      **settings)
         self.engine = self._engine()
 
     def _engine(self, strategy: str = "fedavg") -> Engine:
@@ -447,3 +448,88 @@ def test_broker_acls_keep_each_device_to_its_own_topics(tmp_path):
             client.disconnect()
     finally:
         service.close()
+
+
+def test_tls_broker_with_a_generated_ca(tmp_path):
+    """`--tls`: the embedded broker speaks only TLS, with a CA from the state folder that the credential carries."""
+    import ssl
+
+    from coordinator.service import Service, ServiceConfig
+    from protocol.transport import BrokerAddress, make_client
+
+    service = Service(ServiceConfig(state=tmp_path / "state", init="none", tls=True),
+                      RoundSettings(rounds=1, min_clients=5, training=TrainingConfig(width_mult=0.25)))
+    try:
+        assert service.broker_url.startswith("mqtts://") and service.mqtt_state() in ("connected", "disconnected")
+        credential = service.admit("alice")
+        assert credential.ca_pem and "BEGIN CERTIFICATE" in credential.ca_pem
+        ca = tmp_path / "ca.pem"
+        ca.write_text(credential.ca_pem)
+        assert (tmp_path / "state" / "tls" / "broker.key").stat().st_mode & 0o077 == 0
+
+        def connects(url: str, ca_file: str | None) -> bool:
+            address = BrokerAddress.parse(url, credential.broker_username, credential.broker_password)
+            client = make_client(None, address, ca_file)
+            ok = threading.Event()
+            client.on_connect = lambda c, u, f, rc, p: ok.set() if not rc.is_failure else None
+            try:
+                client.connect(address.host, address.port)
+            except (ssl.SSLError, OSError):
+                return False
+            client.loop_start()
+            result = ok.wait(5)
+            client.loop_stop()
+            client.disconnect()
+            return result
+
+        assert connects(service.broker_url, str(ca)), "a device with the credential's CA connects"
+        assert not connects(service.broker_url.replace("mqtts://", "mqtt://"), None), "plain MQTT is refused"
+        other = tmp_path / "other-ca.pem"
+        from coordinator.tls import ensure_broker_tls
+
+        other.write_bytes(ensure_broker_tls(tmp_path / "elsewhere")["ca"].read_bytes())
+        assert not connects(service.broker_url, str(other)), "a broker certificate from another CA is refused"
+        deadline = time.monotonic() + 10
+        while service.mqtt_state() != "connected" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert service.mqtt_state() == "connected", "the coordinator itself speaks TLS to its broker"
+    finally:
+        service.close()
+
+
+# differential privacy (DP-FedAvg) ----------------------------------------------------------------------------------
+
+def test_dp_noise_has_the_calibrated_scale_and_epsilon_behaves():
+    from coordinator import dp
+
+    zero = {"w": np.zeros(200_000), "n": np.array(3, dtype=np.int64)}
+    noisy = dp.add_noise(zero, n_updates=10, noise_multiplier=2.0, clip=0.5, rng=np.random.default_rng(0))
+    assert abs(float(noisy["w"].std()) - 2.0 * 0.5 / 10) < 0.002 and noisy["n"] == 3
+    assert dp.epsilon([0.1] * 10, 1.0, 1e-5) < dp.epsilon([0.1] * 20, 1.0, 1e-5), "more rounds spend more"
+    assert dp.epsilon([0.1] * 10, 2.0, 1e-5) < dp.epsilon([0.1] * 10, 1.0, 1e-5), "more noise spends less"
+    assert dp.epsilon([0.1] * 10, 0.0, 1e-5) == float("inf") and dp.epsilon([], 1.0, 1e-5) == 0.0
+
+
+def test_dp_fedavg_round_clips_weighs_equally_adds_noise_and_reports_epsilon(tmp_path):
+    h = Harness(tmp_path, min_clients=3, dp_noise=1.0, training=TrainingConfig(epochs=1, dp_clip=0.05))
+    devs = [Dev(h, f"dev{i}").join() for i in range(3)]
+    h.open_round()
+    announcement = [open_envelope(p, h.signer.public_hex).body for t, p in h.sent if t == topics.round_announcements()]
+    assert announcement[-1].config.dp_clip == 0.05, "devices are told to clip"
+    for i, dev in enumerate(devs):
+        dev.upload(honest_delta(i), n_samples=5 + 100 * i)
+    assert set(h.engine.current.weights.values()) == {1.0}
+    h.engine.tick()
+    row = h.engine.store.rounds()[0]
+    assert row["status"] == "completed", row["reason"]
+    metrics = row["metrics"]
+    assert metrics["clipped_updates"] == 3 and metrics["norm_bound"] == 0.05
+    assert 0 < metrics["dp_epsilon"] < float("inf") and metrics["dp_q"] == 1.0
+    step = {k: h.engine.global_state[k] - GLOBAL[k] for k in ("backbone.w", "backbone.b")}
+    assert l2_norm(step) > 0.05, "the noise is there: the step is longer than any clipped update"
+
+
+def test_no_device_outweighs_the_round_by_claiming_a_huge_data_set():
+    from coordinator.engine import capped_weights
+
+    assert capped_weights([100, 120, 80, 10_000_000], 3.0) == [100, 120, 80, 3 * 110.0]

@@ -1,0 +1,86 @@
+"""Robust aggregation under attack: 20% of a 10-device fleet poison their updates.
+
+    python -m bench.robust --out bench/results [--rounds 2] [--malicious 0.2]
+                           [--attacks scaled sign-flip wipe] [--rules mean trimmed-mean median krum]
+
+Every run is a full `ffr fleet simulate` (real coordinator, Mosquitto, edge clients) on the
+CelebA subset from the shipped face init, IID, FedAvg on the devices, DFC off (only the
+global model is measured here). The DP-FedAvg rows (`coordinator.dp`) show the cost in AUC
+of user-level differential privacy at this fleet size, with the epsilon spent. The malicious devices (`fleet.attacks`) are admitted,
+sign correctly and follow the protocol: they only lie in their delta and sample count.
+Every row has the coordinator's per-update norm clipping and sample-count cap; the rule
+column is how the clipped updates are combined. The bar: for the robust rules the
+attacked global model's held-out AUC stays within 0.01 of the clean FedAvg run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench.common import faces_dir, write_results
+from fleet.config import SimConfig
+from fleet.simulate import simulate
+
+
+def run_one(args, data: Path, rule: str, attack: str | None, dp_noise: float | None = None) -> dict:
+    name = f"{rule}-{attack or 'clean'}" + (f"-dp{dp_noise:g}" if dp_noise is not None else "")
+    config = SimConfig(data=str(data), clients=args.clients, rounds=args.rounds, partition="iid",
+                       algorithm="fedavg", dfc=False, patience=0, workers=args.workers, centralized=False,
+                       init="face", malicious=args.malicious if attack else 0.0, attack=attack or "scaled",
+                       combine=rule, mlflow=False, dp_clip=args.dp_clip if dp_noise is not None else None,
+                       dp_noise=dp_noise or 0.0)
+    done = args.runs / name / "summary.json"
+    print(f"== {name}", flush=True)
+    summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
+    from coordinator.store import Store
+
+    rounds = Store(args.runs / name / "coordinator").rounds()
+    privacy = summary.get("privacy") or {}
+    dp = "-" if dp_noise is None else f"clip {args.dp_clip:g}, z {dp_noise:g}"
+    return {"rule": rule, "attack": attack or "none (clean)", "malicious": f"{config.malicious:.0%}", "DP-FedAvg": dp,
+            "epsilon (delta 1e-5)": "-" if dp_noise is None else (privacy.get("epsilon") or "inf"),
+            "global AUC": summary["global"]["auc"], "global EER": summary["global"]["eer"],
+            "clipped updates": sum(r["metrics"].get("clipped_updates", 0) for r in rounds),
+            "rounds completed": sum(r["status"] == "completed" for r in rounds),
+            "s/round": summary["round_seconds_mean"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--runs", type=Path, default=Path("bench/results/robust_runs"), help="simulation run folders")
+    parser.add_argument("--data", type=Path, help="default $FFR_FACES_DIR/celeba_subset")
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--malicious", type=float, default=0.2)
+    parser.add_argument("--attacks", nargs="+", default=["scaled", "sign-flip", "wipe"])
+    parser.add_argument("--rules", nargs="+", default=["mean", "trimmed-mean", "median", "krum"])
+    parser.add_argument("--dp", nargs="*", type=float, default=[1.0, 0.01], metavar="Z",
+                        help="DP-FedAvg rows (clean, mean): one per noise multiplier z (default 1.0 0.01)")
+    parser.add_argument("--dp-clip", type=float, default=2.0,
+                        help="DP-FedAvg clipping norm (default 2.0, about an honest update's norm here)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
+    args = parser.parse_args(argv)
+    data = args.data or ((faces_dir() or Path("missing")) / "celeba_subset")
+    if not data.is_dir():
+        print(f"no face data at {data} (set FFR_FACES_DIR or --data)", file=sys.stderr)
+        return 2
+    rows = [run_one(args, data, rule, None) for rule in args.rules]
+    rows += [run_one(args, data, rule, attack) for attack in args.attacks for rule in args.rules]
+    rows += [run_one(args, data, "mean", None, z) for z in args.dp]
+    clean = rows[0]["global AUC"]
+    for row in rows:
+        row["AUC vs clean FedAvg"] = round(row["global AUC"] - clean, 4)
+    command = "python -m bench.robust " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_results(args.out, "robust", {"data": str(data), "clients": args.clients, "rounds": args.rounds,
+                                       "malicious": args.malicious}, rows,
+                  f"Robust aggregation: {args.malicious:.0%} of {args.clients} devices malicious, "
+                  f"{args.rounds} rounds, {data.name}", command)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

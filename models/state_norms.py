@@ -1,0 +1,27 @@
+"""Norms of model state dicts (numpy), shared by the device (DP clipping) and the coordinator (robust bounds).
+
+Only floating tensors count: integer buffers such as BatchNorm counters are not parameters.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+State = dict[str, np.ndarray]
+
+
+def float_names(state: State) -> list[str]:
+    return [k for k, v in state.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
+
+
+def l2_norm(state: State) -> float:
+    return float(np.sqrt(sum(float(np.sum(np.square(state[k], dtype=np.float64))) for k in float_names(state))))
+
+
+def clip_to_norm(delta: State, bound: float) -> tuple[State, float]:
+    """The delta scaled down to norm `bound` when longer, and its original norm."""
+    norm = l2_norm(delta)
+    if norm <= bound or norm == 0.0:
+        return delta, norm
+    scale = bound / norm
+    floats = set(float_names(delta))
+    return {k: (v * scale if k in floats else v) for k, v in delta.items()}, norm
