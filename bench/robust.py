@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--malicious", type=float, default=0.2)
     parser.add_argument("--attacks", nargs="+", default=["scaled", "sign-flip", "wipe"])
     parser.add_argument("--rules", nargs="+", default=["mean", "trimmed-mean", "median", "krum"])
+    parser.add_argument("--clean-rules", nargs="+", default=["mean"],
+                        help="rules also run without attackers (the first is the reference; default mean)")
     parser.add_argument("--dp", nargs="*", type=float, default=[1.0, 0.01], metavar="Z",
                         help="DP-FedAvg rows (clean, mean): one per noise multiplier z (default 1.0 0.01)")
     parser.add_argument("--dp-clip", type=float, default=2.0,
@@ -68,17 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     if not data.is_dir():
         print(f"no face data at {data} (set FFR_FACES_DIR or --data)", file=sys.stderr)
         return 2
-    rows = [run_one(args, data, rule, None) for rule in args.rules]
-    rows += [run_one(args, data, rule, attack) for attack in args.attacks for rule in args.rules]
-    rows += [run_one(args, data, "mean", None, z) for z in args.dp]
-    clean = rows[0]["global AUC"]
-    for row in rows:
-        row["AUC vs clean FedAvg"] = round(row["global AUC"] - clean, 4)
+    plan = [(rule, None, None) for rule in args.clean_rules]
+    plan += [(rule, attack, None) for attack in args.attacks for rule in args.rules]
+    plan += [("mean", None, z) for z in args.dp]
+    rows: list[dict] = []
     command = "python -m bench.robust " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(args.out, "robust", {"data": str(data), "clients": args.clients, "rounds": args.rounds,
-                                       "malicious": args.malicious}, rows,
-                  f"Robust aggregation: {args.malicious:.0%} of {args.clients} devices malicious, "
-                  f"{args.rounds} rounds, {data.name}", command)
+    for rule, attack, z in plan:  # the table is rewritten after every run: a long benchmark shows progress
+        rows.append(run_one(args, data, rule, attack, z))
+        clean = rows[0]["global AUC"]
+        for row in rows:
+            row["AUC vs clean FedAvg"] = round(row["global AUC"] - clean, 4)
+        write_results(args.out, "robust", {"data": str(data), "clients": args.clients, "rounds": args.rounds,
+                                           "malicious": args.malicious, "complete": len(rows) == len(plan)}, rows,
+                      f"Robust aggregation: {args.malicious:.0%} of {args.clients} devices malicious, "
+                      f"{args.rounds} rounds, {data.name}", command)
     return 0
 
 
