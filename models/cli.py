@@ -114,7 +114,7 @@ def cmd_pretrain(args) -> int:
     spec = {} if str(args.teacher) == "sface" else {"input_size": args.teacher_size, "color": args.teacher_color,
                                                      "mean": args.teacher_mean, "std": args.teacher_std}
     config = PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
-                            init=args.init,
+                            init=args.init, labelled=[str(d) for d in args.labelled], margin_weight=args.margin_weight,
                             epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
                             warmup_steps=args.warmup_steps,
                             precision=args.precision, device=args.device, threads=args.threads,
@@ -424,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (warm-up, then cosine decay)")
     p.add_argument("--sim-weight", type=float, default=2.0, help="weight of the pairwise-similarity loss")
+    p.add_argument("--labelled", type=Path, action="append", default=[], metavar="DIR",
+                   help="a labelled set (one sub-folder per person) whose people are never used for evaluation: its "
+                        "images are distilled too and get a CosFace margin loss on their identities (repeatable)")
+    p.add_argument("--margin-weight", type=float, default=1.0, help="weight of the margin loss (default 1)")
     p.add_argument("--warmup-steps", type=int, default=300, help="linear learning-rate warm-up (default 300 steps)")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: bf16 autocast on CUDA or on CPUs with AVX-512 BF16/AMX, else fp32")

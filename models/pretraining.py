@@ -6,6 +6,10 @@ embedding of each aligned crop (`models.distillation`), the teacher's embeddings
 once per image and view and cached (`models.distill_data`), the student sees the same view
 under strong photometric augmentation. The run checkpoints every few minutes, stops cleanly
 on Ctrl-C and resumes (`--resume`) mid-epoch; `metrics.json` holds the learning curve.
+
+Where identities are known (`--labelled DIR`, one sub-folder per person), a CosFace margin
+loss (Wang et al., CVPR 2018, eq. 4) on those images joins the distillation loss:
+  L = L_cos + lambda L_sim + margin_weight * CE(s (cos theta - m 1_y))   (labelled samples only).
 """
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ class PretrainConfig:
     weight_decay: float = 1e-2
     warmup_steps: int = 300
     sim_weight: float = 2.0
+    labelled: list[str] = field(default_factory=list)  # sets with one sub-folder per person: + a margin loss
+    margin_weight: float = 1.0
     precision: str = "auto"         # auto (bf16 where the CPU has it, or CUDA) | bf16 | fp32
     device: str = "cpu"
     threads: int | None = None
@@ -71,10 +77,13 @@ def student_augmentation() -> v2.Compose:
 
 
 class DistillDataset(Dataset):
-    """Item k of an epoch: (augmented student input, teacher target) for one image and a random view."""
+    """Item k of an epoch: (augmented student input, teacher target, identity or -1) for one image and a
+    random view."""
 
-    def __init__(self, images: np.ndarray, targets: np.ndarray, index: np.ndarray, seed: int):
+    def __init__(self, images: np.ndarray, targets: np.ndarray, index: np.ndarray, seed: int,
+                 labels: np.ndarray | None = None):
         self.images, self.targets, self.index, self.seed = images, targets, index, seed
+        self.labels = labels if labels is not None else np.full(len(images), -1, dtype=np.int64)
         self.transform = student_augmentation()
         self.epoch = 0
 
@@ -85,7 +94,21 @@ class DistillDataset(Dataset):
         i = int(self.index[k])
         v = int(np.random.default_rng((self.seed, self.epoch, i)).integers(N_VIEWS))
         crop = torch.from_numpy(view(self.images[i:i + 1], v)[0]).permute(2, 0, 1)
-        return self.transform(crop), torch.from_numpy(self.targets[v, i].astype(np.float32))
+        return (self.transform(crop), torch.from_numpy(self.targets[v, i].astype(np.float32)),
+                int(self.labels[i]))
+
+
+def identity_labels(roots: list[Path]) -> dict[Path, int]:
+    """Image -> identity index for labelled sets (one sub-folder per person; numbered across all sets)."""
+    labels: dict[Path, int] = {}
+    names: dict[tuple[Path, str], int] = {}
+    for root in roots:
+        for path in list_images([root]):
+            parts = path.relative_to(root).parts
+            if len(parts) < 2:
+                raise ValueError(f"{root} is given as labelled but {path.name} is not in a per-person folder")
+            labels[path] = names.setdefault((root, parts[0]), len(names))
+    return labels
 
 
 def resolve_precision(precision: str, device: str) -> torch.dtype | None:
@@ -115,10 +138,14 @@ class Pretrainer:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
         files = list_images([Path(d) for d in config.data])
+        identities = identity_labels([Path(d) for d in config.labelled])
+        files += sorted(identities)
         if config.max_images:
             files = [files[i] for i in np.random.default_rng(config.seed).permutation(len(files))[:config.max_images]]
             files.sort()
         self.images, self.files, self.unreadable = load_crops(files, CROP_SIZE, config.threads or 2, config.progress)
+        self.labels = np.array([identities.get(f, -1) for f in self.files], dtype=np.int64)
+        self.n_identities = int(self.labels.max()) + 1 if (self.labels >= 0).any() else 0
         if len(self.files) < 2 * config.batch_size:
             raise ValueError(f"pretraining needs at least {2 * config.batch_size} readable face images; "
                              f"found {len(self.files)}")
@@ -135,7 +162,11 @@ class Pretrainer:
         self.device = torch.device(config.device)
         self.autocast = resolve_precision(config.precision, config.device)
         self.model = self._student().to(self.device, memory_format=torch.channels_last)
-        self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        from models.heads import CosFaceHead
+
+        self.head = CosFaceHead(128, self.n_identities).to(self.device) if self.n_identities else None
+        params = list(self.model.parameters()) + (list(self.head.parameters()) if self.head is not None else [])
+        self.optimiser = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
         self.steps_per_epoch = len(self.train_index) // config.batch_size
         self.total_steps = self.steps_per_epoch * config.epochs
         self.step, self.history = 0, []
@@ -165,7 +196,7 @@ class Pretrainer:
 
     def fit(self) -> dict:
         self.fill_targets()
-        data = DistillDataset(self.images, self.targets.values, self.train_index, self.config.seed)
+        data = DistillDataset(self.images, self.targets.values, self.train_index, self.config.seed, self.labels)
         last_save, start = time.time(), time.time()
         bar = tqdm(total=self.total_steps, initial=self.step, desc="distilling", unit="step",
                    disable=not self.config.progress, dynamic_ncols=True)
@@ -173,8 +204,8 @@ class Pretrainer:
             while self.step < self.total_steps:
                 epoch, skip = divmod(self.step, self.steps_per_epoch)
                 data.epoch = epoch
-                for x, t in self._loader(data, epoch, skip):
-                    parts = self._train_step(x, t)
+                for x, t, y in self._loader(data, epoch, skip):
+                    parts = self._train_step(x, t, y)
                     self.step += 1
                     bar.update(1)
                     bar.set_postfix(epoch=epoch + 1, cos=f"{parts['cos_loss']:.3f}", sim=f"{parts['sim_loss']:.4f}")
@@ -195,7 +226,7 @@ class Pretrainer:
         return DataLoader(data, batch_size=self.config.batch_size, sampler=order.tolist(), drop_last=True,
                           num_workers=1, persistent_workers=False)
 
-    def _train_step(self, x: torch.Tensor, target: torch.Tensor) -> dict:
+    def _train_step(self, x: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         self.model.train()
         for group in self.optimiser.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, self.config.lr, self.config.warmup_steps)
@@ -205,6 +236,13 @@ class Pretrainer:
         with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
             student = self.model(x)
         loss, parts = distillation_loss(student.float(), target, self.config.sim_weight)
+        if self.head is not None:
+            y = labels.to(self.device) if labels is not None else None
+            known = y >= 0 if y is not None else None
+            margin = (F.cross_entropy(self.head(student.float()[known], y[known]), y[known])
+                      if known is not None and known.any() else student.new_zeros((), dtype=torch.float32))
+            loss = loss + self.config.margin_weight * margin
+            parts["margin_loss"] = float(margin.detach())
         if not torch.isfinite(loss):
             raise FloatingPointError(f"distillation loss is {float(loss)} at step {self.step}; lower --lr")
         self.optimiser.zero_grad(set_to_none=True)
@@ -260,6 +298,7 @@ class Pretrainer:
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"model": self.model.state_dict(), "optimiser": self.optimiser.state_dict(), "step": self.step,
+                 "head": self.head.state_dict() if self.head is not None else None,
                  "history": self.history, "config": asdict(self.config), "files_key": self.targets.root.name}
         tmp = self.out / "latest.pt.tmp"
         torch.save(state, tmp)
@@ -273,11 +312,13 @@ class Pretrainer:
         if state["files_key"] != self.targets.root.name:
             raise ValueError(f"{self.out} was trained on other data or another teacher; use a new --out")
         saved = state["config"]
-        for key in ("batch_size", "epochs", "teacher", "data"):
+        for key in ("batch_size", "epochs", "teacher", "data", "labelled"):
             if saved[key] != asdict(self.config)[key]:
                 raise ValueError(f"--{key.replace('_', '-')} differs from the run being resumed "
                                  f"({saved[key]!r} there, {asdict(self.config)[key]!r} now)")
         self.model.load_state_dict(state["model"])
+        if self.head is not None and state.get("head") is not None:
+            self.head.load_state_dict(state["head"])
         self.optimiser.load_state_dict(state["optimiser"])
         self.step, self.history = int(state["step"]), list(state["history"])
 

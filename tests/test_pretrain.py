@@ -69,3 +69,25 @@ def test_tiny_pretraining_run_through_the_cli_lowers_the_loss_and_resumes(tmp_pa
     # a finished run resumed is a no-op that keeps its history
     assert main([*args, "--resume"]) == 0
     assert len(json.loads((out / "metrics.json").read_text())["history"]) == 6
+
+
+def test_labelled_sets_add_a_margin_loss_that_falls(tmp_path, synthetic_dir):
+    """`--labelled DIR`: images in per-person folders are distilled and also classified with CosFace."""
+    from models.cli import main
+    from models.pretraining import identity_labels
+
+    labels = identity_labels([synthetic_dir])
+    assert len(set(labels.values())) >= 2 and all(p.parent.parent == synthetic_dir for p in labels)
+    out = tmp_path / "run"
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    with pytest.raises(ValueError, match="per-person folder"):
+        (flat / "a.png").write_bytes((next(iter(labels))).read_bytes())
+        identity_labels([flat])
+    args = ["-q", "pretrain", "--data", str(flat), "--labelled", str(synthetic_dir), "--out", str(out),
+            "--epochs", "5", "--batch-size", "12", "--max-images", "48", "--lr", "3e-3", "--warmup-steps", "2",
+            "--threads", "2"]
+    assert main(args) == 0
+    history = json.loads((out / "metrics.json").read_text())["history"]
+    margins = [row["train_margin_loss"] for row in history]
+    assert len(margins) == 5 and margins[-1] < 0.9 * margins[0], margins
