@@ -49,7 +49,7 @@ class RoundSettings:
     trim: float = 0.2              # trimmed mean: fraction dropped at each end
     byzantine: int | None = None   # Krum's f; default (n - 3) // 2
     norm_factor: float = 3.0       # an update may be at most this x the median recent update norm
-    norm_ceiling: float = 0.25     # ... and never above this fraction of the global model's norm
+    norm_ceiling: float = 0.1      # ... and never above this fraction of the global model's norm
     norm_action: str = "clip"      # clip | reject an update above the bound
     weight_factor: float = 3.0     # no update weighs more than this x the round's median weight
     errors_per_minute: int = 30    # replies to one device that explain a refusal
@@ -479,6 +479,9 @@ class Engine:
         """Why the new global model must not be published ('' when it may)."""
         if any(not np.isfinite(v).all() for v in new_state.values() if np.issubdtype(v.dtype, np.floating)):
             return "the new global model holds NaN or Inf"
+        bad_var = [k for k, v in new_state.items() if k.endswith("running_var") and not (v > 0).all()]
+        if bad_var:  # BatchNorm divides by sqrt(running_var): zero or negative makes every embedding NaN
+            return f"the new global model has non-positive BatchNorm variances ({bad_var[0]}, ...)"
         step = l2_norm({k: new_state[k].astype(np.float64) - self.global_state[k] for k in new_state
                         if np.issubdtype(new_state[k].dtype, np.floating)})
         # a convex combination of clipped updates stays within the bound; a coordinate-wise rule may leave it by

@@ -317,8 +317,8 @@ def _add_federated_commands(sub) -> None:
     g.add_argument("--byzantine", type=int, help="Krum: devices assumed malicious (default (n - 3) / 2)")
     g.add_argument("--norm-factor", type=float, default=3.0,
                    help="an update's norm may be at most this x the median of recent ones (default 3)")
-    g.add_argument("--norm-ceiling", type=float, default=0.25,
-                   help="... and never above this fraction of the global model's norm (default 0.25)")
+    g.add_argument("--norm-ceiling", type=float, default=0.1,
+                   help="... and never above this fraction of the global model's norm (default 0.1)")
     g.add_argument("--norm-action", choices=("clip", "reject"), default="clip",
                    help="what happens to an update above the bound (default clip)")
     g = p.add_argument_group("differential privacy (DP-FedAvg, McMahan et al. 2018)")

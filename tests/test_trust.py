@@ -533,3 +533,26 @@ def test_no_device_outweighs_the_round_by_claiming_a_huge_data_set():
     from coordinator.engine import capped_weights
 
     assert capped_weights([100, 120, 80, 10_000_000], 3.0) == [100, 120, 80, 3 * 110.0]
+
+
+def test_a_model_with_negative_batchnorm_variance_is_rolled_back(tmp_path):
+    """Found by bench.robust: clipped, scaled updates averaged in can leave a BatchNorm variance below zero,
+    a finite model whose every embedding is NaN. It must not be published."""
+    state = dict(GLOBAL)
+    state["backbone.bn.running_var"] = np.full(8, 0.01, dtype=np.float32)
+
+    class Harness2(Harness):
+        def _engine(self, strategy: str = "fedavg") -> Engine:
+            return Engine(Store(self.tmp / "state"), make_strategy(strategy), self.settings,
+                          lambda topic, payload, retain: self.sent.append((topic, payload)), lambda: dict(state),
+                          self.signer)
+
+    h = Harness2(tmp_path, min_clients=1)
+    dev = Dev(h, "dev1").join()
+    h.open_round()
+    delta = {k: np.zeros_like(v, dtype=np.float32) if v.dtype.kind == "f" else np.array(0) for k, v in state.items()}
+    delta["backbone.bn.running_var"] = np.full(8, -0.02, dtype=np.float32)
+    dev.upload(delta)
+    h.engine.tick()
+    row = h.engine.store.rounds()[0]
+    assert (row["status"], h.engine.version) == ("rolled_back", 0) and "BatchNorm" in row["reason"]
