@@ -5,11 +5,12 @@
 
 Every run is a full `ffr fleet simulate` (real coordinator, Mosquitto, edge clients) on the
 CelebA subset from the shipped face init, IID, FedAvg on the devices, DFC off (only the
-global model is measured here). The DP-FedAvg rows (`coordinator.dp`) show the cost in AUC
+global model is measured here: the model after the last round, on people no device has). The DP-FedAvg rows (`coordinator.dp`) show the cost in AUC
 of user-level differential privacy at this fleet size, with the epsilon spent. The malicious devices (`fleet.attacks`) are admitted,
 sign correctly and follow the protocol: they only lie in their delta and sample count.
 Every row has the coordinator's per-update norm clipping and sample-count cap; the rule
-column is how the clipped updates are combined. The bar: for the robust rules the
+column is how the clipped updates are combined; a round whose new model fails the
+coordinator's checks is rolled back (the model stays). The bar: for the robust rules the
 attacked global model's held-out AUC stays within 0.01 of the clean FedAvg run.
 """
 from __future__ import annotations
@@ -38,12 +39,14 @@ def run_one(args, data: Path, rule: str, attack: str | None, dp_noise: float | N
 
     rounds = Store(args.runs / name / "coordinator").rounds()
     privacy = summary.get("privacy") or {}
+    final = summary["history"][-1]  # the model after the last round (not the simulator's best round)
     dp = "-" if dp_noise is None else f"clip {args.dp_clip:g}, z {dp_noise:g}"
     return {"rule": rule, "attack": attack or "none (clean)", "malicious": f"{config.malicious:.0%}", "DP-FedAvg": dp,
             "epsilon (delta 1e-5)": "-" if dp_noise is None else (privacy.get("epsilon") or "inf"),
-            "global AUC": summary["global"]["auc"], "global EER": summary["global"]["eer"],
+            "global AUC": final["holdout_auc"], "global EER": final["holdout_eer"],
             "clipped updates": sum(r["metrics"].get("clipped_updates", 0) for r in rounds),
             "rounds completed": sum(r["status"] == "completed" for r in rounds),
+            "rounds rolled back": sum(r["status"] == "rolled_back" for r in rounds),
             "s/round": summary["round_seconds_mean"]}
 
 

@@ -33,6 +33,7 @@ from protocol.tensors import PayloadError, decode
 log = logging.getLogger("coordinator")
 Publish = Callable[[str, bytes, bool], None]
 SENDER = "coordinator"
+VARIANCE_SLACK = 1e-6  # BatchNorm's eps is 1e-5: a variance this far below zero is rounding, not an attack
 
 
 @dataclass
@@ -360,7 +361,7 @@ class Engine:
         """Start a round when enough devices are registered; close one at quorum or deadline."""
         with self.lock:
             if self.current is None:
-                if self.running and self.store.completed_rounds() < self.settings.rounds:
+                if self.running and self.store.finished_rounds() < self.settings.rounds:
                     self._maybe_start_round()
             else:
                 self._maybe_close_round()
@@ -433,8 +434,10 @@ class Engine:
                           "dp_noise_norm": dp.noise_norm(n_params, len(devices), self.settings.dp_noise, dp_clip)}
         velocity = getattr(self.strategy, "velocity", None)
         new_state = self.strategy.aggregate(self.global_state, mean_delta)
-        seconds = time.perf_counter() - started
         problem = self._check_new_model(new_state, bound, 2.0 * dp_metrics.get("dp_noise_norm", 0.0))
+        new_state = {k: (np.maximum(v, 0).astype(v.dtype) if k.endswith("running_var") else v)
+                     for k, v in new_state.items()}  # fp16 rounding can leave -1e-8 where a variance is 0
+        seconds = time.perf_counter() - started
         metrics = {**dp_metrics, "aggregation_seconds": seconds, "bytes_received": current.bytes_received, "norm_bound": bound,
                    "clipped_updates": sum(current.norms[d] > bound for d in devices), "combine": self.settings.combine,
                    **_mean_metrics(current.metrics)}
@@ -479,9 +482,9 @@ class Engine:
         """Why the new global model must not be published ('' when it may)."""
         if any(not np.isfinite(v).all() for v in new_state.values() if np.issubdtype(v.dtype, np.floating)):
             return "the new global model holds NaN or Inf"
-        bad_var = [k for k, v in new_state.items() if k.endswith("running_var") and not (v > 0).all()]
-        if bad_var:  # BatchNorm divides by sqrt(running_var): zero or negative makes every embedding NaN
-            return f"the new global model has non-positive BatchNorm variances ({bad_var[0]}, ...)"
+        bad_var = [k for k, v in new_state.items() if k.endswith("running_var") and (v < -VARIANCE_SLACK).any()]
+        if bad_var:  # BatchNorm divides by sqrt(running_var + eps): a negative variance makes embeddings NaN
+            return f"the new global model has negative BatchNorm variances ({bad_var[0]}, ...)"
         step = l2_norm({k: new_state[k].astype(np.float64) - self.global_state[k] for k in new_state
                         if np.issubdtype(new_state[k].dtype, np.floating)})
         # a convex combination of clipped updates stays within the bound; a coordinate-wise rule may leave it by
@@ -498,6 +501,7 @@ class Engine:
         with self.lock:
             status = {"model_version": self.version, "model_sha256": self.global_sha,
                       "completed_rounds": self.store.completed_rounds(), "target_rounds": self.settings.rounds,
+                      "finished_rounds": self.store.finished_rounds(),
                       "training": self.running, "messages_handled": self.handled, "messages_rejected": self.rejected,
                       "handler_errors": self.handler_errors, "combine": self.settings.combine,
                       "open_round": None}

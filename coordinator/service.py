@@ -146,7 +146,7 @@ class Service:
 
     @property
     def finished(self) -> bool:
-        return self.engine.store.completed_rounds() >= self.settings.rounds and self.engine.current is None
+        return self.engine.store.finished_rounds() >= self.settings.rounds and self.engine.current is None
 
     def close(self) -> None:
         self._stop.set()

@@ -166,6 +166,10 @@ class Store:
     def completed_rounds(self) -> int:
         return self._q("SELECT COUNT(*) FROM rounds WHERE status='completed'")[0][0]
 
+    def finished_rounds(self) -> int:
+        """Rounds that count toward --rounds: aggregated, or rolled back (their model refused)."""
+        return self._q("SELECT COUNT(*) FROM rounds WHERE status IN ('completed', 'rolled_back')")[0][0]
+
     def next_round_id(self) -> int:
         return (self._q("SELECT MAX(round_id) FROM rounds")[0][0] or 0) + 1
 

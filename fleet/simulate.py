@@ -157,7 +157,7 @@ class Simulation:
     def _rounds(self, pool: DevicePool, tracker) -> None:
         c, engine = self.config, self.service.engine
         self._catch_up(tracker)
-        while engine.store.completed_rounds() < c.rounds:
+        while engine.store.finished_rounds() < c.rounds:
             if should_stop(self.state.history, c.patience, c.min_delta):
                 self.state.status = "early_stopped"
                 tqdm.write(f"early stop: no validation AUC gain of {c.min_delta} in {c.patience} rounds")
@@ -173,7 +173,9 @@ class Simulation:
             self._run_devices(pool, current.round_id, current.participants)
             self._close(current.round_id)
             row = next(r for r in engine.store.rounds() if r["round_id"] == current.round_id)
-            if row["status"] != "completed":  # every device failed: retrying the same thing would loop forever
+            if row["status"] == "rolled_back":  # the coordinator refused the new model; the run goes on from the old
+                tqdm.write(f"round {current.round_id} rolled back by the coordinator: {row['reason']}")
+            elif row["status"] != "completed":  # every device failed: retrying the same thing would loop forever
                 raise RuntimeError(f"round {current.round_id} failed ({row['reason']}); see the device errors above")
             self._catch_up(tracker, wall_s=time.time() - round_started)
         self.state.status = "completed"
@@ -182,7 +184,7 @@ class Simulation:
         clients = [int(d.removeprefix("client-")) for d in participants]
         done = self.service.engine.store
         turns = [self._turn(k, round_id) for k in clients if not done.update_accepted(round_id, device_id(k))]
-        number = self.service.engine.store.completed_rounds() + 1
+        number = self.service.engine.store.finished_rounds() + 1
         bar = tqdm(pool.run(turns), total=len(turns), desc=f"round {number}/{self.config.rounds}", unit="device",
                    disable=not self.config.progress)
         for result in bar:

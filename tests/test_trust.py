@@ -555,4 +555,4 @@ def test_a_model_with_negative_batchnorm_variance_is_rolled_back(tmp_path):
     dev.upload(delta)
     h.engine.tick()
     row = h.engine.store.rounds()[0]
-    assert (row["status"], h.engine.version) == ("rolled_back", 0) and "BatchNorm" in row["reason"]
+    assert (row["status"], h.engine.version) == ("rolled_back", 0) and "BatchNorm" in row["reason"] and "negative" in row["reason"]
