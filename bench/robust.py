@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rules", nargs="+", default=["mean", "trimmed-mean", "median", "krum"])
     parser.add_argument("--clean-rules", nargs="+", default=["mean"],
                         help="rules also run without attackers (the first is the reference; default mean)")
-    parser.add_argument("--dp", nargs="*", type=float, default=[1.0, 0.01], metavar="Z",
-                        help="DP-FedAvg rows (clean, mean): one per noise multiplier z (default 1.0 0.01)")
+    parser.add_argument("--dp", nargs="*", type=float, default=[0.01, 1.0], metavar="Z",
+                        help="DP-FedAvg rows (clean, mean): one per noise multiplier z (default 0.01 1.0)")
     parser.add_argument("--dp-clip", type=float, default=2.0,
                         help="DP-FedAvg clipping norm (default 2.0, about an honest update's norm here)")
     parser.add_argument("--workers", type=int, default=2)
