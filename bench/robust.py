@@ -42,7 +42,7 @@ def run_one(args, data: Path, rule: str, attack: str | None, dp_noise: float | N
     final = summary["history"][-1]  # the model after the last round (not the simulator's best round)
     dp = "-" if dp_noise is None else f"clip {args.dp_clip:g}, z {dp_noise:g}"
     return {"rule": rule, "attack": attack or "none (clean)", "malicious": f"{config.malicious:.0%}", "DP-FedAvg": dp,
-            "epsilon (delta 1e-5)": "-" if dp_noise is None else (privacy.get("epsilon") or "inf"),
+            "epsilon (delta 1e-5)": "-" if dp_noise is None or privacy.get("epsilon") is None else privacy["epsilon"],
             "global AUC": final["holdout_auc"], "global EER": final["holdout_eer"],
             "clipped updates": sum(r["metrics"].get("clipped_updates", 0) for r in rounds),
             "rounds completed": sum(r["status"] == "completed" for r in rounds),

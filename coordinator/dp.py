@@ -5,7 +5,8 @@ to each coordinate. The privacy spent is user-level (epsilon, delta)-DP, account
 RDP accountant of Google's `dp_accounting` (Mironov 2017; subsampled Gaussian, Mironov,
 Talwar, Zhang 2019), composing one Poisson-sampled Gaussian event per round with sampling
 rate q = devices sampled / devices registered. (Sampling here is a fixed-size random subset,
-so the Poisson accountant is the usual approximation.)
+so the Poisson accountant is the usual approximation.) BatchNorm's running statistics are
+not shared under DP: devices and coordinator zero their deltas, so the global ones stay.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import math
 
 import numpy as np
 
-from models.state_norms import State, float_names
+from models.state_norms import RUNNING_STATS, State, float_names
 
 
 def add_noise(mean_delta: State, n_updates: int, noise_multiplier: float, clip: float,
@@ -23,7 +24,7 @@ def add_noise(mean_delta: State, n_updates: int, noise_multiplier: float, clip: 
         return mean_delta
     rng = rng or np.random.default_rng()
     sigma = noise_multiplier * clip / max(1, n_updates)
-    floats = set(float_names(mean_delta))
+    floats = {k for k in float_names(mean_delta) if not k.endswith(RUNNING_STATS)}  # those are not shared
     return {k: (v + rng.normal(0.0, sigma, np.shape(v)) if k in floats else v) for k, v in mean_delta.items()}
 
 

@@ -465,6 +465,10 @@ class Engine:
 
         delta = {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v)
                  for k, v in load_file(str(self.store.update_path(current.round_id, device_id))).items()}
+        if self.settings.training.dp_clip is not None:
+            from models.state_norms import without_running_stats
+
+            delta = without_running_stats(delta)  # enforced here too: a device's word is not enough
         return clip_to_norm(delta, bound)[0]
 
     def _combine(self, current: OpenRound, devices: list[str], bound: float) -> dict[str, np.ndarray]:

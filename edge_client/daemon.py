@@ -27,7 +27,7 @@ from edge_client.home import DeviceHome
 from edge_client.local_training import train_round
 from models.face_model import FaceModel, ModelConfig, from_numpy_state, private_state, shareable_state
 from models.faces.crops import CropConfig, crop_index
-from models.state_norms import clip_to_norm
+from models.state_norms import clip_to_norm, without_running_stats
 from models.faces.datasets import load_index
 from protocol import topics
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
@@ -231,7 +231,7 @@ class EdgeDevice:
         self.home.save_tensors(self.home.local_backbone, shareable_state(model))  # the personalised model's Theta
         delta, n_samples = result.delta, result.n_samples
         if cfg.dp_clip is not None:  # DP-FedAvg: the coordinator adds the noise (coordinator.dp)
-            delta, _ = clip_to_norm(delta, cfg.dp_clip)
+            delta, _ = clip_to_norm(without_running_stats(delta), cfg.dp_clip)
         if self.delta_hook is not None:
             delta, n_samples = self.delta_hook(delta, n_samples, {k: v.numpy() for k, v in global_state.items()})
         encoded = encode(delta, cfg.wire_dtype)

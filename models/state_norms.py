@@ -25,3 +25,12 @@ def clip_to_norm(delta: State, bound: float) -> tuple[State, float]:
     scale = bound / norm
     floats = set(float_names(delta))
     return {k: (v * scale if k in floats else v) for k, v in delta.items()}, norm
+
+
+RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def without_running_stats(delta: State) -> State:
+    """The delta with BatchNorm's running statistics zeroed: under DP they are not shared (they are computed
+    from the device's data, and noise on a variance can make it negative), so the global ones stay."""
+    return {k: (np.zeros_like(v) if k.endswith(RUNNING_STATS) else v) for k, v in delta.items()}

@@ -556,3 +556,12 @@ def test_a_model_with_negative_batchnorm_variance_is_rolled_back(tmp_path):
     h.engine.tick()
     row = h.engine.store.rounds()[0]
     assert (row["status"], h.engine.version) == ("rolled_back", 0) and "BatchNorm" in row["reason"] and "negative" in row["reason"]
+
+
+def test_dp_leaves_batchnorm_statistics_alone():
+    """Noise on a running variance can make it negative (found by bench.robust); under DP they are not shared."""
+    from coordinator import dp
+
+    delta = {"bn.running_var": np.zeros(1000), "bn.weight": np.zeros(1000)}
+    noisy = dp.add_noise(delta, 2, 1.0, 1.0, np.random.default_rng(0))
+    assert np.all(noisy["bn.running_var"] == 0) and noisy["bn.weight"].std() > 0.1
