@@ -59,6 +59,7 @@ class EdgeDevice:
         self._seq = int(time.time() * 1000)
         self.model: FaceModel | None = None
         self.jobs: queue.Queue[RoundAnnouncement] = queue.Queue()
+        self.model_topic: str | None = None  # the model download in progress, resubscribed after a reconnect
         self.queued_rounds: set[int] = set()  # an announcement can arrive twice (retained + re-sent on hello)
         self.registered = threading.Event()
         if self.home.registered_with() == (self.coordinator_key, self.credential.token):
@@ -115,6 +116,8 @@ class EdgeDevice:
             log.error("%s: broker refused the connection: %s", self.device_id, reason_code)
             return
         client.subscribe([(topics.device(self.device_id, "inbox"), 1), (topics.round_announcements(), 1)])
+        if self.model_topic is not None:  # a download the broker's restart cut short: its chunks are retained
+            client.subscribe(self.model_topic, qos=1)
         self._send("hello", self._hello())
         if self.registered.is_set():
             self._resend_pending()
@@ -173,18 +176,20 @@ class EdgeDevice:
                 self._run_round(job)
             except Exception as exc:  # noqa: BLE001 - one failed round must not kill the daemon
                 self.failed_rounds[job.round_id] = f"{type(exc).__name__}: {exc}"
+                self.queued_rounds.discard(job.round_id)  # the coordinator's next announcement may retry it
                 log.exception("%s: round %d failed", self.device_id, job.round_id)
 
     def _fetch_global(self, job: RoundAnnouncement, timeout: float = 120.0) -> dict[str, torch.Tensor]:
         """Download the announced model; refuse it unless its sha256 is the announced one."""
         self.download, self.downloaded = None, threading.Event()
         self.expected_model = (job.model_version, job.model_sha256, job.model_bytes)
-        topic = f"{topics.model_chunks(job.model_version)}/+"
+        topic = self.model_topic = f"{topics.model_chunks(job.model_version)}/+"
         self.client.subscribe(topic, qos=1)
         try:
             if not self.downloaded.wait(timeout):
                 raise TimeoutError(f"model v{job.model_version} did not arrive within {timeout:.0f} s")
         finally:
+            self.model_topic = None
             self.client.unsubscribe(topic)
         state = decode(self.model_payload, job.model_sha256)
         return from_numpy_state(state)

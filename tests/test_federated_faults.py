@@ -248,17 +248,24 @@ def _serve(tmp_path: Path, port: int, env: dict) -> tuple[subprocess.Popen, str]
         if first.startswith("coordinator: broker") or not first:
             break
     assert first.startswith("coordinator: broker mqtt://127.0.0.1:"), first
-    coordinator.lines = []  # the rest of its output, kept for the failure message
-    threading.Thread(target=lambda: coordinator.lines.extend(coordinator.stdout), daemon=True).start()
-    return coordinator, first.split()[2].rstrip(",")
+    return _drained(coordinator), first.split()[2].rstrip(",")
 
 
-def _wait_or_explain(predicate, timeout: float, what: str, coordinator: subprocess.Popen) -> None:
+def _drained(proc: subprocess.Popen) -> subprocess.Popen:
+    """Read a child's output as it comes (a full pipe would block the child) and keep it in `proc.lines`."""
+    proc.lines = []
+    threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True).start()
+    return proc
+
+
+def _wait_or_explain(predicate, timeout: float, what: str, coordinator: subprocess.Popen,
+                     edges: list[subprocess.Popen] = ()) -> None:
     try:
         wait_for(predicate, timeout, what)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n--- coordinator output (last 60 lines) ---\n"
-                             + "".join(coordinator.lines[-60:])) from None
+        tails = [f"--- {name} output (last 40 lines) ---\n" + "".join(proc.lines[-40:])
+                 for name, proc in [("coordinator", coordinator)] + [(f"edge {i}", e) for i, e in enumerate(edges)]]
+        raise AssertionError("\n".join([str(exc), *tails])) from None
 
 
 def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
@@ -281,12 +288,13 @@ def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
                             str(tmp_path / "state"), "--device-id", f"dev{d}", "--out", str(credential)],
                            cwd=REPO, check=True, capture_output=True, env=env)
             assert credential.stat().st_mode & 0o077 == 0
-            edges.append(subprocess.Popen(
+            edges.append(_drained(subprocess.Popen(
                 [sys.executable, "-m", "models.cli", "edge", "run", "--credential", str(credential), "--data",
                  str(data), "--home", str(tmp_path / f"home{d}"), "--exit-when-done"],
-                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)))
         base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _health(base).get("completed_rounds") == 1, 240, "one round over the CLI")
+        _wait_or_explain(lambda: _health(base).get("completed_rounds") == 1, 240, "one round over the CLI",
+                         coordinator, edges)
         health = _health(base)
         assert health["mqtt"] == "connected" and "dev0" not in json.dumps(health), "health shows no ids"
         for path in ("/devices", "/rounds", "/rejections", "/model", "/model/1/download", "/status"):
@@ -314,9 +322,9 @@ def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
         assert again == broker, "the restarted coordinator serves on the same broker port"
         assert not Path(f"/proc/{orphan}").exists() or b"mosquitto" not in Path(f"/proc/{orphan}/cmdline").read_bytes()
         _wait_or_explain(lambda: _health(base).get("completed_rounds") == 2, 300, "round 2 after the restart",
-                         coordinator)
+                         coordinator, edges)
         for edge in edges:
-            assert edge.wait(180) == 0, edge.stdout.read()
+            assert edge.wait(180) == 0, "".join(edge.lines[-40:])
         assert (tmp_path / "home0" / "models" / "personalised.onnx").exists()
         from coordinator.store import Store
         from models.face_weights import face_global_state
