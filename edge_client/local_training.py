@@ -1,19 +1,51 @@
 """One round of local training on a device, as a function: global backbone in, backbone delta out.
 
-Loss = margin head (local classifier) + alpha * DFC branch (FedFR) [+ mu/2 ||w - w_global||^2
-for FedProx]. Only `Theta_local - Theta_global` is returned for sending; the head and the
-DFC branch are updated in place and stay on the device.
+FedAvg/FedProx: loss = margin head (local classifier) + alpha_3 * DFC branch [+ mu/2 ||w - w_global||^2].
+FedFR (eq. 7 of Liu et al., AAAI 2022): alpha_1 L_cos + alpha_2 L_con + alpha_3 L_BCE, with the hard
+negatives of the device's public set D_g in the batch (a margin term against the local classes and
+negatives for the DFC classifiers), and the contrastive term against the global and the previous
+local model (`models.fedfr`). After the epochs the DFC branch is fitted on frozen features
+(`models.dfc.fit_dfc`). Only `Theta_local - Theta_global` is returned for sending; the head, the DFC
+branch, and everything about D_g stay on the device (`private_metrics` are never sent).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from models.dfc import NEGATIVE, fit_dfc
 from models.face_model import FaceModel, load_shareable_state, shareable_state
+from models.faces import augment
 from models.faces.crops import FaceCrops
+from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
 from models.training import TrainConfig, train_epoch, train_loader
+
+
+@dataclass
+class LocalObjective:
+    """The round configuration's local-objective settings (protocol.messages.TrainingConfig)."""
+
+    alpha_cos: float = 1.0
+    hard_negatives: bool = False
+    t_hn: float = 0.4
+    contrastive: bool = False
+    alpha_con: float = 5.0
+    tau: float = 0.5
+    dfc_steps: int = 300
+    dfc_lr: float = 1e-2
+    dfc_views: int = 2
+
+    @classmethod
+    def from_config(cls, config) -> "LocalObjective":
+        return cls(**{k: getattr(config, k) for k in cls.__dataclass_fields__})
+
+    @property
+    def fedfr_loop(self) -> bool:
+        return self.hard_negatives or self.contrastive or self.alpha_cos != 1.0
 
 
 @dataclass
@@ -21,6 +53,7 @@ class LocalResult:
     delta: dict[str, np.ndarray]
     n_samples: int
     metrics: dict[str, float]
+    private_metrics: dict[str, float] = field(default_factory=dict)  # about D_g: logged on the device only
 
 
 def proximal_term(model: FaceModel, anchor: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -28,17 +61,121 @@ def proximal_term(model: FaceModel, anchor: dict[str, torch.Tensor]) -> torch.Te
     return sum(((p - anchor[n]) ** 2).sum() for n, p in model.backbone.named_parameters())
 
 
+def _as_chw(images: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
+
+
+@torch.no_grad()
+def frozen_features(backbone: torch.nn.Module, images: np.ndarray, views: int = 1, seed: int = 0,
+                    batch_size: int = 64) -> torch.Tensor:
+    """Theta(x) in eval mode for `views` views of each image: the first unaugmented, the rest weakly augmented."""
+    was_training = backbone.training
+    backbone.eval()
+    torch.manual_seed(seed)
+    plain, weak = augment.plain(), augment.build("weak")
+    chw, out = _as_chw(images), []
+    for v in range(views):
+        transform = plain if v == 0 else weak
+        for start in range(0, len(chw), batch_size):
+            out.append(backbone(torch.stack([transform(im) for im in chw[start:start + batch_size]])))
+    backbone.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def _fedfr_epoch(model: FaceModel, loader, optimiser: torch.optim.Optimizer, objective: LocalObjective,
+                 negatives: torch.Tensor | None, global_net, previous_net, generator: torch.Generator,
+                 regulariser=None) -> dict:
+    """One pass of eq. 7 over the local data, each batch joined by as many hard negatives as half its size."""
+    model.train()
+    weak = augment.build("weak")
+    sums = {"train_loss": 0.0, "cos_loss": 0.0, "con_loss": 0.0, "neg_loss": 0.0}
+    correct = seen = 0
+    for x, y in loader:
+        n_pub = 0 if negatives is None or len(negatives) == 0 else max(1, len(y) // 2)
+        if n_pub:
+            pick = torch.randint(0, len(negatives), (n_pub,), generator=generator)
+            x = torch.cat([x, torch.stack([weak(im) for im in negatives[pick]])])
+        features = model.backbone(x)
+        f, f_pub = features[:len(y)], features[len(y):]
+        cos_loss = F.cross_entropy(model.head(f, y), y, weight=model.class_weights)
+        loss = objective.alpha_cos * cos_loss
+        if n_pub and hasattr(model.head, "weight"):
+            neg_loss = negative_margin_loss(f_pub, model.head.weight, objective.t_hn)
+            loss = loss + objective.alpha_cos * neg_loss
+            sums["neg_loss"] += float(neg_loss.detach()) * len(y)
+        if objective.contrastive:
+            with torch.no_grad():
+                f_global, f_previous = global_net(x[:len(y)]), previous_net(x[:len(y)])
+            con_loss = contrastive_loss(f, f_global, f_previous, objective.tau)
+            loss = loss + objective.alpha_con * con_loss
+            sums["con_loss"] += float(con_loss.detach()) * len(y)
+        if model.dfc is not None:
+            labels = torch.cat([y, torch.full((n_pub,), NEGATIVE, dtype=y.dtype)])
+            loss = loss + model.config.dfc_weight * model.dfc.loss(features, labels)
+        if regulariser is not None:
+            loss = loss + regulariser()
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
+        sums["train_loss"] += float(loss.detach()) * len(y)
+        sums["cos_loss"] += float(cos_loss.detach()) * len(y)
+        with torch.no_grad():
+            correct += int((model.head.logits(f).argmax(1) == y).sum())
+        seen += len(y)
+    return {**{k: v / max(seen, 1) for k, v in sums.items()}, "train_acc": correct / max(seen, 1)}
+
+
+def _frozen_copy(backbone: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    net = copy.deepcopy(backbone).eval()
+    if state is not None:
+        net.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items()})
+    for p in net.parameters():
+        p.requires_grad_(False)
+    return net
+
+
 def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torch.Tensor], epochs: int,
-                batch_size: int, lr: float, prox_mu: float = 0.0, seed: int = 0) -> LocalResult:
+                batch_size: int, lr: float, prox_mu: float = 0.0, seed: int = 0,
+                objective: LocalObjective | None = None, public: np.ndarray | None = None,
+                previous_state: dict[str, torch.Tensor] | None = None) -> LocalResult:
+    """Train on the device's crops from the global backbone. `public` (NHWC uint8 aligned crops) is D_g;
+    `previous_state` the device's last local backbone (keys `backbone.*`), for the contrastive term."""
+    objective = objective or LocalObjective()
     load_shareable_state(model, global_state)
     start = {k: v.clone() for k, v in shareable_state(model).items()}
     anchor = {n: p.detach().clone() for n, p in model.backbone.named_parameters()}
     optimiser = torch.optim.Adam(model.parameters(), lr=lr)
-    loader = train_loader(crops, TrainConfig(batch_size=batch_size, aug="weak"), torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    loader = train_loader(crops, TrainConfig(batch_size=batch_size, aug="weak"), generator)
     regulariser = (lambda: prox_mu / 2.0 * proximal_term(model, anchor)) if prox_mu > 0 else None
-    history = [train_epoch(model, loader, optimiser, regulariser=regulariser) for _ in range(epochs)]
+    private: dict[str, float] = {}
+    negatives = None
+    if objective.hard_negatives and public is not None and len(public):
+        chosen = hard_negatives(frozen_features(model.backbone, public, seed=seed),
+                                frozen_features(model.backbone, crops.images, seed=seed), objective.t_hn)
+        negatives = _as_chw(public[chosen.numpy()])
+        private.update({"hn_fraction": len(chosen) / len(public), "hn_sampled": float(len(chosen))})
+    if objective.fedfr_loop:
+        global_net = _frozen_copy(model.backbone) if objective.contrastive else None
+        previous_net = _frozen_copy(model.backbone, previous_state) if objective.contrastive else None
+        history = [_fedfr_epoch(model, loader, optimiser, objective, negatives, global_net, previous_net, generator,
+                                regulariser) for _ in range(epochs)]
+    else:
+        history = [train_epoch(model, loader, optimiser, regulariser=regulariser) for _ in range(epochs)]
+    metrics = dict(history[-1])
+    if "neg_loss" in metrics:  # a figure about D_g: the device's log only
+        private["neg_loss"] = metrics.pop("neg_loss")
+    if model.dfc is not None and objective.dfc_steps > 0:
+        features = frozen_features(model.backbone, crops.images, objective.dfc_views, seed)
+        labels = torch.from_numpy(np.tile(crops.labels, objective.dfc_views)).long()
+        if negatives is not None and len(negatives):
+            public_features = frozen_features(model.backbone, negatives.permute(0, 2, 3, 1).numpy(), seed=seed)
+            features = torch.cat([features, public_features])
+            labels = torch.cat([labels, torch.full((len(public_features),), NEGATIVE)])
+        metrics["dfc_fit_loss"] = fit_dfc(model.dfc, features, labels, objective.dfc_steps, objective.dfc_lr,
+                                          seed=seed)
     model.eval()
     end = shareable_state(model)
     delta = {k: (end[k].double() - start[k].double()).numpy() if end[k].is_floating_point()
              else (end[k] - start[k]).numpy() for k in end}  # integer buffers keep an integer delta
-    return LocalResult(delta, len(crops), history[-1])
+    return LocalResult(delta, len(crops), metrics, private)

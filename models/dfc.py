@@ -5,6 +5,13 @@ embedding Theta(x) into a space customised for its own people, and K one-vs-all 
 classifiers Omega (one per enrolled person) trained there with SphereFace2's margin-based
 binary cross-entropy (Wen et al., 2022). Nothing in this module ever leaves the device.
 Verification on the device uses the personalised embedding [Theta(x), Pi(Theta(x))].
+
+Why `fit_dfc` exists: trained only beside the backbone (one local epoch, the backbone's learning
+rate), Pi never leaves the identity it starts from (||Pi - I|| = 0.02 after a round, measured), so
+[Theta, Pi(Theta)] was Theta twice and personalised nothing. After local training the branch is
+fitted on its own, on the device's frozen features (a few augmented views of each local image, plus
+public faces as negatives where the device has them): 128-d inputs, so hundreds of steps cost
+well under a second.
 """
 from __future__ import annotations
 
@@ -49,9 +56,12 @@ class BinaryClassifiers(nn.Module):
         return self.r * sphereface2_g(self.cosine(x), self.t) + self.bias
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """lambda/r log(1+e^-(r(g(cos_y)-m)+b)) + (1-lambda)/r sum_{i!=y} log(1+e^(r(g(cos_i)+m)+b))."""
+        """lambda/r log(1+e^-(r(g(cos_y)-m)+b)) + (1-lambda)/r sum_{i!=y} log(1+e^(r(g(cos_i)+m)+b)).
+
+        A label of -1 (NEGATIVE) is a face of nobody enrolled: a negative for every classifier
+        (FedFR: "the global data can be used to optimize our DFC module")."""
         g = sphereface2_g(self.cosine(x), self.t)
-        positive = F.one_hot(labels, g.shape[1]).to(g.dtype)
+        positive = F.one_hot(labels.clamp(min=0), g.shape[1]).to(g.dtype) * (labels >= 0).unsqueeze(1).to(g.dtype)
         logits = self.r * (g - self.m * (2.0 * positive - 1.0)) + self.bias
         pos_term = self.lam * positive * F.softplus(-logits)
         neg_term = (1.0 - self.lam) * (1.0 - positive) * F.softplus(logits)
@@ -75,6 +85,33 @@ class DFCBranch(nn.Module):
 
     def loss(self, generic: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.classifiers.loss(self.transform(generic), labels)
+
+
+NEGATIVE = -1  # the label of a public face: nobody this device knows
+
+
+def fit_dfc(branch: DFCBranch, features: torch.Tensor, labels: torch.Tensor, steps: int = 300, lr: float = 1e-2,
+            batch_size: int = 128, seed: int = 0) -> float:
+    """Fit Pi and Omega to frozen generic features with FedFR's L_BCE (eq. 6); returns the last loss.
+
+    `features` are Theta(x) of the device's images (labels 0..K-1) and, optionally, of public faces
+    (label NEGATIVE). Only the branch changes; its own Adam, because the backbone's rate is far too low."""
+    if steps <= 0 or len(features) == 0:
+        return float("nan")
+    generator = torch.Generator().manual_seed(seed)
+    optimiser = torch.optim.Adam(branch.parameters(), lr=lr)
+    features, labels = features.detach(), labels.long()
+    was_training = branch.training
+    branch.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        batch = torch.randint(0, len(features), (min(batch_size, len(features)),), generator=generator)
+        loss = branch.loss(features[batch], labels[batch])
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
+    branch.train(was_training)
+    return float(loss.detach())
 
 
 def personalised_embedding(generic: torch.Tensor, custom: torch.Tensor) -> torch.Tensor:

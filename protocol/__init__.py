@@ -3,4 +3,4 @@
 Nothing here imports torch: tensors travel as numpy arrays in safetensors files.
 """
 
-SCHEMA_VERSION = 2  # 2: Ed25519 signatures both ways, admission, bounded fields
+SCHEMA_VERSION = 3  # 2: Ed25519 signatures both ways, admission, bounded fields; 3: FedFR's round settings

@@ -71,6 +71,16 @@ class TrainingConfig(_Body):
     width_mult: float = Field(1.0, ge=0.25, le=1.4)
     embedding_dim: int = Field(128, ge=16, le=1024)
     dp_clip: float | None = Field(None, gt=0, le=1e6)  # DP-FedAvg: clip the update to this L2 norm before sending
+    # FedFR's local objective (eq. 7: alpha_1 L_cos + alpha_2 L_con + alpha_3 L_BCE, alpha_3 = dfc_weight)
+    alpha_cos: float = Field(1.0, ge=0, le=100.0)
+    hard_negatives: bool = False          # sample the device's public set D_g with threshold t_hn
+    t_hn: float = Field(0.4, ge=-1.0, le=1.0)
+    contrastive: bool = False             # eq. 5 against the global and the previous local model
+    alpha_con: float = Field(5.0, ge=0, le=100.0)
+    tau: float = Field(0.5, gt=0.01, le=10.0)
+    dfc_steps: int = Field(300, ge=0, le=20_000)  # fitting the DFC branch on frozen features after local training
+    dfc_lr: float = Field(1e-2, gt=0, le=1.0)
+    dfc_views: int = Field(2, ge=1, le=16)     # views of each local image (the first unaugmented) for that fit
 
 
 class RoundAnnouncement(_Body):

@@ -1,0 +1,113 @@
+"""FedFR's local techniques (models.fedfr, models.dfc.fit_dfc, edge_client.local_training)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edge_client.local_training import LocalObjective, train_round
+from models.dfc import NEGATIVE, BinaryClassifiers
+from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
+
+
+def test_hard_negatives_are_exactly_the_public_faces_above_the_threshold():
+    local = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    angles = torch.tensor([0.0, 0.5, 1.2, 1.5, math.pi])  # cos to the first local: 1, .88, .36, .07, -1
+    public = torch.stack([torch.cos(angles), torch.zeros(5), torch.sin(angles)], dim=1) * 3.0  # norms don't count
+    public = torch.cat([public, torch.tensor([[0.0, 0.45, 0.89]])])  # cos .45 to the second local only
+    assert hard_negatives(public, local, 0.4).tolist() == [0, 1, 5]
+    assert hard_negatives(public, local, 0.9).tolist() == [0]
+    assert hard_negatives(public, local, 0.4, block=2).tolist() == [0, 1, 5], "blocks change nothing"
+    assert hard_negatives(public[:0], local).numel() == 0 and hard_negatives(public, local[:0]).numel() == 0
+
+
+def test_contrastive_term_is_zero_when_features_agree_and_grows_as_they_diverge():
+    torch.manual_seed(0)
+    g = F.normalize(torch.randn(8, 16), dim=1)
+    assert abs(float(contrastive_loss(g, g, g))) < 1e-6
+    prev = F.normalize(torch.randn(8, 16), dim=1)
+    values = []
+    for t in (0.0, 0.3, 0.6, 1.0):  # the local feature walks from the global one to the previous one
+        f = F.normalize((1 - t) * g + t * prev, dim=1)
+        values.append(float(contrastive_loss(f, g, prev)))
+    assert values[0] < 0 < values[-1] and all(a < b for a, b in zip(values, values[1:]))
+    assert float(contrastive_loss(prev, g, prev, tau=0.1)) > float(contrastive_loss(prev, g, prev, tau=0.5))
+
+
+def test_public_faces_are_negatives_for_every_one_vs_all_classifier():
+    torch.manual_seed(0)
+    clf = BinaryClassifiers(8, 3)
+    x = torch.randn(4, 8)
+    none = torch.full((4,), NEGATIVE)
+    g = torch.nn.functional.softplus  # the negative term alone, as SphereFace2 writes it
+    from models.dfc import sphereface2_g
+
+    logits = clf.r * (sphereface2_g(clf.cosine(x), clf.t) + clf.m) + clf.bias
+    expected = ((1 - clf.lam) * g(logits)).sum(1).mean() / clf.r
+    assert torch.allclose(clf.loss(x, none), expected)
+    assert negative_margin_loss(x, clf.weight, 0.4) >= 0
+    assert float(negative_margin_loss(x[:0], clf.weight)) == 0.0
+
+
+def _two_people(faces_dir, n_train: int = 10):
+    from models.faces.crops import CropConfig, crop_index
+    from models.faces.datasets import load_index
+
+    crops = crop_index(load_index(faces_dir / "glint24_aligned"), CropConfig(detector="none"), progress=False)
+    people = crops.select(np.isin(crops.labels, [0, 1]))
+    rng = np.random.default_rng(0)
+    train = np.zeros(len(people), bool)
+    for p in (0, 1):
+        train[rng.choice(np.flatnonzero(people.labels == p), n_train, replace=False)] = True
+    return people.select(train), people.select(~train), crops.select(np.isin(crops.labels, range(10, 24)))
+
+
+def _separation(model, crops, personalised: bool) -> float:
+    """d' of genuine against impostor cosines: how far apart the two people's scores lie."""
+    from models.embedders import TorchEmbedder
+    from models.evaluation.evaluate import embed_all
+
+    emb = embed_all(TorchEmbedder(model, personalised), crops.images)
+    i, j = np.triu_indices(len(emb), 1)
+    scores, same = (emb[i] * emb[j]).sum(1), crops.labels[i] == crops.labels[j]
+    genuine, impostor = scores[same], scores[~same]
+    return float((genuine.mean() - impostor.mean()) / np.sqrt((genuine.var() + impostor.var()) / 2))
+
+
+def test_dfc_personalises_two_people_after_one_short_round(faces_dir):
+    """Real faces (Glint24, two people, 10 training images each), one local epoch from the shipped model: the
+    personalised embedding [Theta, Pi(Theta)] separates the two on their held-out images better than Theta."""
+    from models.face_model import FaceModel, ModelConfig, from_numpy_state
+    from models.face_weights import face_global_state
+
+    train, held_out, _ = _two_people(faces_dir)
+    separation = {}
+    for steps in (0, 300):  # 0: the branch trained only beside the backbone, as before the fit existed
+        torch.manual_seed(0)
+        model = FaceModel(ModelConfig(n_classes=2, pretrained=False, dfc=True))
+        train_round(model, train, from_numpy_state(face_global_state()), 1, 32, 1e-4,
+                    objective=LocalObjective(dfc_steps=steps))
+        separation[steps] = _separation(model, held_out, False), _separation(model, held_out, True)
+    generic, personalised = separation[300]
+    assert personalised > 1.5 * generic, separation
+    assert abs(separation[0][1] - separation[0][0]) < 0.05 * separation[0][0], "without the fit Pi stays ~identity"
+
+
+def test_a_fedfr_round_samples_hard_negatives_and_keeps_them_on_the_device(faces_dir):
+    from models.face_model import FaceModel, ModelConfig, from_numpy_state
+    from models.face_weights import face_global_state
+
+    torch.manual_seed(0)
+    train, _, public = _two_people(faces_dir, 6)
+    model = FaceModel(ModelConfig(n_classes=2, pretrained=False, dfc=True, dfc_weight=10.0))
+    global_state = from_numpy_state(face_global_state())
+    objective = LocalObjective(hard_negatives=True, t_hn=0.3, contrastive=True, dfc_steps=50)
+    result = train_round(model, train, global_state, 1, 8, 1e-4, objective=objective, public=public.images[:400],
+                         previous_state=global_state)
+    assert set(result.delta) == set(global_state), "only the backbone's delta"
+    assert 0 < result.private_metrics["hn_fraction"] <= 1 and "neg_loss" in result.private_metrics
+    assert not {"hn_fraction", "hn_sampled", "neg_loss"} & set(result.metrics), "nothing about D_g is sent"
+    assert abs(result.metrics["con_loss"]) < 1e-5, "previous = global: the contrastive term pulls nothing"
+    assert all(np.isfinite(v).all() for v in result.delta.values())
