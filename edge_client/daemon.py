@@ -19,12 +19,14 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import paho.mqtt.client as mqtt
 import torch
 from safetensors.torch import load_file as load_torch
 
 from edge_client.home import DeviceHome
-from edge_client.local_training import train_round
+from edge_client.local_training import LocalObjective, train_round
+from edge_client.public_set import load_public_set
 from models.face_model import FaceModel, ModelConfig, from_numpy_state, private_state, shareable_state
 from models.faces.crops import CropConfig, crop_index
 from models.state_norms import clip_to_norm, without_running_stats
@@ -44,10 +46,13 @@ log = logging.getLogger("edge_client")
 class EdgeDevice:
     def __init__(self, credential: Credential | Path | str, data: Path, home: Path, detector: str | None = None,
                  broker: str | None = None, ca_file: str | None = None, export_onnx: bool = True, seed: int = 0,
-                 crop_cache: Path | None = None, delta_hook=None):
+                 crop_cache: Path | None = None, delta_hook=None, public_set: Path | None = None):
         """`delta_hook(delta, n_samples, global_state) -> (delta, n_samples)`: a fleet experiment's malicious
-        device (fleet.attacks); None on every real device."""
+        device (fleet.attacks); None on every real device. `public_set`: FedFR's D_g (edge_client.public_set),
+        read when a round asks for hard negatives."""
         self.delta_hook = delta_hook
+        self.public_set_path = None if public_set is None else Path(public_set)
+        self._public: np.ndarray | None = None
         self.credential = credential if isinstance(credential, Credential) else Credential.load(Path(credential))
         self.device_id, self.home = self.credential.device_id, DeviceHome(home)
         self.coordinator_key = self.credential.coordinator_public_key
@@ -209,6 +214,18 @@ class EdgeDevice:
             self.model_payload = payload
             self.downloaded.set()
 
+    def _public_images(self, cfg) -> np.ndarray | None:
+        """D_g, read once, only when the round samples hard negatives; a device without one trains without."""
+        if not cfg.hard_negatives:
+            return None
+        if self.public_set_path is None:
+            log.warning("%s: the round asks for hard negatives but this device has no public set (--public-set)",
+                        self.device_id)
+            return None
+        if self._public is None:
+            self._public = load_public_set(self.public_set_path)
+        return self._public
+
     def _ensure_model(self, job: RoundAnnouncement) -> FaceModel:
         cfg = job.config
         if self.model is None or self.model.config.dfc != cfg.dfc:
@@ -230,8 +247,12 @@ class EdgeDevice:
         fetched = time.perf_counter()
         model = self._ensure_model(job)
         cfg = job.config
+        previous = load_torch(str(self.home.local_backbone)) if cfg.contrastive and self.home.local_backbone.exists() \
+            else None
         result = train_round(model, self.crops, global_state, cfg.epochs, cfg.batch_size, cfg.lr,
-                             cfg.prox_mu if cfg.algorithm == "fedprox" else 0.0, seed=self.seed + job.round_id)
+                             cfg.prox_mu if cfg.algorithm == "fedprox" else 0.0, seed=self.seed + job.round_id,
+                             objective=LocalObjective.from_config(cfg), public=self._public_images(cfg),
+                             previous_state=previous)
         self.home.save_tensors(self.home.private_state, private_state(model))
         self.home.save_tensors(self.home.local_backbone, shareable_state(model))  # the personalised model's Theta
         delta, n_samples = result.delta, result.n_samples
@@ -256,7 +277,7 @@ class EdgeDevice:
         if self.export_onnx:
             self._export(model)
         self.home.log_round({"round_id": job.round_id, "base_version": job.model_version, "acked": acked,
-                             "bytes_sent": len(encoded.data), **result.metrics})
+                             "bytes_sent": len(encoded.data), **result.metrics, **result.private_metrics})
         self.done_rounds.add(job.round_id)  # last: whoever waits on it finds the round logged
         if job.round_id >= job.total_rounds:
             self.finished.set()

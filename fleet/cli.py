@@ -37,6 +37,7 @@ def _partition_options(p: argparse.ArgumentParser, data_required: bool) -> None:
 
 from coordinator.robust import COMBINERS  # noqa: E402 - numpy only
 from fleet.attacks import ATTACKS  # noqa: E402
+from models.objective_cli import add_objective_options, aggregation_algorithm  # noqa: E402
 
 
 def _config(args):
@@ -44,6 +45,8 @@ def _config(args):
 
     values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}
     values["rules"] = json.loads(args.rules.read_text()) if args.rules else None
+    if "algorithm" in values:  # --method names the local objective and implies the aggregation
+        values["algorithm"] = aggregation_algorithm(values.get("method"), values["algorithm"])
     return SimConfig(**values)
 
 
@@ -134,7 +137,8 @@ def add_commands(fsub) -> None:
     g.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (default 0.9)")
     g.add_argument("--dfc", action=argparse.BooleanOptionalAction, default=True,
                    help="train the DFC personalisation branch on devices (default on)")
-    g.add_argument("--dfc-weight", type=float, default=1.0, help="weight of the DFC loss (default 1)")
+    g.add_argument("--dfc-weight", type=float, default=None,
+                   help="alpha_3: weight of the DFC loss (default 1; 10 with --method fedfr)")
     g.add_argument("--local-epochs", type=int, default=1, help="epochs per device per round (default 1)")
     g.add_argument("--batch-size", type=int, default=32)
     g.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate on devices (default 1e-4)")
@@ -148,6 +152,11 @@ def add_commands(fsub) -> None:
                         "(ImageNet MobileNetV2), none (random)")
     g.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
     g.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16")
+    g = p.add_argument_group("local objective (FedFR and its ablations)")
+    add_objective_options(g)
+    g.add_argument("--public-data", help="FedFR's public set D_g: a folder of aligned faces of people no client has "
+                                         "(flat or one folder per person), packed once into RUN_DIR/public_set")
+    g.add_argument("--public-limit", type=int, default=2000, help="at most this many public faces (default 2000)")
     g = p.add_argument_group("robustness (malicious devices and the coordinator's defences)")
     g.add_argument("--malicious", type=float, default=0.0,
                    help="fraction of training clients that poison their updates (default 0)")

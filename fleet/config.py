@@ -39,7 +39,18 @@ class SimConfig:
     prox_mu: float = 0.01
     server_momentum: float = 0.9
     dfc: bool = True
-    dfc_weight: float = 1.0
+    dfc_weight: float | None = None    # alpha_3; None: 1, or 10 with method fedfr (models.objective_cli)
+    method: str | None = None          # fedavg | fedprox | fedfr; None: --algorithm decides
+    hard_negatives: bool | None = None  # None: on with method fedfr
+    contrastive: bool | None = None     # None: on with method fedfr
+    t_hn: float = 0.4
+    tau: float = 0.5
+    alpha_cos: float = 1.0
+    alpha_con: float = 5.0
+    dfc_steps: int = 300
+    dfc_lr: float = 1e-2
+    public_data: str | None = None     # FedFR's D_g: aligned faces of people no client has
+    public_limit: int = 2000
     local_epochs: int = 1
     batch_size: int = 32
     lr: float = 1e-4
@@ -89,6 +100,21 @@ class SimConfig:
             raise ValueError("--dp-noise needs --dp-clip (the L2 norm devices clip their updates to)")
         if self.dp_clip is not None and (self.dp_clip <= 0 or self.combine != "mean"):
             raise ValueError("--dp-clip must be > 0, with --combine mean")
+        from models.objective_cli import METHODS, objective_settings
+
+        if self.method is not None and self.method not in METHODS:
+            raise ValueError(f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if objective_settings(self)["hard_negatives"] and self.public_data is None:
+            raise ValueError("hard negatives need a public set: --public-data DIR (aligned faces of people no "
+                             "client has, e.g. ../shared/faces/utkface_aligned), or --no-hard-negatives")
+        if self.public_data is not None:
+            public = Path(self.public_data).resolve()
+            if not public.is_dir():
+                raise FileNotFoundError(f"--public-data folder does not exist: {self.public_data}")
+            if self.data is not None and public == Path(self.data).resolve():
+                raise ValueError("--public-data must hold other people than --data (D_g is nobody's enrolled people)")
+        if self.public_limit < 1:
+            raise ValueError("--public-limit must be at least 1")
         if abs(sum(self.split) - 1.0) > 1e-6 or min(self.split) < 0:
             raise ValueError(f"--split fractions must be >= 0 and sum to 1, got {self.split}")
 

@@ -29,6 +29,7 @@ class Turn:
     round_id: int | None = None   # None: only register
     timeout_s: float = 600.0
     attack: str | None = None     # a malicious device's attack (fleet.attacks), None for honest ones
+    public_set: str | None = None  # FedFR's D_g, one read-only file shared by every device of the run
 
 
 def _init_worker(threads: int) -> None:
@@ -56,7 +57,7 @@ def run_turn(turn: Turn) -> dict:
     try:
         device = EdgeDevice(Path(turn.credential), Path(turn.data), Path(turn.home), broker=turn.broker,
                             detector=turn.detector, export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache),
-                            delta_hook=hook)
+                            delta_hook=hook, public_set=None if turn.public_set is None else Path(turn.public_set))
     except Exception as exc:  # noqa: BLE001 - a device that cannot start is reported, not fatal to the pool
         return {**result, "error": f"{type(exc).__name__}: {exc}", "turn_seconds": time.perf_counter() - started}
     device.start()

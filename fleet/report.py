@@ -17,6 +17,15 @@ def mean_std(stats: dict | None, metric: str) -> str:
     return f"{stats[metric]['mean']:.3f} ± {stats[metric]['std']:.3f}"
 
 
+def method_label(c: dict) -> str:
+    """e.g. 'fedavg +DFC', or 'fedfr +HN +con +DFC' for FedFR and its ablations."""
+    fedfr = c.get("method") == "fedfr"
+    hn = fedfr if c.get("hard_negatives") is None else c["hard_negatives"]
+    con = fedfr if c.get("contrastive") is None else c["contrastive"]
+    name = c.get("method") or c["algorithm"]
+    return " ".join([name] + [flag for flag, on in (("+HN", hn), ("+con", con), ("+DFC", c["dfc"])) if on])
+
+
 def run_row(summary: dict) -> dict:
     """The figures one row of a comparison table shows."""
     c, g = summary["config"], summary["global"]
@@ -25,7 +34,7 @@ def run_row(summary: dict) -> dict:
     partition = c["partition"] + (f" {c['alpha']}" if c["partition"] == "dirichlet" else "")
     return {
         "run": Path(summary["run"]).name, "data": summary["data_kind"], "partition": partition,
-        "algorithm": c["algorithm"] + (" +DFC" if c["dfc"] else ""), "clients": c["clients"],
+        "algorithm": method_label(c), "clients": c["clients"],
         "rounds": summary["rounds_completed"], "best round": summary["best_round"],
         "global AUC": _f(g.get("auc")), "global EER": _f(g.get("eer")), "global TAR@1e-2": _f(g.get("tar@1e-2")),
         "central AUC": _f(central.get("auc")), "central EER": _f(central.get("eer")),
@@ -46,8 +55,8 @@ def summary_markdown(summary: dict) -> str:
     c = summary["config"]
     lines = [f"# Fleet simulation: {Path(summary['run']).name}", "",
              f"{'SYNTHETIC faces' if summary['data_kind'] == 'synthetic' else 'data: ' + str(c['data'])}; "
-             f"{c['clients']} clients, {c['partition']} partition, {c['algorithm']}"
-             f"{' + DFC' if c['dfc'] else ''}, {summary['rounds_completed']} rounds ({summary['status']}), "
+             f"{c['clients']} clients, {c['partition']} partition, {method_label(c)}, "
+             f"{summary['rounds_completed']} rounds ({summary['status']}), "
              f"best round {summary['best_round']}.", "",
              "## Global model on unseen people", "",
              "| model | AUC | EER | TAR@1e-1 | TAR@1e-2 | TAR@1e-3 |", "|---|---|---|---|---|---|"]

@@ -31,6 +31,7 @@ from fleet.report import write_summary
 from models.face_model import FaceModel, ModelConfig, from_numpy_state, load_shareable_state
 from models.tracking import MlflowTracker, NullTracker, default_tracking_uri
 from models.training import verification
+from models.objective_cli import objective_settings
 from protocol.messages import TrainingConfig
 
 log = logging.getLogger("ffr.fleet")
@@ -81,6 +82,7 @@ class Simulation:
         self.data: FleetData = prepare(config, self.run_dir)  # every data/partition error surfaces here
         self.val = self.data.union(VAL, self.data.training_clients)  # evaluation sets, built once
         self.holdout = self.data.holdout()
+        self.public_set = self._public_set()
         config.save(self.run_dir / "config.json")
         self.state_path = self.run_dir / "state.json"
         self.state = RunState.load(self.state_path)
@@ -95,11 +97,23 @@ class Simulation:
                                  "run the same command to resume it, or choose another --out")
 
     # setup ------------------------------------------------------------------
+    def _public_set(self) -> Path | None:
+        """D_g packed once per run (edge_client.public_set); every device reads the same read-only file."""
+        c = self.config
+        if c.public_data is None:
+            return None
+        path = self.run_dir / "public_set.safetensors"
+        if not path.exists():
+            from edge_client.public_set import build_public_set
+
+            build_public_set(Path(c.public_data), path, c.public_limit, c.seed, progress=c.progress)
+        return path
+
     def _service(self) -> Service:
         c = self.config
         training = TrainingConfig(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, dfc=c.dfc,
-                                  dfc_weight=c.dfc_weight, wire_dtype=c.wire_dtype, width_mult=c.width_mult,
-                                  dp_clip=c.dp_clip)
+                                  wire_dtype=c.wire_dtype, width_mult=c.width_mult, dp_clip=c.dp_clip,
+                                  algorithm=c.algorithm, prox_mu=c.prox_mu, **objective_settings(c))
         settings = RoundSettings(rounds=c.rounds, min_clients=1, fraction=c.fraction, round_timeout_s=c.round_timeout,
                                  training=training, seed=c.seed, combine=c.combine, dp_noise=c.dp_noise)
         return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, strategy=c.algorithm,
@@ -111,9 +125,10 @@ class Simulation:
         from fleet.attacks import malicious_clients
 
         bad = malicious_clients(self.data.training_clients, self.config.malicious, self.config.seed)
+        public = str(self.public_set) if self.public_set is not None else None
         return Turn(str(root / "credential.json"), str(root / "data"), str(root / "home"), self.service.broker_url,
                     str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
-                    self.config.round_timeout, self.config.attack if client in bad else None)
+                    self.config.round_timeout, self.config.attack if client in bad else None, public)
 
     # the run ----------------------------------------------------------------
     def run(self) -> dict:
@@ -230,6 +245,14 @@ class Simulation:
             tqdm.write(f"round {record['round']}: {shown} ({record['updates']} updates, "
                        f"{record['bytes_up'] / 1e6:.1f} MB up)")
 
+    def _device_mean(self, row: dict, key: str) -> float | None:
+        """The mean of a figure devices log but never send (e.g. FedFR's hard-negative fraction), read from their
+        homes: the simulator runs the devices, so it may look in."""
+        values = [e[key] for d in row["participants"]
+                  for e in DeviceHome(self.run_dir / "devices" / d / "home").rounds_log()
+                  if e.get("round_id") == row["round_id"] and e.get(key) is not None]
+        return float(np.mean(values)) if values else None
+
     def _round_record(self, row: dict, wall_s: float | None) -> dict:
         """Cost and global-model quality of one aggregated round (round 0: the starting model)."""
         m = row["metrics"]
@@ -241,7 +264,8 @@ class Simulation:
                   "bytes_up": m.get("bytes_received", 0),
                   "bytes_down": len(self.service.engine.store.model_bytes(row["base_version"])) * len(row["participants"]),
                   "wall_s": wall_s if wall_s is not None else (row["closed_at"] or 0) - (row["started_at"] or 0),
-                  "aggregation_s": m.get("aggregation_seconds")}
+                  "aggregation_s": m.get("aggregation_seconds"),
+                  "hn_fraction": self._device_mean(row, "hn_fraction")}
         self._eval_threads()
         val_report, _ = verification(model, self.val, self.config.max_eval_pairs, self.config.seed)
         hold_report, _ = verification(model, self.holdout, self.config.max_eval_pairs, self.config.seed)

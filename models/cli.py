@@ -13,6 +13,7 @@ from pathlib import Path
 
 from models.faces.datasets import LAYOUTS, DatasetError
 from models.faces.detect import DETECTORS
+from models.objective_cli import add_objective_options
 
 log = logging.getLogger("ffr")
 
@@ -216,12 +217,14 @@ def cmd_demo(args) -> int:
 def cmd_coordinator_serve(args) -> int:
     from coordinator.engine import RoundSettings
     from coordinator.service import ServiceConfig, serve
+    from models.objective_cli import aggregation_algorithm, objective_settings
     from protocol.messages import TrainingConfig
 
+    args.strategy = aggregation_algorithm(args.method, args.strategy)
     training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=not args.no_dfc,
-                              dfc_weight=args.dfc_weight,
                               wire_dtype=args.wire_dtype, chunk_bytes=args.chunk_kib * 1024, width_mult=args.width_mult,
-                              algorithm=args.strategy, prox_mu=args.mu, dp_clip=args.dp_clip)
+                              algorithm=args.strategy, prox_mu=args.mu, dp_clip=args.dp_clip,
+                              **objective_settings(args))
     settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
                              round_timeout_s=args.round_timeout, training=training, seed=args.seed,
                              combine=args.combine, trim=args.trim, byzantine=args.byzantine,
@@ -248,7 +251,18 @@ def cmd_edge_run(args) -> int:
     from edge_client.daemon import run
 
     return run(args.credential, args.data, args.home, until_finished=args.exit_when_done, broker=args.broker,
-               detector=args.detector, ca_file=args.ca_file, export_onnx=not args.no_export, seed=args.seed)
+               detector=args.detector, ca_file=args.ca_file, export_onnx=not args.no_export, seed=args.seed,
+               public_set=args.public_set)
+
+
+def cmd_edge_public_set(args) -> int:
+    from edge_client.public_set import build_public_set
+
+    if args.limit < 1:
+        raise ValueError("--limit must be at least 1")
+    sha = build_public_set(args.data, args.out, args.limit, args.seed, progress=not args.quiet)
+    print(f"public set {args.out}: sha256 {sha}")
+    return 0
 
 
 def _command_group(sub, name: str, help: str):
@@ -299,7 +313,8 @@ def _add_federated_commands(sub) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--no-dfc", action="store_true", help="devices train without the DFC branch")
-    p.add_argument("--dfc-weight", type=float, default=1.0, help="alpha: weight of the DFC loss on devices")
+    p.add_argument("--dfc-weight", type=float, default=None,
+                   help="alpha_3: weight of the DFC loss on devices (default 1; 10 with --method fedfr)")
     p.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16", help="dtype of deltas on the wire")
     p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
     p.add_argument("--width-mult", type=float, default=1.0)
@@ -309,6 +324,8 @@ def _add_federated_commands(sub) -> None:
     p.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
+    add_objective_options(p.add_argument_group(
+        "local objective (FedFR: devices need a public set, `ffr edge run --public-set`)"))
     g = p.add_argument_group("robust aggregation (every update is norm-bounded; the new model is checked)")
     g.add_argument("--combine", choices=COMBINERS, default="mean",
                    help="how updates are combined: the weighted mean (FedAvg), a coordinate-wise trimmed mean or "
@@ -360,7 +377,20 @@ def _add_federated_commands(sub) -> None:
     p.add_argument("--no-export", action="store_true", help="do not export ONNX models after each round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exit-when-done", action="store_true", help="exit after the coordinator's last round")
+    p.add_argument("--public-set", type=Path,
+                   help="FedFR's public face set D_g (a file from `ffr edge public-set`): hard negatives are sampled "
+                        "from it when a round asks; nothing about it is ever sent")
     p.set_defaults(func=cmd_edge_run)
+
+    p = esub.add_parser("public-set", help="pack a folder of aligned faces into a public set file (FedFR's D_g)",
+                        description="Samples up to --limit aligned face images (flat folder or one folder per person, "
+                                    "e.g. ../shared/faces/utkface_aligned) of people nobody enrols, into one "
+                                    "safetensors file of 128x128 crops; prints its sha256.")
+    p.add_argument("--data", required=True, type=Path, help="folder of aligned face crops")
+    p.add_argument("--out", required=True, type=Path, help="the file to write (.safetensors)")
+    p.add_argument("--limit", type=int, default=2000, help="at most this many images (default 2000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_edge_public_set)
 
 
 def build_parser() -> argparse.ArgumentParser:

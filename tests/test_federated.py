@@ -23,6 +23,9 @@ from protocol.messages import TrainingConfig
 from protocol.transport import BrokerAddress, make_client
 
 TRAINING = TrainingConfig(epochs=1, batch_size=8, lr=1e-3)
+# the audited fleet runs FedFR's local objective, so the audit covers what a public set could leak
+FEDFR = TrainingConfig(epochs=1, batch_size=8, lr=1e-3, hard_negatives=True, t_hn=-1.0, contrastive=True,
+                       dfc_weight=10.0, dfc_steps=50)
 
 
 class Recorder:
@@ -59,11 +62,13 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def run_fleet(tmp: Path, broker_url: str | None, rounds: int = 2, n_devices: int = 3):
+def run_fleet(tmp: Path, broker_url: str | None, rounds: int = 2, n_devices: int = 3,
+              training: TrainingConfig = TRAINING, public_set: Path | None = None):
     datasets = device_datasets(tmp / "data", n_devices, ids_per_device=3, images=5)
     service = Service(ServiceConfig(state=tmp / "state", broker=broker_url),
-                      RoundSettings(rounds=rounds, min_clients=n_devices, round_timeout_s=300, training=TRAINING))
-    devices = [EdgeDevice(service.admit(f"device{d}"), data, tmp / f"home{d}") for d, data in enumerate(datasets)]
+                      RoundSettings(rounds=rounds, min_clients=n_devices, round_timeout_s=300, training=training))
+    devices = [EdgeDevice(service.admit(f"device{d}"), data, tmp / f"home{d}", public_set=public_set)
+               for d, data in enumerate(datasets)]
     for device in devices:
         device.start()
     try:
@@ -79,9 +84,14 @@ def run_fleet(tmp: Path, broker_url: str | None, rounds: int = 2, n_devices: int
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, mosquitto):
+    from edge_client.public_set import build_public_set
+    from models.faces.synthetic import write_dataset
+
     tmp = tmp_path_factory.mktemp("fleet")
+    public = write_dataset(tmp / "public_faces", n_identities=6, n_images=4, seed=99)  # nobody's people
+    build_public_set(public, tmp / "public.safetensors")
     recorder = Recorder(mosquitto.url)
-    service, devices, datasets = run_fleet(tmp, mosquitto.url)
+    service, devices, datasets = run_fleet(tmp, mosquitto.url, training=FEDFR, public_set=tmp / "public.safetensors")
     time.sleep(0.5)
     recorder.close()
     return service, devices, datasets, recorder.messages
@@ -99,6 +109,9 @@ def test_rounds_advance_the_global_model(fleet):
     for device in devices:
         log = device.home.rounds_log()
         assert [e["round_id"] for e in log] == [1, 2] and all(e["acked"] for e in log)
+        assert all(e["hn_fraction"] == 1.0 for e in log), "t_HN = -1: every public face is a hard negative"
+        assert log[0]["con_loss"] == pytest.approx(0, abs=1e-5) and log[1]["con_loss"] != 0, \
+            "round 2's contrastive term has a previous local model to push away from"
         assert device.home.signing_key.stat().st_mode & 0o077 == 0
 
 
@@ -145,6 +158,8 @@ def test_traffic_audit_only_backbone_tensors_leave_devices(fleet):
         body = json.dumps(envelope["body"])
         assert "token" not in envelope["body"] and "key\"" not in body.replace("public_key", ""), \
             "no secret key or admission token crosses the broker"
+        assert not any(word in body.replace("public_key", "") for word in ("hn_", "neg_loss", "public")), \
+            f"something about D_g on {topic}"
     assert {"hello", "registered", "round", "update", "ack", "tensors"} <= kinds
     assert len(payloads) == 3 * 2 + 3  # 6 device updates + 3 global models
     for data in payloads:

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+import pytest
 
 from edge_client.local_training import LocalObjective, train_round
 from models.dfc import NEGATIVE, BinaryClassifiers
@@ -111,3 +112,21 @@ def test_a_fedfr_round_samples_hard_negatives_and_keeps_them_on_the_device(faces
     assert not {"hn_fraction", "hn_sampled", "neg_loss"} & set(result.metrics), "nothing about D_g is sent"
     assert abs(result.metrics["con_loss"]) < 1e-5, "previous = global: the contrastive term pulls nothing"
     assert all(np.isfinite(v).all() for v in result.delta.values())
+
+
+def test_public_set_file_round_trip_and_refusals(tmp_path, synthetic_dir, capsys):
+    from edge_client.public_set import PublicSetError, load_public_set
+    from models.cli import main
+
+    out = tmp_path / "public.safetensors"
+    assert main(["-q", "edge", "public-set", "--data", str(synthetic_dir), "--out", str(out), "--limit", "7"]) == 0
+    sha = capsys.readouterr().out.split("sha256 ")[1].strip()
+    images = load_public_set(out, sha)
+    assert images.shape == (7, 128, 128, 3) and images.dtype == np.uint8
+
+    with pytest.raises(PublicSetError, match="sha256"):
+        load_public_set(out, "0" * 64)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(PublicSetError, match="not a public set"):
+        load_public_set(tmp_path / "junk.safetensors")
+    assert main(["-q", "edge", "public-set", "--data", str(tmp_path / "nowhere"), "--out", str(out)]) == 2

@@ -133,6 +133,8 @@ def test_ctrl_c_leaves_a_resumable_run(tmp_path, mosquitto):
     (["--data", "/nonexistent/faces"], "does not exist"),
     (["--clients", "40"], "cannot give each of 40 clients an identity"),
     (["--partition", "attribute", "--rules", "RULES"], "no per-image attributes"),
+    (["--method", "fedfr"], "hard negatives need a public set"),
+    (["--method", "fedfr", "--public-data", "/nonexistent/public"], "--public-data folder does not exist"),
 ])
 def test_bad_input_fails_before_training(tmp_path, capsys, args, message):
     rules = tmp_path / "rules.json"
@@ -207,3 +209,24 @@ def test_a_wiping_device_is_neutralised_by_the_median(tmp_path):
     floats = [k for k in before if before[k].dtype.kind == "f" and "running" not in k]
     ratio = np.sqrt(sum(np.sum(after[k] ** 2) for k in floats) / sum(np.sum(before[k] ** 2) for k in floats))
     assert ratio > 0.9, f"the global model shrank to {ratio:.2f} of its norm"
+
+
+def test_fedfr_through_the_cli_with_two_devices(tmp_path, mosquitto):
+    """`ffr fleet simulate --method fedfr --public-data DIR`: hard negatives, the contrastive term and the fitted DFC
+    branch over the real broker; the hard-negative fraction is reported per round."""
+    from models.faces.synthetic import write_dataset
+
+    public = write_dataset(tmp_path / "public", n_identities=5, n_images=4, seed=123)  # people no client has
+    out = tmp_path / "run"
+    rc = main(["-q", "fleet", "simulate", "--clients", "2", "--rounds", "2", "--method", "fedfr", "--public-data",
+               str(public), "--t-hn", "0.0", "--dfc-steps", "50", "--broker", mosquitto.url, "--patience", "0",
+               "--no-centralized", "--no-mlflow", *TINY, "--out", str(out)])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 2
+    assert summary["config"]["algorithm"] == "fedavg" and summary["config"]["method"] == "fedfr"
+    assert all(0.0 <= h["hn_fraction"] <= 1.0 for h in summary["history"][1:])
+    assert (out / "public_set.safetensors").exists()
+    personalised = summary["personalized"]["training_clients"]
+    assert {"global", "local", "local+dfc"} <= set(personalised)
+    assert "fedfr +HN +con +DFC" in compare([out])

@@ -1,0 +1,45 @@
+"""The local-objective options shared by `ffr coordinator serve` and `ffr fleet simulate`.
+
+`--method fedfr` turns on FedFR's techniques with the paper's weights (alpha = 1, 5, 10; t_HN 0.4;
+tau 0.5); each technique has its own switch, so an ablation is one flag each
+(`--method fedfr --no-contrastive`, `--no-hard-negatives`, `--no-dfc`).
+"""
+from __future__ import annotations
+
+import argparse
+
+METHODS = ("fedavg", "fedprox", "fedfr")
+FEDFR_DFC_WEIGHT = 10.0  # alpha_3 of eq. 7
+DFC_WEIGHT = 1.0         # this project's default beside FedAvg/FedProx
+
+
+def add_objective_options(group) -> None:
+    group.add_argument("--method", choices=METHODS,
+                       help="fedavg | fedprox | fedfr (FedAvg aggregation with hard negatives from --public-data / "
+                            "--public-set, the contrastive term and DFC, at the paper's weights)")
+    group.add_argument("--hard-negatives", action=argparse.BooleanOptionalAction, default=None,
+                       help="sample hard negatives from the device's public set (default: on with --method fedfr)")
+    group.add_argument("--t-hn", type=float, default=0.4, help="hard-negative cosine threshold t_HN (default 0.4)")
+    group.add_argument("--contrastive", action=argparse.BooleanOptionalAction, default=None,
+                       help="FedFR's contrastive regulariser, eq. 5 (default: on with --method fedfr)")
+    group.add_argument("--tau", type=float, default=0.5, help="contrastive temperature (default 0.5)")
+    group.add_argument("--alpha-cos", type=float, default=1.0, help="alpha_1: weight of the CosFace loss (default 1)")
+    group.add_argument("--alpha-con", type=float, default=5.0, help="alpha_2: weight of the contrastive term (default 5)")
+    group.add_argument("--dfc-steps", type=int, default=300,
+                       help="steps fitting the DFC branch on frozen features after local training (default 300)")
+    group.add_argument("--dfc-lr", type=float, default=1e-2, help="learning rate of that fit (default 1e-2)")
+
+
+def objective_settings(args) -> dict:
+    """TrainingConfig fields for the chosen method and switches."""
+    fedfr = args.method == "fedfr"
+    dfc_weight = args.dfc_weight if args.dfc_weight is not None else (FEDFR_DFC_WEIGHT if fedfr else DFC_WEIGHT)
+    return {"hard_negatives": fedfr if args.hard_negatives is None else args.hard_negatives,
+            "contrastive": fedfr if args.contrastive is None else args.contrastive,
+            "t_hn": args.t_hn, "tau": args.tau, "alpha_cos": args.alpha_cos, "alpha_con": args.alpha_con,
+            "dfc_steps": args.dfc_steps, "dfc_lr": args.dfc_lr, "dfc_weight": dfc_weight}
+
+
+def aggregation_algorithm(method: str | None, fallback: str) -> str:
+    """The server-side strategy a method implies (FedFR aggregates with FedAvg)."""
+    return fallback if method is None else ("fedavg" if method == "fedfr" else method)
