@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 FFR_FACES_DIR ?= $(abspath ../shared/faces)
 export FFR_FACES_DIR
 
-.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated bench-fleet bench-device bench-fuzz bench-robust clean
+.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated bench-fleet bench-device bench-fuzz bench-robust bench-fedfr clean
 
 install: $(STAMP)
 
@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
-bench: bench-latency bench-train bench-federated bench-quality bench-fleet bench-device bench-fuzz bench-robust
+bench: bench-latency bench-train bench-federated bench-quality bench-fleet bench-device bench-fuzz bench-robust bench-fedfr
 
 bench-latency: $(STAMP)
 	$(PY) -m bench.latency --out bench/results
@@ -65,3 +65,7 @@ bench-quality: $(STAMP)
 
 clean:
 	rm -rf runs bench/results .pytest_cache
+
+# FedFR's ablation on the CelebA subset (public set: utkface_aligned), two partitions
+bench-fedfr: $(STAMP)
+	$(PY) -m bench.fedfr --out bench/results
