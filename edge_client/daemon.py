@@ -320,9 +320,9 @@ class EdgeDevice:
     def _export(self, model: FaceModel) -> None:
         from models.onnx_export import export_onnx
 
-        if model.dfc is not None:
-            export_onnx(model, self.home.personalised_onnx, personalised=True, extra={"device": self.device_id})
         export_onnx(model, self.home.generic_onnx, personalised=False, extra={"device": self.device_id})
+        if model.dfc is not None:  # written last: the newest model is the one `ffr device` verifies with
+            export_onnx(model, self.home.personalised_onnx, personalised=True, extra={"device": self.device_id})
 
 
 def run(credential: Path, data: Path, home: Path, until_finished: bool = False, **options) -> int:

@@ -119,6 +119,9 @@ def test_each_device_personalised_model_verifies_its_own_people(fleet):
     _, devices, datasets, _ = fleet
     for device, data in zip(devices, datasets):
         model = device.home.personalised_onnx
+        from edge_client.recognizer import current_model
+
+        assert current_model(device.home) == model, "`ffr device verify/calibrate` use the personalised model"
         embedder = OnnxEmbedder(model)
         assert embedder.info.kind == "personalised"
         crops = crop_index(load_index(data), CropConfig(detector="none"), use_cache=False, progress=False)
