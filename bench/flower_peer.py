@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     from flwr.simulation import run_simulation
     from safetensors.torch import load_file, save_file
 
-    from edge_client.local_training import train_round
+    from edge_client.local_training import LocalObjective, train_round
+    from models.objective_cli import objective_settings
     from fleet.config import SimConfig
     from fleet.data import TRAIN, prepare
     from models.face_model import (FaceModel, ModelConfig, from_numpy_state, initial_global_state,
@@ -74,14 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         k = clients[int(context.node_config["partition-id"])]
         crops = client_crops(k)
         model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=config.width_mult, pretrained=False,
-                                      dfc=config.dfc, dfc_weight=config.dfc_weight))
+                                      dfc=config.dfc, dfc_weight=objective_settings(config)["dfc_weight"]))
         saved = private_dir / f"client-{k:03d}.safetensors"
         if saved.exists():
             model.load_state_dict(load_file(str(saved)), strict=False)
         global_state = msg.content["arrays"].to_torch_state_dict()
         round_no = int(msg.content["config"]["server-round"])
         result = train_round(model, crops, global_state, config.local_epochs, config.batch_size, config.lr,
-                             0.0, seed=config.seed * 1000 + k + round_no)
+                             0.0, seed=config.seed * 1000 + k + round_no,
+                             objective=LocalObjective(dfc_steps=config.dfc_steps, dfc_lr=config.dfc_lr))
         save_file({n: v.contiguous() for n, v in private_state(model).items()}, str(saved))
         content = RecordDict({"arrays": ArrayRecord(shareable_state(model)),
                               "metrics": MetricRecord({"train_loss": result.metrics["train_loss"],
