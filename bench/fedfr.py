@@ -74,7 +74,16 @@ def rows_for(partition: str, summaries: list[tuple[str, dict]]) -> list[dict]:
                      **_generic(central["global"]),
                      "pers. TAR@1e-2 global": mean_std(first["personalized"]["training_clients"].get("centralized"),
                                                        "tar@1e-2")})
-    return rows
+    columns = list(rows[1]) if len(rows) > 1 else list(rows[0])
+    return [{k: row.get(k, "-") for k in columns} for row in rows]  # every row every column, for the table
+
+
+def _mean(cell: str) -> float:
+    """The mean of a 'mean ± std' cell; NaN for 'n/a' or '-'."""
+    try:
+        return float(cell.split(" ")[0])
+    except ValueError:
+        return float("nan")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -85,12 +94,11 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    runs = [r for r in rows if "pers. TAR@1e-2 local" in r]
+    runs = [r for r in rows if r.get("pers. TAR@1e-2 local", "-") != "-"]  # the federated runs
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     x = np.arange(len(runs))
     for i, verifier in enumerate(("global", "local", "local+dfc")):
-        values = [float(r[f"pers. TAR@1e-2 {verifier}"].split(" ")[0]) if r[f"pers. TAR@1e-2 {verifier}"] != "n/a"
-                  else np.nan for r in runs]
+        values = [_mean(r[f"pers. TAR@1e-2 {verifier}"]) for r in runs]
         left.bar(x + (i - 1) * 0.27, values, 0.27, label=verifier)
     labels = [f"{r['partition']}\n{r['row']}" for r in runs]
     left.set_xticks(x, labels, rotation=30, ha="right", fontsize=7)
