@@ -23,12 +23,12 @@ from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
 
-ABLATION = [  # (row, method, hard negatives, contrastive, dfc)
-    ("FedAvg", "fedavg", False, False, False),
-    ("+ HN", "fedfr", True, False, False),
-    ("+ HN + contrastive", "fedfr", True, True, False),
-    ("+ HN + contrastive + DFC (FedFR)", "fedfr", True, True, True),
-]
+ABLATION = {  # key: (row, method, hard negatives, contrastive, dfc)
+    "fedavg": ("FedAvg", "fedavg", False, False, False),
+    "hn": ("+ HN", "fedfr", True, False, False),
+    "con": ("+ HN + contrastive", "fedfr", True, True, False),
+    "fedfr": ("+ HN + contrastive + DFC (FedFR)", "fedfr", True, True, True),
+}
 
 
 def _partition(name: str) -> dict:
@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--partitions", nargs="+", default=["iid", "dirichlet0.5"])
+    parser.add_argument("--rows", nargs="+", choices=list(ABLATION), default=list(ABLATION),
+                        help="which runs of the ablation (default all; the first must be fedavg for the "
+                             "pretrained and centralised rows)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     args = parser.parse_args(argv)
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for partition in args.partitions:
         summaries = []
-        for row in ABLATION:  # the table is rewritten after every run: a long benchmark shows progress
+        for row in (ABLATION[key] for key in args.rows):  # the table is rewritten after every run
             summaries.append((row[0], run_one(args, data, partition, row)))
             done = rows + rows_for(partition, summaries)
             write_results(args.out, "fedfr", {"data": str(data), "public_data": str(args.public_data),
