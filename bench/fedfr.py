@@ -42,7 +42,7 @@ def run_one(args, data: Path, partition: str, row: tuple) -> dict:
     name = f"{partition}-{label.replace(' ', '').replace('+', '_').replace('(', '').replace(')', '')}"
     config = SimConfig(data=str(data), clients=args.clients, rounds=args.rounds, **_partition(partition),
                        method=method, algorithm="fedavg", hard_negatives=hn, contrastive=con, dfc=dfc, patience=0,
-                       workers=args.workers, centralized=method == "fedavg", init="face", mlflow=False,
+                       workers=args.workers, centralized=args.centralized and method == "fedavg", init="face", mlflow=False,
                        public_data=str(args.public_data) if method == "fedfr" else None,
                        public_limit=args.public_limit)
     done = args.runs / name / "summary.json"
@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="which runs of the ablation (default all; the first must be fedavg for the "
                              "pretrained and centralised rows)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--no-centralized", dest="centralized", action="store_false",
+                        help="skip the centralised bound (it does not depend on the partition)")
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     args = parser.parse_args(argv)
     root = faces_dir() or Path("missing")
