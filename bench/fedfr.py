@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-centralized", dest="centralized", action="store_false",
                         help="skip the centralised bound (it does not depend on the partition)")
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
+    parser.add_argument("--name", default="fedfr", help="results file name (default fedfr: NAME.json/.md/.png)")
     args = parser.parse_args(argv)
     root = faces_dir() or Path("missing")
     data = args.data or root / "celeba_subset"
@@ -144,15 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         for row in (ABLATION[key] for key in args.rows):  # the table is rewritten after every run
             summaries.append((row[0], run_one(args, data, partition, row)))
             done = rows + rows_for(partition, summaries)
-            write_results(args.out, "fedfr", {"data": str(data), "public_data": str(args.public_data),
+            write_results(args.out, args.name, {"data": str(data), "public_data": str(args.public_data),
                                               "clients": args.clients, "rounds": args.rounds,
                                               "complete": False}, done,
                           f"FedFR ablation: {args.clients} clients, {args.rounds} rounds, {data.name}", command)
         rows += rows_for(partition, summaries)
-    write_results(args.out, "fedfr", {"data": str(data), "public_data": str(args.public_data), "clients": args.clients,
+    write_results(args.out, args.name, {"data": str(data), "public_data": str(args.public_data), "clients": args.clients,
                                       "rounds": args.rounds, "complete": True}, rows,
                   f"FedFR ablation: {args.clients} clients, {args.rounds} rounds, {data.name}", command)
-    plot(rows, args.out / "fedfr.png")
+    plot(rows, args.out / f"{args.name}.png")
     return 0
 
 
