@@ -103,7 +103,8 @@ def plot(rows: list[dict], path: Path) -> None:
     labels = [f"{r['partition']}\n{r['row']}" for r in runs]
     left.set_xticks(x, labels, rotation=30, ha="right", fontsize=7)
     left.set_ylabel("per-client TAR@FAR=1e-2 (mean)")
-    left.legend()
+    left.set_ylim(0, 1)
+    left.legend(loc="upper left", ncol=3)
     right.bar(x, [r["AUC"] for r in runs], color="grey")
     right.set_xticks(x, labels, rotation=30, ha="right", fontsize=7)
     right.set_ylim(min(r["AUC"] for r in runs) - 0.02, max(r["AUC"] for r in runs) + 0.01)
