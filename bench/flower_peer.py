@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         round_no = int(msg.content["config"]["server-round"])
         result = train_round(model, crops, global_state, config.local_epochs, config.batch_size, config.lr,
                              0.0, seed=config.seed * 1000 + k + round_no,
-                             objective=LocalObjective(dfc_steps=config.dfc_steps, dfc_lr=config.dfc_lr))
+                             objective=LocalObjective(dfc_steps=config.dfc_steps, dfc_lr=config.dfc_lr,
+                                                      imprint_head=config.imprint_head))
         save_file({n: v.contiguous() for n, v in private_state(model).items()}, str(saved))
         content = RecordDict({"arrays": ArrayRecord(shareable_state(model)),
                               "metrics": MetricRecord({"train_loss": result.metrics["train_loss"],

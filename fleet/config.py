@@ -49,6 +49,7 @@ class SimConfig:
     alpha_con: float = 5.0
     dfc_steps: int = 300
     dfc_lr: float = 1e-2
+    imprint_head: bool = True
     public_data: str | None = None     # FedFR's D_g: aligned faces of people no client has
     public_limit: int = 2000
     local_epochs: int = 1

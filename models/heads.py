@@ -80,6 +80,21 @@ def build_head(name: str, dim: int, n_classes: int, s: float | None = None, m: f
     return cls(dim, n_classes, **kwargs)
 
 
+@torch.no_grad()
+def imprint(head: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> bool:
+    """Set each class centre to the normalised mean of its normalised features (weight imprinting,
+    Qi et al., CVPR 2018). A random head's first gradients scramble a pretrained embedding; centres
+    imprinted from that embedding start the margin loss where the features already are. Classes
+    without features keep their centres. Returns False for heads without class centres (softmax)."""
+    if not isinstance(head, _CosineHead) or len(features) == 0:
+        return False
+    features = F.normalize(features.float(), dim=1)
+    sums = torch.zeros_like(head.weight).index_add_(0, labels.long(), features)
+    present = torch.bincount(labels.long(), minlength=head.weight.shape[0]) > 0
+    head.weight[present] = F.normalize(sums[present], dim=1).to(head.weight.dtype)
+    return True
+
+
 def inverse_frequency_weights(labels: torch.Tensor, n_classes: int) -> torch.Tensor:
     """Class weights n / (K * count_k), so rare identities count as much as common ones."""
     counts = torch.bincount(labels, minlength=n_classes).float()

@@ -28,6 +28,9 @@ def add_objective_options(group) -> None:
     group.add_argument("--dfc-steps", type=int, default=300,
                        help="steps fitting the DFC branch on frozen features after local training (default 300)")
     group.add_argument("--dfc-lr", type=float, default=1e-2, help="learning rate of that fit (default 1e-2)")
+    group.add_argument("--imprint-head", action=argparse.BooleanOptionalAction, default=True,
+                       help="each round, set the device's class centres to its people's mean embedding under the "
+                            "received model before training (weight imprinting; default on)")
 
 
 def objective_settings(args) -> dict:
@@ -37,7 +40,8 @@ def objective_settings(args) -> dict:
     return {"hard_negatives": fedfr if args.hard_negatives is None else args.hard_negatives,
             "contrastive": fedfr if args.contrastive is None else args.contrastive,
             "t_hn": args.t_hn, "tau": args.tau, "alpha_cos": args.alpha_cos, "alpha_con": args.alpha_con,
-            "dfc_steps": args.dfc_steps, "dfc_lr": args.dfc_lr, "dfc_weight": dfc_weight}
+            "dfc_steps": args.dfc_steps, "dfc_lr": args.dfc_lr, "dfc_weight": dfc_weight,
+            "imprint_head": args.imprint_head}
 
 
 def aggregation_algorithm(method: str | None, fallback: str) -> str:

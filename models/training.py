@@ -25,7 +25,7 @@ from models.face_model import FaceModel, ModelConfig, load_checkpoint, save_chec
 from models.faces import augment
 from models.faces.crops import FaceCrops
 from models.faces.splits import TrainingSplit
-from models.heads import inverse_frequency_weights
+from models.heads import imprint, inverse_frequency_weights
 from models.tracking import NullTracker, Tracker
 
 
@@ -45,6 +45,7 @@ class TrainConfig:
     dfc: bool = False
     dfc_weight: float = 1.0
     class_weighted: bool = False
+    imprint_head: bool = True          # class centres from the starting model's features (models.heads.imprint)
     seed: int = 0
     max_eval_pairs: int = 100_000
     progress: bool = True
@@ -64,6 +65,27 @@ class CropDataset(Dataset):
 
     def __getitem__(self, i: int):
         return self.transform(self.images[i]), self.labels[i]
+
+
+def as_chw(images: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
+
+
+@torch.no_grad()
+def frozen_features(backbone: torch.nn.Module, images: np.ndarray, views: int = 1, seed: int = 0,
+                    batch_size: int = 64) -> torch.Tensor:
+    """Theta(x) in eval mode for `views` views of each image: the first unaugmented, the rest weakly augmented."""
+    was_training = backbone.training
+    backbone.eval()
+    torch.manual_seed(seed)
+    plain, weak = augment.plain(), augment.build("weak")
+    chw, out = as_chw(images), []
+    for v in range(views):
+        transform = plain if v == 0 else weak
+        for start in range(0, len(chw), batch_size):
+            out.append(backbone(torch.stack([transform(im) for im in chw[start:start + batch_size]])))
+    backbone.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 def build_model(config: TrainConfig, train: FaceCrops) -> FaceModel:
@@ -141,12 +163,19 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(config.seed)
         self.model = build_model(config, split.train)
+        if config.imprint_head and config.init != "none":
+            self._imprint()
         self.optimiser = torch.optim.Adam(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.history: list[dict] = []
         self.best_loss, self.best_epoch, self.bad_epochs, self.start_epoch = float("inf"), None, 0, 1
         self.status = "running"
         self.tracker_run_id: str | None = None
+
+    def _imprint(self) -> None:
+        """A pretrained embedding starts with its classifier where its features are, not at random."""
+        features = frozen_features(self.model.backbone, self.split.train.images, seed=self.config.seed)
+        imprint(self.model.head, features, torch.from_numpy(self.split.train.labels))
 
     @property
     def eval_crops(self) -> FaceCrops:

@@ -81,6 +81,7 @@ class TrainingConfig(_Body):
     dfc_steps: int = Field(300, ge=0, le=20_000)  # fitting the DFC branch on frozen features after local training
     dfc_lr: float = Field(1e-2, gt=0, le=1.0)
     dfc_views: int = Field(2, ge=1, le=16)     # views of each local image (the first unaugmented) for that fit
+    imprint_head: bool = True             # local class centres from the received model's features each round
 
 
 class RoundAnnouncement(_Body):

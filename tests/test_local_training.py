@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from edge_client.local_training import train_round
+from edge_client.local_training import LocalObjective, train_round
 from models.face_model import FaceModel, ModelConfig, shareable_state
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
@@ -40,3 +40,35 @@ def test_fedprox_keeps_the_local_model_closer_to_the_global_one(synthetic_dir):
         drift[mu] = sum(float(np.sum(d.astype(np.float64) ** 2)) for n, d in result.delta.items()
                         if d.dtype.kind == "f" and "running" not in n)
     assert drift[50.0] < drift[0.0]
+
+
+def test_imprint_sets_each_centre_to_its_class_mean_and_leaves_absent_classes():
+    from models.heads import CosFaceHead, SoftmaxHead, imprint
+
+    head = CosFaceHead(2, 3)
+    before = head.weight.detach().clone()
+    features = torch.tensor([[2.0, 0.0], [0.0, 5.0], [0.0, 1.0], [1.0, 1.0]])
+    labels = torch.tensor([0, 0, 0, 1])
+    assert imprint(head, features, labels)
+    expected0 = torch.nn.functional.normalize(torch.tensor([1.0, 2.0]), dim=0)  # mean of the unit vectors
+    assert torch.allclose(head.weight[0], expected0, atol=1e-6)
+    assert torch.allclose(head.weight[1], torch.tensor([0.5 ** 0.5, 0.5 ** 0.5]), atol=1e-6)
+    assert torch.equal(head.weight[2], before[2])
+    assert not imprint(SoftmaxHead(2, 3), features, labels)
+
+
+def test_a_round_starts_from_centres_imprinted_by_the_received_model(synthetic_dir):
+    from models.training import frozen_features
+
+    crops = crop_index(load_index(synthetic_dir), CropConfig(detector="none"), use_cache=False, progress=False)
+    torch.manual_seed(0)
+    model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=0.35, pretrained=False))
+    global_state = {k: v.clone() for k, v in shareable_state(model).items()}
+    features = torch.nn.functional.normalize(frozen_features(model.backbone, crops.images), dim=1)
+    means = torch.stack([features[torch.from_numpy(crops.labels == c)].mean(0) for c in range(len(crops.identities))])
+    for imprinted in (True, False):
+        train_round(model, crops, global_state, epochs=1, batch_size=16, lr=1e-9,  # the head barely moves
+                    objective=LocalObjective(imprint_head=imprinted, dfc_steps=0))
+        cosine = torch.nn.functional.cosine_similarity(model.head.weight.detach(), means).min()
+        assert (cosine > 0.999) == imprinted
+        model.head.weight.data.normal_()  # a stale head, as after another model's round
