@@ -3,14 +3,17 @@
 Every route that changes state or names a device or a model needs the API token
 (`Authorization: Bearer TOKEN`, the token in `STATE/api-token`). A browser never attaches
 that header to a cross-site form post, so such posts are refused too. `/health` and
-`/metrics` stay open and show counts, never ids.
+`/metrics` stay open and show counts, never ids; `/public-set` serves FedFR's public faces.
 """
 from __future__ import annotations
 
 import hmac
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import FileResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+from coordinator.public_set import ROUTE as PUBLIC_SET_ROUTE
 
 MAX_PAGE = 500
 
@@ -80,6 +83,14 @@ def create_app(service) -> FastAPI:
     def start() -> dict:
         engine.running = True
         return engine.status()
+
+    @app.get(PUBLIC_SET_ROUTE)
+    def public_set() -> Response:
+        """FedFR's public set D_g (open: public faces of nobody's people; devices check its signed sha256)."""
+        path = service.config.public_set
+        if path is None:
+            raise HTTPException(404, "this coordinator serves no public set (ffr coordinator serve --public-set)")
+        return FileResponse(path, media_type="application/octet-stream", filename="public_set.safetensors")
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -45,6 +45,7 @@ class ServiceConfig:
     start_paused: bool = False  # rounds start only when the caller sets engine.running (the fleet simulator)
     broker_acl: bool = True     # the embedded broker enforces per-device logins and ACLs
     tls: bool = False           # the embedded broker speaks TLS with a CA generated in STATE/tls
+    public_set: Path | None = None  # FedFR's D_g, served at GET /public-set (coordinator.public_set)
 
 
 def api_token(state: Path) -> tuple[str, bool]:

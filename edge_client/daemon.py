@@ -26,7 +26,8 @@ from safetensors.torch import load_file as load_torch
 
 from edge_client.home import DeviceHome
 from edge_client.local_training import LocalObjective, train_round
-from edge_client.public_set import load_public_set
+from edge_client.public_set import fetch_public_set
+from models.public_set import PublicSet, PublicSetError, load_public_set
 from models.face_model import FaceModel, ModelConfig, from_numpy_state, private_state, shareable_state
 from models.faces.crops import CropConfig, crop_index
 from models.state_norms import clip_to_norm, without_running_stats
@@ -48,11 +49,12 @@ class EdgeDevice:
                  broker: str | None = None, ca_file: str | None = None, export_onnx: bool = True, seed: int = 0,
                  crop_cache: Path | None = None, delta_hook=None, public_set: Path | None = None):
         """`delta_hook(delta, n_samples, global_state) -> (delta, n_samples)`: a fleet experiment's malicious
-        device (fleet.attacks); None on every real device. `public_set`: FedFR's D_g (edge_client.public_set),
+        device (fleet.attacks); None on every real device. `public_set`: FedFR's D_g (models.public_set),
         read when a round asks for hard negatives."""
         self.delta_hook = delta_hook
         self.public_set_path = None if public_set is None else Path(public_set)
-        self._public: np.ndarray | None = None
+        self._public: PublicSet | None = None
+        self._public_sha: str | None = None  # the hash of the coordinator's set held in self._public
         self.credential = credential if isinstance(credential, Credential) else Credential.load(Path(credential))
         self.device_id, self.home = self.credential.device_id, DeviceHome(home)
         self.coordinator_key = self.credential.coordinator_public_key
@@ -214,17 +216,29 @@ class EdgeDevice:
             self.model_payload = payload
             self.downloaded.set()
 
-    def _public_images(self, cfg) -> np.ndarray | None:
-        """D_g, read once, only when the round samples hard negatives; a device without one trains without."""
+    def _public_images(self, cfg) -> PublicSet | None:
+        """D_g, only when the round samples hard negatives: the operator's `--public-set` file, else the one the
+        coordinator announces (fetched once, checked against its signed sha256). Without either, or when the
+        fetch fails, the device trains without hard negatives this round and says why."""
         if not cfg.hard_negatives:
             return None
-        if self.public_set_path is None:
-            log.warning("%s: the round asks for hard negatives but this device has no public set (--public-set)",
-                        self.device_id)
+        try:
+            if self.public_set_path is not None:
+                if self._public is None:
+                    self._public = load_public_set(self.public_set_path)
+                return self._public
+            if cfg.public_set_sha256 is None:
+                log.warning("%s: the round asks for hard negatives but neither the coordinator nor --public-set "
+                            "gives this device a public set", self.device_id)
+                return None
+            if self._public_sha != cfg.public_set_sha256:
+                path = fetch_public_set(cfg.public_set_url, cfg.public_set_sha256, cfg.public_set_bytes,
+                                        self.home.root / "public")
+                self._public, self._public_sha = load_public_set(path, cfg.public_set_sha256), cfg.public_set_sha256
+            return self._public
+        except PublicSetError as exc:
+            log.warning("%s: training without hard negatives this round: %s", self.device_id, exc)
             return None
-        if self._public is None:
-            self._public = load_public_set(self.public_set_path)
-        return self._public
 
     def _ensure_model(self, job: RoundAnnouncement) -> FaceModel:
         cfg = job.config

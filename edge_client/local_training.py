@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from models.dfc import NEGATIVE, fit_dfc
 from models.face_model import FaceModel, load_shareable_state, shareable_state
 from models.faces import augment
-from models.heads import imprint
+from models.heads import CosineHead, class_centres, imprint
+from models.public_set import PublicSet
 from models.faces.crops import FaceCrops
 from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
 from models.training import TrainConfig, as_chw, frozen_features, train_epoch, train_loader
@@ -67,24 +68,67 @@ def proximal_term(model: FaceModel, anchor: dict[str, torch.Tensor]) -> torch.Te
     return sum(((p - anchor[n]) ** 2).sum() for n, p in model.backbone.named_parameters())
 
 
+@dataclass
+class HardNegatives:
+    """This round's sample of D_g: images (NCHW uint8) and, for a labelled D_g, each image's class among
+    the sampled public people and those people's centres (learnable for this round, then dropped)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor | None = None
+    centres: torch.nn.Parameter | None = None
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+
+def sample_hard_negatives(backbone: torch.nn.Module, public: PublicSet, local_features: torch.Tensor,
+                          t_hn: float, seed: int, labelled_classes: bool) -> HardNegatives:
+    """FedFR's HN sampling under the received model; with identity labels, the sampled people's centres
+    are imprinted from all their public images, so they join the classification (eq. 3)."""
+    public_features = frozen_features(backbone, public.images, seed=seed)
+    chosen = hard_negatives(public_features, local_features, t_hn)
+    sample = HardNegatives(as_chw(public.images[chosen.numpy()]))
+    if labelled_classes and public.labels is not None and len(chosen):
+        classes, index = np.unique(public.labels[chosen.numpy()], return_inverse=True)
+        of_sampled = np.isin(public.labels, classes)
+        centres, _ = class_centres(public_features[torch.from_numpy(of_sampled)],
+                                   torch.from_numpy(np.searchsorted(classes, public.labels[of_sampled])), len(classes))
+        sample.labels = torch.from_numpy(index.reshape(-1)).long()
+        sample.centres = torch.nn.Parameter(centres)
+    return sample
+
+
 def _fedfr_epoch(model: FaceModel, loader, optimiser: torch.optim.Optimizer, objective: LocalObjective,
-                 negatives: torch.Tensor | None, global_net, previous_net, generator: torch.Generator,
+                 negatives: HardNegatives | None, global_net, previous_net, generator: torch.Generator,
                  regulariser=None) -> dict:
-    """One pass of eq. 7 over the local data, each batch joined by as many hard negatives as half its size."""
+    """One pass of eq. 7 over the local data, each batch joined by as many hard negatives as half its size:
+    with a labelled D_g as members of their own classes (balanced CosFace, eq. 3), else as negatives to
+    every local class (`negative_margin_loss`)."""
     model.train()
     weak = augment.build("weak")
-    sums = {"train_loss": 0.0, "cos_loss": 0.0, "con_loss": 0.0, "neg_loss": 0.0}
+    sums = {"train_loss": 0.0, "total_loss": 0.0, "cos_loss": 0.0, "con_loss": 0.0, "neg_loss": 0.0}
     correct = seen = 0
+    n_local = model.head.weight.shape[0] if hasattr(model.head, "weight") else 0
     for x, y in loader:
         n_pub = 0 if negatives is None or len(negatives) == 0 else max(1, len(y) // 2)
         if n_pub:
             pick = torch.randint(0, len(negatives), (n_pub,), generator=generator)
-            x = torch.cat([x, torch.stack([weak(im) for im in negatives[pick]])])
+            x = torch.cat([x, torch.stack([weak(im) for im in negatives.images[pick]])])
         features = model.backbone(x)
         f, f_pub = features[:len(y)], features[len(y):]
-        cos_loss = F.cross_entropy(model.head(f, y), y, weight=model.class_weights)
+        if n_pub and negatives.centres is not None:
+            labels = torch.cat([y, negatives.labels[pick] + n_local])
+            weight = torch.ones(len(labels)) if model.class_weights is None else \
+                torch.cat([model.class_weights, torch.ones(len(negatives.centres))])[labels]
+            per_row = F.cross_entropy(model.head(features, labels, extra=negatives.centres), labels,
+                                      reduction="none") * weight
+            cos_loss = per_row.sum() / weight.sum()
+            local_cos = per_row[:len(y)].sum() / weight[:len(y)].sum()  # the figure that may be sent
+        else:
+            cos_loss = local_cos = F.cross_entropy(model.head(f, y), y, weight=model.class_weights)
         loss = objective.alpha_cos * cos_loss
-        if n_pub and hasattr(model.head, "weight"):
+        local_loss = objective.alpha_cos * local_cos.detach()
+        if n_pub and negatives.centres is None and hasattr(model.head, "weight"):
             neg_loss = negative_margin_loss(f_pub, model.head.weight, objective.t_hn)
             loss = loss + objective.alpha_cos * neg_loss
             sums["neg_loss"] += float(neg_loss.detach()) * len(y)
@@ -93,6 +137,7 @@ def _fedfr_epoch(model: FaceModel, loader, optimiser: torch.optim.Optimizer, obj
                 f_global, f_previous = global_net(x[:len(y)]), previous_net(x[:len(y)])
             con_loss = contrastive_loss(f, f_global, f_previous, objective.tau)
             loss = loss + objective.alpha_con * con_loss
+            local_loss = local_loss + objective.alpha_con * con_loss.detach()
             sums["con_loss"] += float(con_loss.detach()) * len(y)
         if model.dfc is not None:
             labels = torch.cat([y, torch.full((n_pub,), NEGATIVE, dtype=y.dtype)])
@@ -102,8 +147,9 @@ def _fedfr_epoch(model: FaceModel, loader, optimiser: torch.optim.Optimizer, obj
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
-        sums["train_loss"] += float(loss.detach()) * len(y)
-        sums["cos_loss"] += float(cos_loss.detach()) * len(y)
+        sums["total_loss"] += float(loss.detach()) * len(y)
+        sums["train_loss"] += float(local_loss) * len(y)  # local images' terms only: nothing about D_g
+        sums["cos_loss"] += float(local_cos.detach()) * len(y)
         with torch.no_grad():
             correct += int((model.head.logits(f).argmax(1) == y).sum())
         seen += len(y)
@@ -121,29 +167,35 @@ def _frozen_copy(backbone: torch.nn.Module, state: dict[str, torch.Tensor] | Non
 
 def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torch.Tensor], epochs: int,
                 batch_size: int, lr: float, prox_mu: float = 0.0, seed: int = 0,
-                objective: LocalObjective | None = None, public: np.ndarray | None = None,
+                objective: LocalObjective | None = None, public: PublicSet | np.ndarray | None = None,
                 previous_state: dict[str, torch.Tensor] | None = None) -> LocalResult:
-    """Train on the device's crops from the global backbone. `public` (NHWC uint8 aligned crops) is D_g;
+    """Train on the device's crops from the global backbone. `public` is D_g (or its NHWC uint8 crops alone);
     `previous_state` the device's last local backbone (keys `backbone.*`), for the contrastive term."""
     objective = objective or LocalObjective()
     load_shareable_state(model, global_state)
     start = {k: v.clone() for k, v in shareable_state(model).items()}
     anchor = {n: p.detach().clone() for n, p in model.backbone.named_parameters()}
+    if isinstance(public, np.ndarray):
+        public = PublicSet(public)
+    use_public = objective.hard_negatives and public is not None and len(public) > 0
     local_features = None
-    if objective.imprint_head or (objective.hard_negatives and public is not None and len(public)):
+    if objective.imprint_head or use_public:
         local_features = frozen_features(model.backbone, crops.images, seed=seed)
     if objective.imprint_head:  # the head's centres from the received model, not last round's backbone
         imprint(model.head, local_features, torch.from_numpy(crops.labels))
-    optimiser = torch.optim.Adam(model.parameters(), lr=lr)
+    private: dict[str, float] = {}
+    negatives = None
+    if use_public:
+        negatives = sample_hard_negatives(model.backbone, public, local_features, objective.t_hn, seed,
+                                          isinstance(model.head, CosineHead))
+        private.update({"hn_fraction": len(negatives) / len(public), "hn_sampled": float(len(negatives))})
+        if negatives.centres is not None:
+            private["hn_classes"] = float(len(negatives.centres))
+    extra = [negatives.centres] if negatives is not None and negatives.centres is not None else []
+    optimiser = torch.optim.Adam(list(model.parameters()) + extra, lr=lr)
     generator = torch.Generator().manual_seed(seed)
     loader = train_loader(crops, TrainConfig(batch_size=batch_size, aug="weak"), generator)
     regulariser = (lambda: prox_mu / 2.0 * proximal_term(model, anchor)) if prox_mu > 0 else None
-    private: dict[str, float] = {}
-    negatives = None
-    if objective.hard_negatives and public is not None and len(public):
-        chosen = hard_negatives(frozen_features(model.backbone, public, seed=seed), local_features, objective.t_hn)
-        negatives = as_chw(public[chosen.numpy()])
-        private.update({"hn_fraction": len(chosen) / len(public), "hn_sampled": float(len(chosen))})
     if objective.fedfr_loop:
         global_net = _frozen_copy(model.backbone) if objective.contrastive else None
         previous_net = _frozen_copy(model.backbone, previous_state) if objective.contrastive else None
@@ -152,17 +204,18 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     else:
         history = [train_epoch(model, loader, optimiser, regulariser=regulariser) for _ in range(epochs)]
     metrics = dict(history[-1])
-    if "neg_loss" in metrics:  # a figure about D_g: the device's log only
-        private["neg_loss"] = metrics.pop("neg_loss")
+    for key in ("neg_loss", "total_loss"):  # figures that involve D_g: the device's log only
+        if key in metrics:
+            private[key] = metrics.pop(key)
     if model.dfc is not None and objective.dfc_steps > 0:
         features = frozen_features(model.backbone, crops.images, objective.dfc_views, seed)
         labels = torch.from_numpy(np.tile(crops.labels, objective.dfc_views)).long()
         if negatives is not None and len(negatives):
-            public_features = frozen_features(model.backbone, negatives.permute(0, 2, 3, 1).numpy(), seed=seed)
+            public_features = frozen_features(model.backbone, negatives.images.permute(0, 2, 3, 1).numpy(), seed=seed)
             features = torch.cat([features, public_features])
             labels = torch.cat([labels, torch.full((len(public_features),), NEGATIVE)])
-        metrics["dfc_fit_loss"] = fit_dfc(model.dfc, features, labels, objective.dfc_steps, objective.dfc_lr,
-                                          seed=seed)
+        fit_loss = fit_dfc(model.dfc, features, labels, objective.dfc_steps, objective.dfc_lr, seed=seed)
+        (private if negatives is not None else metrics)["dfc_fit_loss"] = fit_loss
     model.eval()
     end = shareable_state(model)
     delta = {k: (end[k].double() - start[k].double()).numpy() if end[k].is_floating_point()

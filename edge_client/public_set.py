@@ -1,63 +1,53 @@
-"""The public face set D_g that FedFR puts on every device: one read-only safetensors file.
+"""The device's copy of FedFR's public set D_g, fetched once from the coordinator over HTTP.
 
-Aligned crops of people who are nobody's enrolled people (e.g. `utkface_aligned/`), uint8
-N x 128 x 128 x 3 under the key `images`, with its sha256 so a device can check the copy it was
-given (in deployment, the file the coordinator serves once; in the fleet, one file per run). The
-device reads it, samples hard negatives from it, and never sends anything about it.
+The round configuration (signed by the coordinator) names the file's URL, sha256 and size. The
+device downloads it at most once per hash into its home, refuses a body that is larger than
+announced or hashes differently (a tampering proxy or a wrong server), and keeps it read-only.
+Only a GET leaves the device: nothing about the set, or about which faces it sampled, is sent.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import urllib.request
 from pathlib import Path
 
-import numpy as np
-from safetensors.numpy import load_file, save_file
+from models.public_set import PublicSetError
 
-KEY = "images"
-SIZE = 128  # the embedder's input: a 112 px ArcFace-template crop resized is the same template scaled
-
-
-class PublicSetError(ValueError):
-    pass
+log = logging.getLogger(__name__)
+BLOCK = 1 << 20
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def cached_path(folder: Path, sha256: str) -> Path:
+    return Path(folder) / f"{sha256}.safetensors"
 
 
-def build_public_set(folder: Path, out: Path, limit: int = 2000, seed: int = 0, progress: bool = False) -> str:
-    """Sample up to `limit` aligned face images under `folder` (flat or per identity) into `out`; its sha256."""
-    from models.distill_data import list_images, load_crops
-
-    files = list_images([Path(folder)])
-    if len(files) > limit:
-        chosen = np.random.default_rng(seed).choice(len(files), limit, replace=False)
-        files = [files[i] for i in sorted(chosen)]
-    images, _, unreadable = load_crops(files, SIZE, progress=progress)
-    if len(images) == 0:
-        raise PublicSetError(f"no readable face images under {folder} ({len(unreadable)} unreadable)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    save_file({KEY: np.ascontiguousarray(images)}, str(tmp), metadata={"source": str(folder), "seed": str(seed)})
-    tmp.replace(out)
-    return sha256_file(out)
-
-
-def load_public_set(path: Path, sha256: str | None = None) -> np.ndarray:
-    """The crops of a public set file, refused when its hash or shape is not what it should be."""
-    path = Path(path)
-    if not path.is_file():
-        raise PublicSetError(f"public set not found: {path}")
-    if sha256 is not None and sha256_file(path) != sha256:
-        raise PublicSetError(f"public set {path} does not match its sha256 {sha256[:16]}...")
+def fetch_public_set(url: str, sha256: str, size: int, folder: Path, timeout_s: float = 60.0) -> Path:
+    """The path of the verified copy, downloading it first if this device does not hold it yet."""
+    path = cached_path(folder, sha256)
+    if path.exists():
+        return path
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{sha256}.part"
+    digest, received = hashlib.sha256(), 0
     try:
-        images = load_file(str(path))[KEY]
-    except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file is refused with its reason
-        raise PublicSetError(f"{path} is not a public set file ({exc})") from None
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (SIZE, SIZE, 3):
-        raise PublicSetError(f"{path}: expected uint8 N x {SIZE} x {SIZE} x 3 crops, got {images.dtype} {images.shape}")
-    return images
+        with urllib.request.urlopen(url, timeout=timeout_s) as response, open(tmp, "wb") as out:
+            while block := response.read(BLOCK):
+                received += len(block)
+                if received > size:
+                    raise PublicSetError(f"public set from {url} is larger than the announced {size} bytes")
+                digest.update(block)
+                out.write(block)
+        if received != size or digest.hexdigest() != sha256:
+            raise PublicSetError(f"public set from {url}: {received} bytes with sha256 {digest.hexdigest()[:16]}..., "
+                                 f"announced {size} bytes with {sha256[:16]}...")
+        os.chmod(tmp, 0o444)
+        tmp.replace(path)
+    except OSError as exc:  # network errors (URLError is an OSError) and disk errors alike
+        raise PublicSetError(f"could not fetch the public set from {url}: {exc}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("public set %s... fetched from %s (%d bytes)", sha256[:16], url, size)
+    return path

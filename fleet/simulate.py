@@ -98,13 +98,13 @@ class Simulation:
 
     # setup ------------------------------------------------------------------
     def _public_set(self) -> Path | None:
-        """D_g packed once per run (edge_client.public_set); every device reads the same read-only file."""
+        """D_g packed once per run (models.public_set); every device reads the same read-only file."""
         c = self.config
         if c.public_data is None:
             return None
         path = self.run_dir / "public_set.safetensors"
         if not path.exists():
-            from edge_client.public_set import build_public_set
+            from models.public_set import build_public_set
 
             build_public_set(Path(c.public_data), path, c.public_limit, c.seed, progress=c.progress)
         return path

@@ -221,10 +221,18 @@ def cmd_coordinator_serve(args) -> int:
     from protocol.messages import TrainingConfig
 
     args.strategy = aggregation_algorithm(args.method, args.strategy)
+    public = {}
+    if args.public_set is not None:
+        from coordinator.public_set import announce_public_set, public_set_url
+
+        public = announce_public_set(args.public_set, public_set_url(args.http_host, args.http_port, args.public_url))
+    elif objective_settings(args)["hard_negatives"]:
+        print("hard negatives are on but this coordinator serves no public set (--public-set): each device needs "
+              "its own (`ffr edge run --public-set FILE`)", flush=True)
     training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=not args.no_dfc,
                               wire_dtype=args.wire_dtype, chunk_bytes=args.chunk_kib * 1024, width_mult=args.width_mult,
                               algorithm=args.strategy, prox_mu=args.mu, dp_clip=args.dp_clip,
-                              **objective_settings(args))
+                              **objective_settings(args), **public)
     settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
                              round_timeout_s=args.round_timeout, training=training, seed=args.seed,
                              combine=args.combine, trim=args.trim, byzantine=args.byzantine,
@@ -233,7 +241,8 @@ def cmd_coordinator_serve(args) -> int:
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
                            strategy=args.strategy, prox_mu=args.mu, server_momentum=args.server_momentum,
-                           init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls)
+                           init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls,
+                           public_set=args.public_set)
     return serve(config, settings, exit_when_done=args.exit_when_done)
 
 
@@ -256,7 +265,7 @@ def cmd_edge_run(args) -> int:
 
 
 def cmd_edge_public_set(args) -> int:
-    from edge_client.public_set import build_public_set
+    from models.public_set import build_public_set
 
     if args.limit < 1:
         raise ValueError("--limit must be at least 1")
@@ -324,8 +333,14 @@ def _add_federated_commands(sub) -> None:
     p.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
-    add_objective_options(p.add_argument_group(
-        "local objective (FedFR: devices need a public set, `ffr edge run --public-set`)"))
+    g = p.add_argument_group("local objective (FedFR's hard negatives need a public set: --public-set here, "
+                             "or `ffr edge run --public-set` on each device)")
+    add_objective_options(g)
+    g.add_argument("--public-set", type=Path,
+                   help="FedFR's D_g, a file from `ffr edge public-set`: served at GET /public-set and announced by "
+                        "sha256 in every round; devices fetch it once")
+    g.add_argument("--public-url", help="the URL devices fetch the public set from (default: "
+                                        "http://HTTP-HOST:HTTP-PORT/public-set)")
     g = p.add_argument_group("robust aggregation (every update is norm-bounded; the new model is checked)")
     g.add_argument("--combine", choices=COMBINERS, default="mean",
                    help="how updates are combined: the weighted mean (FedAvg), a coordinate-wise trimmed mean or "

@@ -26,7 +26,7 @@ class SoftmaxHead(nn.Module):
         return self.fc(emb)
 
 
-class _CosineHead(nn.Module):
+class CosineHead(nn.Module):
     """Class centres on the unit sphere; logits are s * cos(angle to each centre)."""
 
     def __init__(self, dim: int, n_classes: int, s: float, m: float):
@@ -35,32 +35,34 @@ class _CosineHead(nn.Module):
         nn.init.xavier_uniform_(self.weight)
         self.s, self.m = s, m
 
-    def cosine(self, emb: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.normalize(emb, dim=1), F.normalize(self.weight, dim=1)).clamp(-1.0, 1.0)
+    def cosine(self, emb: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """cos to each centre; `extra` centres (FedFR's public classes) are appended after the head's own."""
+        weight = self.weight if extra is None else torch.cat([self.weight, extra.to(self.weight.dtype)])
+        return F.linear(F.normalize(emb, dim=1), F.normalize(weight, dim=1)).clamp(-1.0, 1.0)
 
     def logits(self, emb: torch.Tensor) -> torch.Tensor:
         return self.s * self.cosine(emb)
 
 
-class CosFaceHead(_CosineHead):
+class CosFaceHead(CosineHead):
     """CosFace (Wang et al., CVPR 2018): s * (cos(theta_y) - m) for the true class."""
 
     def __init__(self, dim: int, n_classes: int, s: float = 30.0, m: float = 0.35):
         super().__init__(dim, n_classes, s, m)
 
-    def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        cos = self.cosine(emb)
+    def forward(self, emb: torch.Tensor, labels: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        cos = self.cosine(emb, extra)
         return self.s * (cos - self.m * F.one_hot(labels, cos.shape[1]).to(cos.dtype))
 
 
-class ArcFaceHead(_CosineHead):
+class ArcFaceHead(CosineHead):
     """ArcFace (Deng et al., CVPR 2019): s * cos(theta_y + m), linearised past pi - m."""
 
     def __init__(self, dim: int, n_classes: int, s: float = 30.0, m: float = 0.5):
         super().__init__(dim, n_classes, s, m)
 
-    def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        cos = self.cosine(emb)
+    def forward(self, emb: torch.Tensor, labels: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        cos = self.cosine(emb, extra)
         sin = torch.sqrt((1.0 - cos * cos).clamp_min(1e-7))
         with_margin = cos * math.cos(self.m) - sin * math.sin(self.m)
         # past theta = pi - m, cos(theta + m) stops decreasing; use CosFace-style fallback there
@@ -86,13 +88,20 @@ def imprint(head: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> bo
     Qi et al., CVPR 2018). A random head's first gradients scramble a pretrained embedding; centres
     imprinted from that embedding start the margin loss where the features already are. Classes
     without features keep their centres. Returns False for heads without class centres (softmax)."""
-    if not isinstance(head, _CosineHead) or len(features) == 0:
+    if not isinstance(head, CosineHead) or len(features) == 0:
         return False
-    features = F.normalize(features.float(), dim=1)
-    sums = torch.zeros_like(head.weight).index_add_(0, labels.long(), features)
-    present = torch.bincount(labels.long(), minlength=head.weight.shape[0]) > 0
-    head.weight[present] = F.normalize(sums[present], dim=1).to(head.weight.dtype)
+    centres, present = class_centres(features, labels, head.weight.shape[0])
+    head.weight[present] = centres[present].to(head.weight.dtype)
     return True
+
+
+@torch.no_grad()
+def class_centres(features: torch.Tensor, labels: torch.Tensor, n_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_classes x dim unit centres: the normalised mean of each class's normalised features,
+    which classes had any features)."""
+    sums = torch.zeros(n_classes, features.shape[1]).index_add_(0, labels.long(), F.normalize(features.float(), dim=1))
+    present = torch.bincount(labels.long(), minlength=n_classes) > 0
+    return F.normalize(sums, dim=1), present
 
 
 def inverse_frequency_weights(labels: torch.Tensor, n_classes: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ import json
 import time
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, TypeAdapter, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, TypeAdapter, ValidationError,
+                      model_validator)
 
 from protocol import SCHEMA_VERSION
 from protocol.auth import (MAX_SEQ, PUBLIC_KEY_PATTERN, SIGNATURE_PATTERN, AuthError, ReplayGuard, Signer,
@@ -21,6 +22,7 @@ from protocol.auth import (MAX_SEQ, PUBLIC_KEY_PATTERN, SIGNATURE_PATTERN, AuthE
 MAX_MESSAGE_BYTES = 256 * 1024     # a round announcement for thousands of participants still fits
 MAX_DEVICES_PER_ROUND = 4096
 MAX_INT = 2 ** 53
+MAX_PUBLIC_SET_BYTES = 4 << 30     # 4 GiB: ~80k 128 px crops; a device refuses to fetch more
 
 DeviceId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
@@ -82,6 +84,17 @@ class TrainingConfig(_Body):
     dfc_lr: float = Field(1e-2, gt=0, le=1.0)
     dfc_views: int = Field(2, ge=1, le=16)     # views of each local image (the first unaugmented) for that fit
     imprint_head: bool = True             # local class centres from the received model's features each round
+    # FedFR's D_g as the coordinator serves it (all three or none): fetched once over HTTP, kept by its hash
+    public_set_url: str | None = Field(None, max_length=512, pattern=r"^https?://[!-~]+$")
+    public_set_sha256: Hex64 | None = None
+    public_set_bytes: int | None = Field(None, ge=1, le=MAX_PUBLIC_SET_BYTES)
+
+    @model_validator(mode="after")
+    def _public_set_complete(self) -> "TrainingConfig":
+        given = [v is not None for v in (self.public_set_url, self.public_set_sha256, self.public_set_bytes)]
+        if any(given) and not all(given):
+            raise ValueError("public_set_url, public_set_sha256 and public_set_bytes come together")
+        return self
 
 
 class RoundAnnouncement(_Body):

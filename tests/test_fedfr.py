@@ -109,20 +109,35 @@ def test_a_fedfr_round_samples_hard_negatives_and_keeps_them_on_the_device(faces
                          previous_state=global_state)
     assert set(result.delta) == set(global_state), "only the backbone's delta"
     assert 0 < result.private_metrics["hn_fraction"] <= 1 and "neg_loss" in result.private_metrics
-    assert not {"hn_fraction", "hn_sampled", "neg_loss"} & set(result.metrics), "nothing about D_g is sent"
+    assert not {"hn_fraction", "hn_sampled", "neg_loss", "total_loss", "dfc_fit_loss"} & set(result.metrics), \
+        "nothing about D_g is sent"
     assert abs(result.metrics["con_loss"]) < 1e-5, "previous = global: the contrastive term pulls nothing"
     assert all(np.isfinite(v).all() for v in result.delta.values())
 
 
 def test_public_set_file_round_trip_and_refusals(tmp_path, synthetic_dir, capsys):
-    from edge_client.public_set import PublicSetError, load_public_set
+    from models.public_set import PublicSetError, load_public_set
     from models.cli import main
 
     out = tmp_path / "public.safetensors"
     assert main(["-q", "edge", "public-set", "--data", str(synthetic_dir), "--out", str(out), "--limit", "7"]) == 0
     sha = capsys.readouterr().out.split("sha256 ")[1].strip()
-    images = load_public_set(out, sha)
-    assert images.shape == (7, 128, 128, 3) and images.dtype == np.uint8
+    public = load_public_set(out, sha)
+    assert public.images.shape == (7, 128, 128, 3) and public.images.dtype == np.uint8
+    names = sorted({p.parent.name for p in synthetic_dir.rglob("*.png")} | {p.parent.name for p in synthetic_dir.rglob("*.jpg")})
+    assert public.labels is not None and public.labels.dtype == np.int64 and public.labels.max() < len(names), \
+        "one folder per person: a labelled set"
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i, f in enumerate(sorted(synthetic_dir.rglob("*.png"))[:3]):
+        (flat / f"{i}.png").write_bytes(f.read_bytes())
+    assert main(["-q", "edge", "public-set", "--data", str(flat), "--out", str(tmp_path / "flat.safetensors")]) == 0
+    assert load_public_set(tmp_path / "flat.safetensors").labels is None, "a flat folder: unlabelled"
+    from safetensors.numpy import save_file
+
+    save_file({"images": public.images, "labels": np.full(7, 99, np.int64)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(PublicSetError, match="identity labels"):
+        load_public_set(tmp_path / "bad.safetensors")
 
     with pytest.raises(PublicSetError, match="sha256"):
         load_public_set(out, "0" * 64)
@@ -130,3 +145,41 @@ def test_public_set_file_round_trip_and_refusals(tmp_path, synthetic_dir, capsys
     with pytest.raises(PublicSetError, match="not a public set"):
         load_public_set(tmp_path / "junk.safetensors")
     assert main(["-q", "edge", "public-set", "--data", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+
+
+def test_a_labelled_public_set_joins_the_classification_for_one_round(faces_dir):
+    """Balanced CosFace (eq. 3): sampled public people become extra classes, their centres imprinted from all
+    their public images under the received model; they live for the round only and are never sent."""
+    from edge_client.local_training import sample_hard_negatives
+    from models.face_model import FaceModel, ModelConfig, from_numpy_state
+    from models.face_weights import face_global_state
+    from models.public_set import PublicSet
+    from models.training import frozen_features
+
+    torch.manual_seed(0)
+    train, _, public = _two_people(faces_dir, 6)
+    pick = np.arange(0, len(public), 6)
+    labelled = PublicSet(public.images[pick], (public.labels[pick] - 10).astype(np.int64))
+    model = FaceModel(ModelConfig(n_classes=2, pretrained=False, dfc=True))
+    global_state = from_numpy_state(face_global_state())
+    model.load_state_dict(global_state, strict=False)
+
+    local = frozen_features(model.backbone, train.images)
+    sample = sample_hard_negatives(model.backbone, labelled, local, 0.3, 0, labelled_classes=True)
+    chosen = hard_negatives(frozen_features(model.backbone, labelled.images), local, 0.3)
+    classes = np.unique(labelled.labels[chosen.numpy()])
+    assert len(sample) == len(chosen) > 0 and sample.centres.shape == (len(classes), 128)
+    assert np.array_equal(classes[sample.labels.numpy()], labelled.labels[chosen.numpy()])
+    features = F.normalize(frozen_features(model.backbone, labelled.images), dim=1)
+    for k, c in enumerate(classes):  # each centre: the normalised mean over all of that person's public images
+        expected = F.normalize(features[torch.from_numpy(labelled.labels == c)].mean(0), dim=0)
+        assert torch.allclose(sample.centres[k].detach(), expected, atol=1e-5)
+
+    result = train_round(model, train, global_state, 1, 8, 1e-4, public=labelled,
+                         objective=LocalObjective(hard_negatives=True, t_hn=0.3, dfc_steps=20))
+    assert result.private_metrics["hn_classes"] == len(classes)
+    assert result.private_metrics["neg_loss"] == 0.0, "labelled public faces are classes, not margin negatives"
+    assert model.head.weight.shape == (2, 128), "the public centres lived for the round only"
+    assert not {"hn_fraction", "hn_sampled", "hn_classes", "total_loss", "dfc_fit_loss", "neg_loss"} & \
+        set(result.metrics), "nothing about D_g is sent"
+    assert all(np.isfinite(v).all() for v in result.delta.values())

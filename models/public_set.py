@@ -1,0 +1,100 @@
+"""The public face set D_g that FedFR puts on every device: one read-only safetensors file.
+
+Aligned crops of people who are nobody's enrolled people, uint8 N x 128 x 128 x 3 under the key
+`images`; when the source holds one folder per person (e.g. `glint24_aligned/`), int64 identity
+numbers under `labels`, so the sampled public people can join the local classification (FedFR's
+balanced CosFace, eq. 3); a flat folder (e.g. `utkface_aligned/`) gives an unlabelled set. Its
+sha256 lets a device check the copy it was given (in deployment, the file the coordinator serves
+once over HTTP; in the fleet, one file per run). The device reads it, samples hard negatives from
+it, and never sends anything about it.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+KEY = "images"
+LABELS = "labels"
+SIZE = 128  # the embedder's input: a 112 px ArcFace-template crop resized is the same template scaled
+
+
+class PublicSetError(ValueError):
+    pass
+
+
+@dataclass
+class PublicSet:
+    images: np.ndarray               # N x SIZE x SIZE x 3 uint8
+    labels: np.ndarray | None = None  # N identity numbers, or None for an unlabelled set
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+
+def identity_labels(files: list[Path], root: Path) -> np.ndarray | None:
+    """Identity numbers from one-folder-per-person layouts (the folder under `root`); None when any
+    file lies directly in `root` (a flat, unlabelled set)."""
+    folders = [f.relative_to(root).parts[0] if len(f.relative_to(root).parts) > 1 else None for f in files]
+    if any(name is None for name in folders):
+        return None
+    names = sorted(set(folders))
+    return np.array([names.index(name) for name in folders], dtype=np.int64)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def build_public_set(folder: Path, out: Path, limit: int = 2000, seed: int = 0, progress: bool = False) -> str:
+    """Sample up to `limit` aligned face images under `folder` (flat or per identity) into `out`; its sha256."""
+    from models.distill_data import list_images, load_crops
+
+    folder = Path(folder)
+    files = list_images([folder])
+    if len(files) > limit:
+        chosen = np.random.default_rng(seed).choice(len(files), limit, replace=False)
+        files = [files[i] for i in sorted(chosen)]
+    labels = identity_labels(files, folder)
+    images, kept, unreadable = load_crops(files, SIZE, progress=progress)
+    if len(images) == 0:
+        raise PublicSetError(f"no readable face images under {folder} ({len(unreadable)} unreadable)")
+    tensors = {KEY: np.ascontiguousarray(images)}
+    if labels is not None:
+        position = {f: i for i, f in enumerate(files)}
+        tensors[LABELS] = labels[[position[f] for f in kept]]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"source": str(folder), "seed": str(seed)})
+    tmp.replace(out)
+    return sha256_file(out)
+
+
+def load_public_set(path: Path, sha256: str | None = None) -> PublicSet:
+    """The crops (and identity labels, if any) of a public set file, refused when its hash, shape or
+    labels are not what they should be."""
+    path = Path(path)
+    if not path.is_file():
+        raise PublicSetError(f"public set not found: {path}")
+    if sha256 is not None and sha256_file(path) != sha256:
+        raise PublicSetError(f"public set {path} does not match its sha256 {sha256[:16]}...")
+    try:
+        tensors = load_file(str(path))
+        images = tensors[KEY]
+    except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file is refused with its reason
+        raise PublicSetError(f"{path} is not a public set file ({exc})") from None
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (SIZE, SIZE, 3):
+        raise PublicSetError(f"{path}: expected uint8 N x {SIZE} x {SIZE} x 3 crops, got {images.dtype} {images.shape}")
+    labels = tensors.get(LABELS)
+    if labels is not None and (labels.dtype != np.int64 or labels.shape != (len(images),) or
+                               (len(labels) and (labels.min() < 0 or labels.max() >= len(images)))):
+        raise PublicSetError(f"{path}: expected {len(images)} int64 identity labels in [0, N), "
+                             f"got {labels.dtype} {labels.shape}")
+    return PublicSet(images, labels)

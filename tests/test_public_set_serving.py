@@ -1,0 +1,123 @@
+"""FedFR's public set served by the coordinator: fetched once over HTTP, checked against its signed hash."""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, device_datasets
+from coordinator.broker import free_port
+from edge_client.public_set import cached_path, fetch_public_set
+from models.public_set import PublicSetError, build_public_set, sha256_file
+
+
+class _Files(http.server.ThreadingHTTPServer):
+    """A real HTTP server on localhost that serves `body` at every path and counts the requests."""
+
+    def __init__(self, body: bytes):
+        self.body, self.requests = body, 0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the stdlib's spelling
+                server.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(server.body)))
+                self.end_headers()
+                self.wfile.write(server.body)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/public-set"
+
+
+@pytest.fixture(scope="module")
+def public_file(synthetic_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("public") / "public.safetensors"
+    build_public_set(synthetic_dir, out, limit=20)
+    return out
+
+
+def test_fetched_once_then_kept_by_its_hash(public_file, tmp_path):
+    data = public_file.read_bytes()
+    sha, server = sha256_file(public_file), _Files(data)
+    try:
+        path = fetch_public_set(server.url, sha, len(data), tmp_path)
+        assert path == cached_path(tmp_path, sha) and path.read_bytes() == data
+        assert path.stat().st_mode & 0o222 == 0, "the device's copy is read-only"
+        assert fetch_public_set(server.url, sha, len(data), tmp_path) == path and server.requests == 1
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("tamper", ["other bytes", "longer than announced", "shorter than announced"])
+def test_a_body_that_is_not_the_announced_file_is_refused_and_not_kept(public_file, tmp_path, tamper):
+    data = public_file.read_bytes()
+    sha = sha256_file(public_file)
+    body = {"other bytes": data[:-1] + bytes([data[-1] ^ 1]), "longer than announced": data + b"x",
+            "shorter than announced": data[:-10]}[tamper]
+    server = _Files(body)
+    try:
+        with pytest.raises(PublicSetError, match="announced|larger"):
+            fetch_public_set(server.url, sha, len(data), tmp_path)
+        assert list(tmp_path.iterdir()) == [], "nothing half-fetched or unverified stays on the device"
+    finally:
+        server.shutdown()
+
+
+def test_an_unreachable_server_is_a_clear_error(tmp_path):
+    with pytest.raises(PublicSetError, match="could not fetch"):
+        fetch_public_set(f"http://127.0.0.1:{free_port()}/public-set", "0" * 64, 10, tmp_path, timeout_s=5)
+
+
+def test_coordinator_serves_the_public_set_to_a_device_without_one(public_file, tmp_path):
+    """`ffr coordinator serve --method fedfr --public-set FILE` and an `ffr edge run` with no public set of its own:
+    the device fetches the file once, checks it against the signed round configuration's sha256, and samples hard
+    negatives from it in both rounds."""
+    (data,) = device_datasets(tmp_path / "data", 1, 2, 4)
+    port, state, home = free_port(), tmp_path / "state", tmp_path / "home"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cli = [sys.executable, "-m", "models.cli"]
+    coordinator = subprocess.Popen(
+        cli + ["coordinator", "serve", "--rounds", "2", "--min-clients", "1", "--state", str(state), "--http-port",
+               str(port), "--batch-size", "8", "--method", "fedfr", "--public-set", str(public_file), "--t-hn", "-1",
+               "--dfc-steps", "20", "--exit-when-done"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    served = []
+    for line in coordinator.stdout:  # admission needs the running coordinator's broker
+        served.append(line)
+        if line.startswith("coordinator: broker"):
+            break
+    threading.Thread(target=lambda: served.extend(coordinator.stdout), daemon=True).start()
+    try:
+        credential = tmp_path / "dev0.credential"
+        subprocess.run(cli + ["coordinator", "admit", "--state", str(state), "--device-id", "dev0", "--out",
+                              str(credential)], cwd=REPO, check=True, capture_output=True, env=env)
+        edge = subprocess.run(cli + ["edge", "run", "--credential", str(credential), "--data", str(data), "--home",
+                                     str(home), "--exit-when-done", "--no-export"],
+                              cwd=REPO, capture_output=True, text=True, env=env, timeout=400)
+        assert edge.returncode == 0, edge.stdout[-3000:] + edge.stderr[-3000:]
+        assert coordinator.wait(60) == 0
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+    served = "".join(served)
+    sha = sha256_file(public_file)
+    assert f"served at http://127.0.0.1:{port}/public-set" in served, served[-2000:]
+    assert cached_path(home / "public", sha).read_bytes() == public_file.read_bytes()
+    output = edge.stdout + edge.stderr
+    assert output.count("fetched from") == 1, "fetched once for both rounds"
+    rounds = json.loads((home / "rounds.json").read_text())
+    assert [r["round_id"] for r in rounds] == [1, 2] and all(r["hn_fraction"] == 1.0 for r in rounds), rounds
