@@ -19,7 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import paho.mqtt.client as mqtt
 import torch
 from safetensors.torch import load_file as load_torch

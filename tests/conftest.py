@@ -35,7 +35,7 @@ def synthetic_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, synthetic_dir) -> Path:
     """A real (tiny) `ffr train` run with the DFC branch: 3 epochs on 10 synthetic identities."""
-    from models.cli import main
+    from ffr.cli import main
 
     out = tmp_path_factory.mktemp("runs") / "run"
     rc = main(["-q", "train", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "3", "--lr", "1e-3",

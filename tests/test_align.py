@@ -98,7 +98,7 @@ def test_eval_with_pairs_keeps_every_pair_and_reports_fallbacks(tmp_path, faces_
     """`ffr eval --pairs`: a photo with no face is cut at its centre, so no pair is dropped; the count is reported."""
     import shutil
 
-    from models.cli import main
+    from ffr.cli import main
     from models.face_weights import write_default_onnx
     from models.faces.imageio import write_image
 

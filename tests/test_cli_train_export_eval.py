@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.cli import build_parser, main
+from ffr.cli import build_parser, main
 from models.embedders import TorchEmbedder
 from models.face_model import load_checkpoint
 from models.faces.crops import CropConfig, crop_index

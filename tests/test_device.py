@@ -16,7 +16,7 @@ import cv2
 import numpy as np
 import pytest
 
-from models.cli import main
+from ffr.cli import main
 
 PEOPLE = ["s1", "s2", "s3", "s4"]
 
@@ -56,7 +56,7 @@ def videos(faces_dir, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 
 def ffr(*args: str) -> tuple[int, str, str]:
     """The real CLI in a subprocess whose Python cannot import torch (the device path must not need it)."""
-    code = ("import sys; sys.modules['torch'] = None; from models.cli import main; sys.exit(main(sys.argv[1:]))")
+    code = ("import sys; sys.modules['torch'] = None; from ffr.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     return proc.returncode, proc.stdout, proc.stderr

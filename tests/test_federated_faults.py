@@ -237,7 +237,7 @@ def _health(base: str) -> dict:
 
 
 def _serve(tmp_path: Path, port: int, env: dict) -> tuple[subprocess.Popen, str]:
-    no_torch = "import sys; sys.modules['torch'] = None; from models.cli import main; sys.exit(main(sys.argv[1:]))"
+    no_torch = "import sys; sys.modules['torch'] = None; from ffr.cli import main; sys.exit(main(sys.argv[1:]))"
     coordinator = subprocess.Popen(
         [sys.executable, "-c", no_torch, "coordinator", "serve", "--rounds", "2", "--min-clients", "2",
          "--state", str(tmp_path / "state"), "--http-port", str(port), "--lr", "1e-3", "--batch-size", "8"],
@@ -284,12 +284,12 @@ def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
         assert (tmp_path / "state" / "coordinator.key").stat().st_mode & 0o077 == 0
         for d, data in enumerate(datasets):
             credential = tmp_path / f"dev{d}.credential"
-            subprocess.run([sys.executable, "-m", "models.cli", "coordinator", "admit", "--state",
+            subprocess.run([sys.executable, "-m", "ffr", "coordinator", "admit", "--state",
                             str(tmp_path / "state"), "--device-id", f"dev{d}", "--out", str(credential)],
                            cwd=REPO, check=True, capture_output=True, env=env)
             assert credential.stat().st_mode & 0o077 == 0
             edges.append(_drained(subprocess.Popen(
-                [sys.executable, "-m", "models.cli", "edge", "run", "--credential", str(credential), "--data",
+                [sys.executable, "-m", "ffr", "edge", "run", "--credential", str(credential), "--data",
                  str(data), "--home", str(tmp_path / f"home{d}"), "--exit-when-done"],
                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)))
         base = f"http://127.0.0.1:{port}"

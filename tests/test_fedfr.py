@@ -117,7 +117,7 @@ def test_a_fedfr_round_samples_hard_negatives_and_keeps_them_on_the_device(faces
 
 def test_public_set_file_round_trip_and_refusals(tmp_path, synthetic_dir, capsys):
     from models.public_set import PublicSetError, load_public_set
-    from models.cli import main
+    from ffr.cli import main
 
     out = tmp_path / "public.safetensors"
     assert main(["-q", "edge", "public-set", "--data", str(synthetic_dir), "--out", str(out), "--limit", "7"]) == 0

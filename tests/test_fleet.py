@@ -17,7 +17,7 @@ from fleet.data import TEST, TRAIN
 from fleet.evaluation import client_pairs, fairness
 from fleet.report import compare
 from fleet.simulate import best_round, should_stop
-from models.cli import main
+from ffr.cli import main
 
 # small but real: 12 SYNTHETIC people x 10 images, a narrow MobileNetV2, 3 devices
 TINY = ["--synthetic-identities", "12", "--synthetic-images", "10", "--holdout-identities", "0.25",
@@ -106,7 +106,7 @@ def _history(run: Path) -> list[dict]:
 
 def test_ctrl_c_leaves_a_resumable_run(tmp_path, mosquitto):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "models.cli", "-q", "fleet", "simulate", "--clients", "3", "--rounds", "3",
+    cmd = [sys.executable, "-m", "ffr", "-q", "fleet", "simulate", "--clients", "3", "--rounds", "3",
            "--no-centralized", "--no-mlflow", "--patience", "0", "--broker", mosquitto.url, *TINY, "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240

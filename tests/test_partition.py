@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from models.cli import main
+from ffr.cli import main
 from models.faces.partition import Partition, PartitionError, allocate, client_shares, partition
 from models.faces.splits import stratified_split as split_images
 

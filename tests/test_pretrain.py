@@ -46,7 +46,7 @@ def test_losses_are_zero_at_the_teacher_and_grow_away_from_it():
 
 
 def test_tiny_pretraining_run_through_the_cli_lowers_the_loss_and_resumes(tmp_path, synthetic_dir, capsys):
-    from models.cli import main
+    from ffr.cli import main
     from models.face_weights import read_embedder_numpy
 
     out = tmp_path / "run"
@@ -73,7 +73,7 @@ def test_tiny_pretraining_run_through_the_cli_lowers_the_loss_and_resumes(tmp_pa
 
 def test_labelled_sets_add_a_margin_loss_that_falls(tmp_path, synthetic_dir):
     """`--labelled DIR`: images in per-person folders are distilled and also classified with CosFace."""
-    from models.cli import main
+    from ffr.cli import main
     from models.pretraining import identity_labels
 
     labels = identity_labels([synthetic_dir])

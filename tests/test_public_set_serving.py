@@ -89,7 +89,7 @@ def test_coordinator_serves_the_public_set_to_a_device_without_one(public_file, 
     (data,) = device_datasets(tmp_path / "data", 1, 2, 4)
     port, state, home = free_port(), tmp_path / "state", tmp_path / "home"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cli = [sys.executable, "-m", "models.cli"]
+    cli = [sys.executable, "-m", "ffr"]
     coordinator = subprocess.Popen(
         cli + ["coordinator", "serve", "--rounds", "2", "--min-clients", "1", "--state", str(state), "--http-port",
                str(port), "--batch-size", "8", "--method", "fedfr", "--public-set", str(public_file), "--t-hn", "-1",

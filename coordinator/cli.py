@@ -1,0 +1,136 @@
+"""`ffr coordinator serve | admit`: run the federation, admit its devices."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from models.objective_cli import add_objective_options
+
+
+def cmd_coordinator_serve(args) -> int:
+    from coordinator.engine import RoundSettings
+    from coordinator.service import ServiceConfig, serve
+    from models.objective_cli import aggregation_algorithm, objective_settings
+    from protocol.messages import TrainingConfig
+
+    args.strategy = aggregation_algorithm(args.method, args.strategy)
+    public = {}
+    if args.public_set is not None:
+        from coordinator.public_set import announce_public_set, public_set_url
+
+        public = announce_public_set(args.public_set, public_set_url(args.http_host, args.http_port, args.public_url))
+    elif objective_settings(args)["hard_negatives"]:
+        print("hard negatives are on but this coordinator serves no public set (--public-set): each device needs "
+              "its own (`ffr edge run --public-set FILE`)", flush=True)
+    training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=not args.no_dfc,
+                              wire_dtype=args.wire_dtype, chunk_bytes=args.chunk_kib * 1024, width_mult=args.width_mult,
+                              algorithm=args.strategy, prox_mu=args.mu, dp_clip=args.dp_clip,
+                              **objective_settings(args), **public)
+    settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
+                             round_timeout_s=args.round_timeout, training=training, seed=args.seed,
+                             combine=args.combine, trim=args.trim, byzantine=args.byzantine,
+                             norm_factor=args.norm_factor, norm_ceiling=args.norm_ceiling,
+                             norm_action=args.norm_action, dp_noise=args.dp_noise, dp_delta=args.dp_delta)
+    config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
+                           ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
+                           strategy=args.strategy, prox_mu=args.mu, server_momentum=args.server_momentum,
+                           init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls,
+                           public_set=args.public_set)
+    return serve(config, settings, exit_when_done=args.exit_when_done)
+
+
+def cmd_coordinator_admit(args) -> int:
+    from coordinator.admission import admit
+
+    credential = admit(args.state, args.device_id, args.broker)
+    credential.save(args.out)
+    print(f"admitted {args.device_id}: credential written to {args.out} (mode 0600). Copy it to the device "
+          f"privately and run: ffr edge run --credential {args.out.name} --data DIR --home DIR", flush=True)
+    return 0
+
+
+def add_broker_options(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--broker", default=default, help="MQTT broker URL, mqtt://HOST:PORT or mqtts://HOST:PORT"
+                   + ("" if default else " (default: start an embedded mosquitto)"))
+    p.add_argument("--username", help="broker user name")
+    p.add_argument("--password", help="broker password")
+    p.add_argument("--ca-file", help="CA certificate for mqtts:// brokers")
+
+
+def add_commands(csub) -> None:
+    """The `ffr coordinator` subcommands, added to its subparsers."""
+    from coordinator.robust import COMBINERS
+
+    p = csub.add_parser("serve", help="run federated rounds over MQTT, with an HTTP API",
+                        description="Run rounds: sample devices, announce, collect backbone deltas, aggregate, "
+                                    "publish the new global model. State (models, history) lives in --state and "
+                                    "survives restarts. HTTP API docs at http://HOST:PORT/docs.")
+    add_broker_options(p, None)
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8080)
+    p.add_argument("--rounds", type=int, default=10, help="rounds to run (default 10)")
+    p.add_argument("--min-clients", type=int, default=2, help="devices needed to start a round and to aggregate it")
+    p.add_argument("--fraction", type=float, default=1.0, help="fraction of registered devices sampled per round")
+    p.add_argument("--strategy", choices=("fedavg", "fedprox", "fedavgm"), default="fedavg")
+    p.add_argument("--mu", type=float, default=0.01, help="FedProx proximal weight (default 0.01)")
+    p.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum")
+    p.add_argument("--state", type=Path, default=Path("coordinator_state"), help="state folder")
+    p.add_argument("--round-timeout", type=float, default=600.0, help="seconds a round waits for updates")
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--no-dfc", action="store_true", help="devices train without the DFC branch")
+    p.add_argument("--dfc-weight", type=float, default=None,
+                   help="alpha_3: weight of the DFC loss on devices (default 1; 10 with --method fedfr)")
+    p.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16", help="dtype of deltas on the wire")
+    p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
+    p.add_argument("--width-mult", type=float, default=1.0)
+    p.add_argument("--init", choices=("face", "imagenet", "none"), default="face",
+                   help="round 0's model: face (the shipped face-pretrained embedder, default), imagenet "
+                        "(ImageNet MobileNetV2), none (random)")
+    p.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
+    g = p.add_argument_group("local objective (FedFR's hard negatives need a public set: --public-set here, "
+                             "or `ffr edge run --public-set` on each device)")
+    add_objective_options(g)
+    g.add_argument("--public-set", type=Path,
+                   help="FedFR's D_g, a file from `ffr edge public-set`: served at GET /public-set and announced by "
+                        "sha256 in every round; devices fetch it once")
+    g.add_argument("--public-url", help="the URL devices fetch the public set from (default: "
+                                        "http://HTTP-HOST:HTTP-PORT/public-set)")
+    g = p.add_argument_group("robust aggregation (every update is norm-bounded; the new model is checked)")
+    g.add_argument("--combine", choices=COMBINERS, default="mean",
+                   help="how updates are combined: the weighted mean (FedAvg), a coordinate-wise trimmed mean or "
+                        "median, or Multi-Krum (default mean)")
+    g.add_argument("--trim", type=float, default=0.2, help="trimmed mean: fraction dropped at each end (default 0.2)")
+    g.add_argument("--byzantine", type=int, help="Krum: devices assumed malicious (default (n - 3) / 2)")
+    g.add_argument("--norm-factor", type=float, default=3.0,
+                   help="an update's norm may be at most this x the median of recent ones (default 3)")
+    g.add_argument("--norm-ceiling", type=float, default=0.1,
+                   help="... and never above this fraction of the global model's norm (default 0.1)")
+    g.add_argument("--norm-action", choices=("clip", "reject"), default="clip",
+                   help="what happens to an update above the bound (default clip)")
+    g = p.add_argument_group("differential privacy (DP-FedAvg, McMahan et al. 2018)")
+    g.add_argument("--dp-clip", type=float, help="devices clip their update to this L2 norm; updates weigh the same")
+    g.add_argument("--dp-noise", type=float, default=0.0,
+                   help="noise multiplier z: N(0, (z * clip / n)^2) is added to the mean (default 0: none)")
+    g.add_argument("--dp-delta", type=float, default=1e-5, help="delta at which epsilon is reported (default 1e-5)")
+    p.add_argument("--tls", action="store_true",
+                   help="the embedded broker speaks TLS (mqtts://) with a CA generated in STATE/tls; devices get the "
+                        "CA in their credential files")
+    p.add_argument("--no-broker-acl", action="store_true",
+                   help="run the embedded broker without logins and ACLs (not for deployments)")
+    p.set_defaults(func=cmd_coordinator_serve)
+
+    p = csub.add_parser("admit", help="admit a device: issue its one-time credential file",
+                        description="Writes a credential file (mode 0600) for one device: its id, a one-time "
+                                    "admission token, the coordinator's public key to pin, the broker address and "
+                                    "(with the embedded broker) the device's broker login. Hand it to the device "
+                                    "out of band; nothing secret crosses the broker. Admitting an id again issues "
+                                    "a new credential (e.g. for a device that lost its home folder).")
+    p.add_argument("--state", type=Path, default=Path("coordinator_state"), help="the coordinator's state folder")
+    p.add_argument("--device-id", required=True, help="the device's id ([A-Za-z0-9_.-], at most 64 characters)")
+    p.add_argument("--out", type=Path, required=True, help="credential file to write")
+    p.add_argument("--broker", help="broker URL devices connect to (default: the one the coordinator serves on)")
+    p.set_defaults(func=cmd_coordinator_admit)

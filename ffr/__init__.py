@@ -1,0 +1,1 @@
+"""`ffr`, the one command on top of every layer (protocol <- models <- coordinator / edge_client <- fleet)."""

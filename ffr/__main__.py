@@ -1,0 +1,5 @@
+import sys
+
+from ffr.cli import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""`ffr`: one command for every user task. Each subcommand's --help says what it does.
+
+This is the top of the import graph: each package adds its own commands (`models.cli`,
+`coordinator.cli`, `edge_client.cli`, `edge_client.device_cli`, `fleet.cli`) and none of them
+imports this module, so imports only run downward.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from models.faces.datasets import DatasetError
+
+LOGGERS = ("ffr", "models", "edge_client", "coordinator", "protocol")
+
+
+def command_group(sub, name: str, help: str):
+    """`ffr NAME COMMAND ...`: a group of related subcommands."""
+    return sub.add_parser(name, help=help).add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from coordinator import cli as coordinator_cli
+    from edge_client import cli as edge_cli
+    from edge_client import device_cli
+    from fleet import cli as fleet_cli
+    from models import cli as models_cli
+
+    parser = argparse.ArgumentParser(prog="ffr", description="ffr-edge: federated face recognition for edge devices.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or info messages")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    models_cli.add_commands(sub)
+    coordinator_cli.add_commands(command_group(sub, "coordinator", "the federation coordinator service"))
+    edge_cli.add_commands(command_group(sub, "edge", "the edge device daemon"))
+    fleet_cli.add_commands(command_group(sub, "fleet", "fleet simulation: partition, simulate, report"))
+    device_cli.add_commands(command_group(sub, "device", "enrol, verify and identify people on this device (ONNX only)"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    for name in LOGGERS:
+        logging.getLogger(name).setLevel(level)
+    try:
+        return args.func(args)
+    except (DatasetError, FileNotFoundError, ValueError) as exc:
+        sub = getattr(args, f"{args.command}_command", None)
+        print(f"ffr {args.command}{' ' + sub if sub else ''}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
