@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models.public_set import load_public_set, sha256_file
+from models.public_set import load_public_set, sha256_of
 
 ROUTE = "/public-set"
 UNREACHABLE_HOSTS = {"0.0.0.0", "::", ""}
@@ -33,4 +33,4 @@ def announce_public_set(path: Path, url: str) -> dict:
     size = Path(path).stat().st_size
     labelled = "labelled" if public.labels is not None else "unlabelled"
     print(f"public set {path}: {len(public)} faces ({labelled}), served at {url}", flush=True)
-    return {"public_set_url": url, "public_set_sha256": sha256_file(Path(path)), "public_set_bytes": size}
+    return {"public_set_url": url, "public_set_sha256": sha256_of(Path(path)), "public_set_bytes": size}

@@ -167,16 +167,14 @@ def _frozen_copy(backbone: torch.nn.Module, state: dict[str, torch.Tensor] | Non
 
 def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torch.Tensor], epochs: int,
                 batch_size: int, lr: float, prox_mu: float = 0.0, seed: int = 0,
-                objective: LocalObjective | None = None, public: PublicSet | np.ndarray | None = None,
+                objective: LocalObjective | None = None, public: PublicSet | None = None,
                 previous_state: dict[str, torch.Tensor] | None = None) -> LocalResult:
-    """Train on the device's crops from the global backbone. `public` is D_g (or its NHWC uint8 crops alone);
+    """Train on the device's crops from the global backbone. `public` is D_g;
     `previous_state` the device's last local backbone (keys `backbone.*`), for the contrastive term."""
     objective = objective or LocalObjective()
     load_shareable_state(model, global_state)
     start = {k: v.clone() for k, v in shareable_state(model).items()}
     anchor = {n: p.detach().clone() for n, p in model.backbone.named_parameters()}
-    if isinstance(public, np.ndarray):
-        public = PublicSet(public)
     use_public = objective.hard_negatives and public is not None and len(public) > 0
     local_features = None
     if objective.imprint_head or use_public:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 import urllib.request
 from pathlib import Path
 
@@ -23,8 +24,12 @@ def cached_path(folder: Path, sha256: str) -> Path:
     return Path(folder) / f"{sha256}.safetensors"
 
 
-def fetch_public_set(url: str, sha256: str, size: int, folder: Path, timeout_s: float = 60.0) -> Path:
-    """The path of the verified copy, downloading it first if this device does not hold it yet."""
+def fetch_public_set(url: str, sha256: str, size: int, folder: Path, timeout_s: float = 60.0,
+                     min_rate: float = 64 * 1024) -> Path:
+    """The path of the verified copy, downloading it first if this device does not hold it yet.
+
+    `timeout_s` bounds each read; the whole download must also finish within timeout_s + size / min_rate
+    seconds, so a server dripping a byte at a time cannot hold the device's round forever."""
     path = cached_path(folder, sha256)
     if path.exists():
         return path
@@ -32,12 +37,16 @@ def fetch_public_set(url: str, sha256: str, size: int, folder: Path, timeout_s: 
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{sha256}.part"
     digest, received = hashlib.sha256(), 0
+    deadline = time.monotonic() + timeout_s + size / min_rate
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response, open(tmp, "wb") as out:
-            while block := response.read(BLOCK):
+            while block := response.read1(BLOCK):  # returns what has arrived: the deadline is checked
                 received += len(block)
                 if received > size:
                     raise PublicSetError(f"public set from {url} is larger than the announced {size} bytes")
+                if time.monotonic() > deadline:
+                    raise PublicSetError(f"public set from {url}: {received} of {size} bytes after "
+                                         f"{timeout_s + size / min_rate:.0f} s; giving up")
                 digest.update(block)
                 out.write(block)
         if received != size or digest.hexdigest() != sha256:

@@ -10,12 +10,13 @@ it, and never sends anything about it.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
+
+from models.pretrained import sha256_of
 
 KEY = "images"
 LABELS = "labels"
@@ -45,14 +46,6 @@ def identity_labels(files: list[Path], root: Path) -> np.ndarray | None:
     return np.array([names.index(name) for name in folders], dtype=np.int64)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def build_public_set(folder: Path, out: Path, limit: int = 2000, seed: int = 0, progress: bool = False) -> str:
     """Sample up to `limit` aligned face images under `folder` (flat or per identity) into `out`; its sha256."""
     from models.distill_data import list_images, load_crops
@@ -74,7 +67,7 @@ def build_public_set(folder: Path, out: Path, limit: int = 2000, seed: int = 0, 
     tmp = out.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={"source": str(folder), "seed": str(seed)})
     tmp.replace(out)
-    return sha256_file(out)
+    return sha256_of(out)
 
 
 def load_public_set(path: Path, sha256: str | None = None) -> PublicSet:
@@ -83,7 +76,7 @@ def load_public_set(path: Path, sha256: str | None = None) -> PublicSet:
     path = Path(path)
     if not path.is_file():
         raise PublicSetError(f"public set not found: {path}")
-    if sha256 is not None and sha256_file(path) != sha256:
+    if sha256 is not None and sha256_of(path) != sha256:
         raise PublicSetError(f"public set {path} does not match its sha256 {sha256[:16]}...")
     try:
         tensors = load_file(str(path))

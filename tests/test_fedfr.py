@@ -99,13 +99,15 @@ def test_dfc_personalises_two_people_after_one_short_round(faces_dir):
 def test_a_fedfr_round_samples_hard_negatives_and_keeps_them_on_the_device(faces_dir):
     from models.face_model import FaceModel, ModelConfig, from_numpy_state
     from models.face_weights import face_global_state
+    from models.public_set import PublicSet
 
     torch.manual_seed(0)
     train, _, public = _two_people(faces_dir, 6)
     model = FaceModel(ModelConfig(n_classes=2, pretrained=False, dfc=True, dfc_weight=10.0))
     global_state = from_numpy_state(face_global_state())
     objective = LocalObjective(hard_negatives=True, t_hn=0.3, contrastive=True, dfc_steps=50)
-    result = train_round(model, train, global_state, 1, 8, 1e-4, objective=objective, public=public.images[:400],
+    result = train_round(model, train, global_state, 1, 8, 1e-4, objective=objective,
+                         public=PublicSet(public.images[:400]),
                          previous_state=global_state)
     assert set(result.delta) == set(global_state), "only the backbone's delta"
     assert 0 < result.private_metrics["hn_fraction"] <= 1 and "neg_loss" in result.private_metrics

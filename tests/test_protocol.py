@@ -204,3 +204,32 @@ def test_a_receiver_with_a_newer_schema_still_verifies_an_older_sender():
     sent["signature"] = signer.sign(fields)
     envelope = open_envelope(json.dumps(sent).encode(), signer.public_hex)
     assert envelope.body.config.dp_clip is None
+
+
+@pytest.mark.parametrize("fields", [
+    {"public_set_url": "file:///etc/passwd"},
+    {"public_set_url": "ftp://host/public-set"},
+    {"public_set_url": "http://host/public set"},
+    {"public_set_url": "http://host/\npublic-set"},
+    {"public_set_url": "http://" + "a" * 600},
+    {"public_set_sha256": "A" * 64},
+    {"public_set_sha256": "0" * 63},
+    {"public_set_bytes": 0},
+    {"public_set_bytes": 1 << 40},
+    {"public_set_bytes": 1.5},
+    {"public_set_url": None},      # the three come together
+    {"public_set_sha256": None},
+    {"imprint_head": "yes please"},
+])
+def test_hostile_public_set_fields_in_a_round_announcement_are_refused(fields):
+    from protocol.messages import RoundAnnouncement
+
+    good = {"public_set_url": "http://10.0.0.1:8080/public-set", "public_set_sha256": "ab" * 32,
+            "public_set_bytes": 123456}
+    body = RoundAnnouncement(round_id=1, model_version=0, model_sha256="0" * 64, model_bytes=1, model_chunks=1,
+                             total_rounds=1, deadline_unix=1e9, config=TrainingConfig(**good), participants=["a"])
+    envelope = json.loads(seal("coordinator", 1, body, Signer.generate()))
+    assert parse(json.dumps(envelope).encode()).body.config.public_set_bytes == 123456
+    envelope["body"]["config"].update(fields)
+    with pytest.raises(MessageError):
+        parse(json.dumps(envelope).encode())

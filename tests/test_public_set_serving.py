@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,13 @@ import pytest
 from conftest import REPO, device_datasets
 from coordinator.broker import free_port
 from edge_client.public_set import cached_path, fetch_public_set
-from models.public_set import PublicSetError, build_public_set, sha256_file
+from models.public_set import PublicSetError, build_public_set, sha256_of
 
 
 class _Files(http.server.ThreadingHTTPServer):
     """A real HTTP server on localhost that serves `body` at every path and counts the requests."""
 
-    def __init__(self, body: bytes):
+    def __init__(self, body: bytes, drip_s: float = 0.0):
         self.body, self.requests = body, 0
         server = self
 
@@ -30,7 +31,13 @@ class _Files(http.server.ThreadingHTTPServer):
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(server.body)))
                 self.end_headers()
-                self.wfile.write(server.body)
+                if not drip_s:
+                    self.wfile.write(server.body)
+                    return
+                for i in range(len(server.body)):  # a byte at a time, each well inside the read timeout
+                    self.wfile.write(server.body[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(drip_s)
 
             def log_message(self, *args):
                 pass
@@ -52,7 +59,7 @@ def public_file(synthetic_dir, tmp_path_factory) -> Path:
 
 def test_fetched_once_then_kept_by_its_hash(public_file, tmp_path):
     data = public_file.read_bytes()
-    sha, server = sha256_file(public_file), _Files(data)
+    sha, server = sha256_of(public_file), _Files(data)
     try:
         path = fetch_public_set(server.url, sha, len(data), tmp_path)
         assert path == cached_path(tmp_path, sha) and path.read_bytes() == data
@@ -65,7 +72,7 @@ def test_fetched_once_then_kept_by_its_hash(public_file, tmp_path):
 @pytest.mark.parametrize("tamper", ["other bytes", "longer than announced", "shorter than announced"])
 def test_a_body_that_is_not_the_announced_file_is_refused_and_not_kept(public_file, tmp_path, tamper):
     data = public_file.read_bytes()
-    sha = sha256_file(public_file)
+    sha = sha256_of(public_file)
     body = {"other bytes": data[:-1] + bytes([data[-1] ^ 1]), "longer than announced": data + b"x",
             "shorter than announced": data[:-10]}[tamper]
     server = _Files(body)
@@ -73,6 +80,18 @@ def test_a_body_that_is_not_the_announced_file_is_refused_and_not_kept(public_fi
         with pytest.raises(PublicSetError, match="announced|larger"):
             fetch_public_set(server.url, sha, len(data), tmp_path)
         assert list(tmp_path.iterdir()) == [], "nothing half-fetched or unverified stays on the device"
+    finally:
+        server.shutdown()
+
+
+def test_a_server_dripping_bytes_cannot_hold_the_device(tmp_path):
+    server = _Files(b"x" * 1000, drip_s=0.05)
+    try:
+        started = time.monotonic()
+        with pytest.raises(PublicSetError, match="giving up"):
+            fetch_public_set(server.url, "0" * 64, 1000, tmp_path, timeout_s=1.0, min_rate=1e6)
+        assert time.monotonic() - started < 10
+        assert list(tmp_path.iterdir()) == []
     finally:
         server.shutdown()
 
@@ -114,7 +133,7 @@ def test_coordinator_serves_the_public_set_to_a_device_without_one(public_file, 
         if coordinator.poll() is None:
             coordinator.kill()
     served = "".join(served)
-    sha = sha256_file(public_file)
+    sha = sha256_of(public_file)
     assert f"served at http://127.0.0.1:{port}/public-set" in served, served[-2000:]
     assert cached_path(home / "public", sha).read_bytes() == public_file.read_bytes()
     output = edge.stdout + edge.stderr
