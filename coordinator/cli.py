@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from models.objective_cli import add_objective_options
+from models.objective_cli import add_codec_options, add_objective_options
 
 
 def cmd_coordinator_serve(args) -> int:
@@ -23,7 +23,7 @@ def cmd_coordinator_serve(args) -> int:
         print("hard negatives are on but this coordinator serves no public set (--public-set): each device needs "
               "its own (`ffr edge run --public-set FILE`)", flush=True)
     training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=not args.no_dfc,
-                              wire_dtype=args.wire_dtype, chunk_bytes=args.chunk_kib * 1024, width_mult=args.width_mult,
+                              codec=args.codec, topk_fraction=args.topk_fraction, chunk_bytes=args.chunk_kib * 1024, width_mult=args.width_mult,
                               algorithm=args.strategy, prox_mu=args.mu, dp_clip=args.dp_clip,
                               **objective_settings(args), **public)
     settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
@@ -82,7 +82,7 @@ def add_commands(csub) -> None:
     p.add_argument("--no-dfc", action="store_true", help="devices train without the DFC branch")
     p.add_argument("--dfc-weight", type=float, default=None,
                    help="alpha_3: weight of the DFC loss on devices (default 1; 10 with --method fedfr)")
-    p.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16", help="dtype of deltas on the wire")
+    add_codec_options(p)
     p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
     p.add_argument("--width-mult", type=float, default=1.0)
     p.add_argument("--init", choices=("face", "imagenet", "none"), default="face",

@@ -28,7 +28,8 @@ from protocol.auth import Signer, proof_matches
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageError, Registered, RoundAnnouncement,
                                TrainingConfig, UpdateHeader, authenticate, parse, seal)
-from protocol.tensors import PayloadError, decode
+from protocol.codecs import decode_update
+from protocol.tensors import PayloadError, sha256_hex
 
 log = logging.getLogger("coordinator")
 Publish = Callable[[str, bytes, bool], None]
@@ -72,6 +73,8 @@ class OpenRound:
     metrics: dict[str, dict] = field(default_factory=dict)
     bytes_received: int = 0
     refused_transfers: OrderedDict = field(default_factory=OrderedDict)
+    running: RunningMean = field(default_factory=RunningMean)  # the plain mean, folded in as updates arrive
+    fold_seconds: float = 0.0
 
 
 class Engine:
@@ -297,10 +300,11 @@ class Engine:
         """Check the delta (layout, dtype, finite, norm), make it durable, then acknowledge it."""
         current = self.current
         current.transfers.pop(header.transfer_id, None)
-        expected = {k: v.shape for k, v in self.global_state.items()}
-        kinds = {k: "f" if np.issubdtype(v.dtype, np.floating) else "i" for k, v in self.global_state.items()}
+        started = time.perf_counter()
         try:
-            delta = decode(payload, header.payload_sha256, expected, kinds)
+            if header.codec != self.settings.training.codec:
+                raise PayloadError(f"update sent with codec {header.codec}; this round takes {self.settings.training.codec}")
+            delta = decode_update(payload, header.payload_sha256, header.codec, *self._layout())
             norm = l2_norm(delta)
             if not np.isfinite(norm):
                 raise PayloadError("update norm overflows")
@@ -317,6 +321,9 @@ class Engine:
         current.weights[device_id], current.norms[device_id] = weight, norm
         current.metrics[device_id] = header.metrics
         current.bytes_received += len(payload)
+        if self.settings.combine == "mean":
+            current.running.add(self._prepared(delta), weight)
+        current.fold_seconds += time.perf_counter() - started
         self.store.record_update(current.round_id, device_id, header.n_samples, True, "", len(payload),
                                  {**header.metrics, "update_norm": norm, "weight": weight})
         self._tell(device_id, Ack(of="update", round_id=current.round_id))
@@ -351,6 +358,8 @@ class Engine:
                 current.headers[update["device_id"]] = UpdateHeader(
                     round_id=current.round_id, base_version=current.base_version, n_samples=update["n_samples"],
                     transfer_id="restored", payload_sha256="0" * 64, payload_bytes=max(1, update["bytes"] or 1))
+                if self.settings.combine == "mean":
+                    current.running.add(self._load_delta(current, update["device_id"]), current.weights[update["device_id"]])
         self.current = current
         log.warning("resuming: round %d was open at shutdown; %d update(s) already received are kept",
                     current.round_id, len(current.done))
@@ -415,9 +424,9 @@ class Engine:
         a result that fails its checks is not published and the round is rolled back with the reason."""
         started = time.perf_counter()
         dp_clip = self.settings.training.dp_clip
-        bound = self.norms.bound if dp_clip is None else dp_clip
+        bound = self._bound()
         devices = sorted(current.done)
-        mean_delta = self._combine(current, devices, bound)
+        mean_delta = self._combine(current, devices)
         dp_metrics = {}
         if dp_clip is not None:
             from coordinator import dp
@@ -438,7 +447,8 @@ class Engine:
         new_state = {k: (np.maximum(v, 0).astype(v.dtype) if k.endswith("running_var") else v)
                      for k, v in new_state.items()}  # fp16 rounding can leave -1e-8 where a variance is 0
         seconds = time.perf_counter() - started
-        metrics = {**dp_metrics, "aggregation_seconds": seconds, "bytes_received": current.bytes_received, "norm_bound": bound,
+        metrics = {**dp_metrics, "aggregation_seconds": seconds, "codec": self.settings.training.codec,
+                   "fold_ms_per_update": 1000 * current.fold_seconds / max(1, len(devices)), "bytes_received": current.bytes_received, "norm_bound": bound,
                    "clipped_updates": sum(current.norms[d] > bound for d in devices), "combine": self.settings.combine,
                    **_mean_metrics(current.metrics)}
         self.store.drop_updates(current.round_id)
@@ -460,26 +470,44 @@ class Engine:
         log.info("round %d: aggregated %d updates (%d dropped) into model v%d", current.round_id, len(current.done),
                  dropped, self.version)
 
-    def _load_delta(self, current: OpenRound, device_id: str, bound: float) -> dict[str, np.ndarray]:
-        from safetensors.numpy import load_file
+    def _layout(self) -> tuple[dict, dict]:
+        """Names -> shapes and -> kinds ('f' floating, 'i' integer) of the global model: what an update must match."""
+        return ({k: tuple(v.shape) for k, v in self.global_state.items()},
+                {k: "f" if np.issubdtype(v.dtype, np.floating) else "i" for k, v in self.global_state.items()})
 
-        delta = {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v)
-                 for k, v in load_file(str(self.store.update_path(current.round_id, device_id))).items()}
+    def _bound(self) -> float:
+        """The norm every update is clipped to; fixed for the length of a round (recorded only at aggregation)."""
+        return self.norms.bound if self.settings.training.dp_clip is None else self.settings.training.dp_clip
+
+    def _prepared(self, delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """An accepted delta as it enters the combination: running statistics dropped under DP, norm clipped."""
         if self.settings.training.dp_clip is not None:
             from models.state_norms import without_running_stats
 
             delta = without_running_stats(delta)  # enforced here too: a device's word is not enough
-        return clip_to_norm(delta, bound)[0]
+        return clip_to_norm(delta, self._bound())[0]
 
-    def _combine(self, current: OpenRound, devices: list[str], bound: float) -> dict[str, np.ndarray]:
-        """The plain mean streams one update at a time (memory O(model)); robust rules need them all."""
-        weights = capped_weights([current.weights[d] for d in devices], self.settings.weight_factor)
+    def _load_delta(self, current: OpenRound, device_id: str) -> dict[str, np.ndarray]:
+        """A stored (already validated) update, decoded by the codec it was sent with, prepared for combining."""
+        from safetensors import safe_open
+
+        path = self.store.update_path(current.round_id, device_id)
+        with safe_open(str(path), framework="numpy") as stored:
+            codec = (stored.metadata() or {}).get("ffr.codec", "fp16")
+        data = path.read_bytes()
+        return self._prepared(decode_update(data, sha256_hex(data), codec, *self._layout()))
+
+    def _combine(self, current: OpenRound, devices: list[str]) -> dict[str, np.ndarray]:
+        """The plain mean was folded in as updates arrived (memory O(model)); only the few updates whose weight
+        the round's median caps are read again. Robust rules need every update at once (O(n x model))."""
+        raw = [current.weights[d] for d in devices]
+        weights = capped_weights(raw, self.settings.weight_factor)
         if self.settings.combine == "mean":
-            mean = RunningMean()
-            for device, weight in zip(devices, weights):
-                mean.add(self._load_delta(current, device, bound), weight)
-            return mean.mean()
-        deltas = [self._load_delta(current, d, bound) for d in devices]
+            for device, old, new in zip(devices, raw, weights):
+                if new != old:
+                    current.running.reweight(self._load_delta(current, device), old, new)
+            return current.running.mean()
+        deltas = [self._load_delta(current, d) for d in devices]
         return combine(deltas, weights, self.settings.combine, self.settings.trim, self.settings.byzantine)
 
     def _check_new_model(self, new_state: dict[str, np.ndarray], bound: float, noise_allowance: float = 0.0) -> str:

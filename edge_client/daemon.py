@@ -23,6 +23,7 @@ import paho.mqtt.client as mqtt
 import torch
 from safetensors.torch import load_file as load_torch
 
+from edge_client.error_feedback import ErrorFeedback
 from edge_client.home import DeviceHome
 from edge_client.local_training import LocalObjective, train_round
 from edge_client.public_set import fetch_public_set
@@ -37,7 +38,7 @@ from protocol.auth import Signer, token_proof
 from protocol.credential import Credential
 from protocol.messages import (Ack, Error, Hello, MessageError, Registered, RoundAnnouncement, UpdateHeader,
                                open_envelope, seal)
-from protocol.tensors import PayloadError, decode, encode
+from protocol.tensors import PayloadError, decode
 from protocol.transport import BrokerAddress, make_client
 
 log = logging.getLogger("edge_client")
@@ -273,10 +274,10 @@ class EdgeDevice:
             delta, _ = clip_to_norm(without_running_stats(delta), cfg.dp_clip)
         if self.delta_hook is not None:
             delta, n_samples = self.delta_hook(delta, n_samples, {k: v.numpy() for k, v in global_state.items()})
-        encoded = encode(delta, cfg.wire_dtype)
+        encoded = ErrorFeedback(self.home.codec_residual).encode(delta, cfg.codec, cfg.topk_fraction)
         header = UpdateHeader(round_id=job.round_id, base_version=job.model_version, n_samples=n_samples,
                               transfer_id=f"{self.device_id}-r{job.round_id}-{encoded.sha256[:12]}",
-                              payload_sha256=encoded.sha256, payload_bytes=len(encoded.data),
+                              payload_sha256=encoded.sha256, payload_bytes=len(encoded.data), codec=cfg.codec,
                               metrics={**result.metrics, "fetch_seconds": fetched - started,
                                        "train_seconds": time.perf_counter() - fetched})
         payload_path, header_path = self.home.pending_paths(job.round_id)

@@ -52,6 +52,11 @@ class DeviceHome:
         """The backbone after this device's last local training: Theta of its personalised model."""
         return self.root / "private" / "local_backbone.safetensors"
 
+    @property
+    def codec_residual(self) -> Path:
+        """Error feedback's residual: what lossy codecs could not send yet (edge_client.error_feedback)."""
+        return self.root / "private" / "codec_residual.safetensors"
+
     @staticmethod
     def save_tensors(path: Path, tensors: dict) -> None:
         """Atomic safetensors write: a device killed mid-write keeps its previous state."""

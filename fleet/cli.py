@@ -37,7 +37,7 @@ def _partition_options(p: argparse.ArgumentParser, data_required: bool) -> None:
 
 from coordinator.robust import COMBINERS  # noqa: E402 - numpy only
 from fleet.attacks import ATTACKS  # noqa: E402
-from models.objective_cli import add_objective_options, aggregation_algorithm  # noqa: E402
+from models.objective_cli import add_codec_options, add_objective_options, aggregation_algorithm  # noqa: E402
 
 
 def _config(args):
@@ -151,7 +151,7 @@ def add_commands(fsub) -> None:
                    help="starting model: face (the shipped face-pretrained embedder, default), imagenet "
                         "(ImageNet MobileNetV2), none (random)")
     g.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
-    g.add_argument("--wire-dtype", choices=("fp16", "fp32"), default="fp16")
+    add_codec_options(g)
     g = p.add_argument_group("local objective (FedFR and its ablations)")
     add_objective_options(g)
     g.add_argument("--public-data", help="FedFR's public set D_g: a folder of aligned faces of people no client has "

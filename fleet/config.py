@@ -61,7 +61,8 @@ class SimConfig:
     seed: int = 0
     width_mult: float = 1.0
     init: str = "face"                 # round 0: face (shipped weights) | imagenet | none
-    wire_dtype: str = "fp16"
+    codec: str = "fp16"                # how updates travel: fp16 | fp32 | int8 | topk (protocol.codecs)
+    topk_fraction: float = 0.05
     workers: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
     round_timeout: float = 3600.0
     centralized: bool = True

@@ -112,7 +112,7 @@ class Simulation:
     def _service(self) -> Service:
         c = self.config
         training = TrainingConfig(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, dfc=c.dfc,
-                                  wire_dtype=c.wire_dtype, width_mult=c.width_mult, dp_clip=c.dp_clip,
+                                  codec=c.codec, topk_fraction=c.topk_fraction, width_mult=c.width_mult, dp_clip=c.dp_clip,
                                   algorithm=c.algorithm, prox_mu=c.prox_mu, **objective_settings(c))
         settings = RoundSettings(rounds=c.rounds, min_clients=1, fraction=c.fraction, round_timeout_s=c.round_timeout,
                                  training=training, seed=c.seed, combine=c.combine, dp_noise=c.dp_noise)

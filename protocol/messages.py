@@ -68,7 +68,8 @@ class TrainingConfig(_Body):
     prox_mu: float = Field(0.01, ge=0, le=10.0)
     dfc: bool = True
     dfc_weight: float = Field(1.0, ge=0, le=100.0)  # alpha: weight of the DFC branch's loss beside the margin head
-    wire_dtype: Literal["fp16", "fp32"] = "fp16"
+    codec: Literal["fp16", "fp32", "int8", "topk"] = "fp16"  # how updates travel (protocol.codecs)
+    topk_fraction: float = Field(0.05, ge=1e-4, le=1.0)    # coordinates the topk codec keeps
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=8 * 1024 * 1024)
     width_mult: float = Field(1.0, ge=0.25, le=1.4)
     embedding_dim: int = Field(128, ge=16, le=1024)
@@ -120,6 +121,7 @@ class UpdateHeader(_Body):
     transfer_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
     payload_sha256: Hex64
     payload_bytes: int = Field(ge=1, le=1 << 31)
+    codec: Literal["fp16", "fp32", "int8", "topk"] = "fp16"  # must be the round's; signed with the rest
     metrics: dict[MetricName, float] = Field(default_factory=dict, max_length=32)
 
 

@@ -64,11 +64,21 @@ def decode(data: bytes, sha256: str, expected: dict[str, tuple[int, ...]] | None
         if np.issubdtype(value.dtype, np.floating):
             if value.dtype not in (np.float16, np.float32):
                 raise PayloadError(f"tensor {name} is {value.dtype}; only float16 or float32 travel on the wire")
-            if not np.isfinite(value).all():
-                raise PayloadError(f"tensor {name} holds NaN or Inf")
-            value = value.astype(np.float32)
+            value = finite_float32(name, value)
         out[name] = value
     return out
+
+
+def finite_float32(name: str, value: np.ndarray) -> np.ndarray:
+    """fp16/fp32 -> float32, refusing NaN and Inf. fp16 is checked on its exponent bits (all ones: Inf or
+    NaN), several times faster than np.isfinite on half floats."""
+    if value.dtype == np.float16:
+        if ((value.view(np.uint16) & 0x7C00) == 0x7C00).any():
+            raise PayloadError(f"tensor {name} holds NaN or Inf")
+        return value.astype(np.float32)
+    if not np.isfinite(value).all():
+        raise PayloadError(f"tensor {name} holds NaN or Inf")
+    return value.astype(np.float32, copy=False)
 
 
 def _check_layout(tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]]) -> None:
