@@ -1,10 +1,13 @@
 """Federated runtime costs: bytes per update, aggregation time and memory, round overhead.
 
 python -m bench.federated --out bench/results
-- bytes: one device's backbone delta (the real MobileNetV2-1.0 embedder) in fp32 and fp16,
+- bytes: one device's backbone delta (the real MobileNetV2-1.0 embedder) under each codec,
   and the number of MQTT messages at the default 256 KiB chunk size;
-- aggregation: decode + streaming weighted mean + FedAvg step for 10, 100 and 1,000 updates,
-  wall time and peak Python-tracked memory (tracemalloc sees numpy's buffers);
+- aggregation: per update, what the coordinator does on accepting it (decode and check, norm and
+  clip, fold into the float32 running mean) for 10 to 1,000 updates per codec, split by phase,
+  beside two floors measured in the same run (numpy adding the same wire arrays into a float32
+  accumulator; the bytes touched over the machine's copy bandwidth), and the peak Python-tracked
+  memory of 1,000 (tracemalloc sees numpy's buffers); the robust rules' memory for n updates;
 - round overhead: a coordinator and 10 in-process devices over the embedded mosquitto, the
   time of each round not spent in the slowest device's local training.
 """
@@ -24,7 +27,9 @@ from bench.common import write_results
 from coordinator.aggregation import FedAvg, RunningMean
 from models.face_model import initial_global_state
 from protocol.chunks import DEFAULT_CHUNK_BYTES, split
-from protocol.tensors import decode, encode
+from protocol.codecs import CODECS, Staging, decode_update, encode_update
+from coordinator.robust import combine, l2_norm
+from safetensors.numpy import load
 
 
 def random_delta(state: dict[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
@@ -36,31 +41,118 @@ def random_delta(state: dict[str, np.ndarray], seed: int = 0) -> dict[str, np.nd
 def bytes_rows(state: dict[str, np.ndarray]) -> list[dict]:
     rows = []
     n_params = int(sum(v.size for v in state.values()))
-    for dtype in ("fp32", "fp16"):
-        encoded = encode(random_delta(state), dtype)
+    fp32 = len(encode_update(random_delta(state), "fp32")[0].data)
+    for codec in CODECS:
+        encoded, _ = encode_update(random_delta(state), codec)
         chunks = split("bench", encoded.data, DEFAULT_CHUNK_BYTES)
-        rows.append({"payload": f"backbone delta {dtype}", "parameters": n_params, "bytes": len(encoded.data),
+        rows.append({"payload": f"backbone delta, codec {codec}", "fraction_of_fp32": len(encoded.data) / fp32, "parameters": n_params, "bytes": len(encoded.data),
                      "MiB": len(encoded.data) / 2**20, "mqtt_messages_at_256KiB": len(chunks) + 1,
                      "framing_overhead_bytes": sum(len(c.transfer_id) + 120 for c in chunks)})
     return rows
 
 
-def aggregation_rows(state: dict[str, np.ndarray], counts: list[int]) -> list[dict]:
-    encoded = encode(random_delta(state), "fp16")
-    expected = {k: v.shape for k, v in state.items()}
+def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
+    """This machine's single-core copy bandwidth (read + write bytes per second), best of `repeats`."""
+    src = np.ones(mib << 20, np.uint8)
+    dst = np.empty_like(src)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    return 2 * src.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def fold_update(running: RunningMean, staging: Staging, data: bytes, sha256: str, codec: str, shapes: dict,
+                kinds: dict, bound: float, weight: float, phases: dict) -> None:
+    """What the coordinator does with each accepted update (coordinator.engine): decode and check it into the
+    reused staging tensors, take its norm, fold it into the running mean clipped to the bound; each phase's
+    seconds added to `phases`."""
+    t0 = time.perf_counter()
+    delta = decode_update(data, sha256, codec, shapes, kinds, into=staging)
+    t1 = time.perf_counter()
+    norm = l2_norm(delta)
+    scale = 1.0 if norm <= bound else bound / norm
+    t2 = time.perf_counter()
+    running.add(delta, weight, scale)
+    t3 = time.perf_counter()
+    for name, seconds in (("decode", t1 - t0), ("norm_clip", t2 - t1), ("fold", t3 - t2)):
+        phases[name] = phases.get(name, 0.0) + seconds
+
+
+def aggregation_rows(state: dict[str, np.ndarray], counts: list[int], codecs: list[str]) -> list[dict]:
+    """ms per update folded, by phase, beside two floors measured in the same run: numpy adding the same
+    (already decoded) wire arrays into a float32 accumulator, and the bytes touched over memory bandwidth."""
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    kinds = {k: "f" if v.dtype.kind == "f" else "i" for k, v in state.items()}
+    model_bytes = sum(v.nbytes for v in state.values())
+    bandwidth = memory_bandwidth_gbs()
     rows = []
-    for n in counts:
+    for codec in codecs:
+        encoded, _ = encode_update(random_delta(state), codec)
+        wire = load(encoded.data)
+        for n in counts:
+            phases: dict[str, float] = {}
+            running, staging = RunningMean(), Staging(shapes, kinds)
+            start = time.perf_counter()
+            for i in range(n):
+                fold_update(running, staging, encoded.data, encoded.sha256, codec, shapes, kinds, 1e9, 10 + i % 7,
+                            phases)
+            FedAvg().aggregate(state, running.mean())
+            seconds = time.perf_counter() - start
+            floor = _numpy_floor(wire, n)
+            touched = len(encoded.data) + 2 * model_bytes  # read the payload, read + write the accumulator
+            peak = _peak_mib(state, shapes, kinds, encoded, codec, n)
+            rows.append({"codec": codec, "updates": n, "payload_bytes": len(encoded.data), "peak_MiB": peak,
+                         "seconds": seconds,
+                         "ms_per_update": 1000 * seconds / n,
+                         **{f"{k}_ms": 1000 * v / n for k, v in phases.items()},
+                         "numpy_floor_ms": 1000 * floor,
+                         "bandwidth_floor_ms": 1000 * touched / (bandwidth * 1e9), "bandwidth_GBps": bandwidth})
+    return rows
+
+
+def _numpy_floor(wire: dict[str, np.ndarray], n: int) -> float:
+    """Seconds per update for `acc += x` over the wire's arrays as they are (no hashing, checking or decoding)."""
+    acc = {k: np.zeros(v.shape, np.float32) for k, v in wire.items()}
+    start = time.perf_counter()
+    for _ in range(n):
+        for k, v in wire.items():
+            np.add(acc[k], v, out=acc[k], casting="unsafe")
+    return (time.perf_counter() - start) / n
+
+
+def _peak_mib(state, shapes, kinds, encoded, codec: str, n: int) -> float:
+    """Peak Python-tracked memory (tracemalloc sees numpy's buffers) while folding n updates: O(model), not O(n)."""
+    tracemalloc.start()
+    running, staging = RunningMean(), Staging(shapes, kinds)
+    for i in range(n):
+        fold_update(running, staging, encoded.data, encoded.sha256, codec, shapes, kinds, 1e9, 1.0, {})
+    FedAvg().aggregate(state, running.mean())
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return peak / 2**20
+
+
+def robust_rows(state: dict[str, np.ndarray], n: int) -> list[dict]:
+    """The coordinate-wise rules hold every update at once: time and peak memory for n of them."""
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    kinds = {k: "f" if v.dtype.kind == "f" else "i" for k, v in state.items()}
+    encoded, _ = encode_update(random_delta(state), "fp16")
+    rows = []
+    for rule in ("trimmed-mean", "median", "krum"):
         tracemalloc.start()
         start = time.perf_counter()
-        mean = RunningMean()
-        for i in range(n):
-            mean.add(decode(encoded.data, encoded.sha256, expected), weight=10 + i % 7)
-        FedAvg().aggregate(state, mean.mean())
+        deltas = [decode_update(encoded.data, encoded.sha256, "fp16", shapes, kinds) for _ in range(n)]
+        combine(deltas, [1.0] * n, rule)
         seconds = time.perf_counter() - start
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        rows.append({"updates": n, "seconds": seconds, "ms_per_update": 1000 * seconds / n,
-                     "peak_MiB": peak / 2**20, "model_MiB_fp32": sum(v.nbytes for v in state.values()) / 2**20})
+        del deltas
+        rows.append({"rule": rule, "updates": n, "ms_per_update": 1000 * seconds / n, "peak_MiB": peak / 2**20,
+                     "peak_per_update_MiB": peak / 2**20 / n})
     return rows
 
 
@@ -112,16 +204,26 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--updates", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--codecs", nargs="+", choices=CODECS, default=["fp16", "int8", "topk"])
+    parser.add_argument("--robust-updates", type=int, default=50, help="updates held at once by the robust rules")
+    parser.add_argument("--only", choices=("bytes", "aggregation", "overhead"), nargs="+",
+                        default=["bytes", "aggregation", "overhead"])
     parser.add_argument("--devices", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     state = initial_global_state()
     command = "python -m bench.federated " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(args.out, "federated_bytes", {}, bytes_rows(state), "Bytes per device per round", command)
-    write_results(args.out, "federated_aggregation", {}, aggregation_rows(state, args.updates),
-                  "Coordinator aggregation (decode + streaming FedAvg), MobileNetV2-1.0 backbone", command)
-    write_results(args.out, "federated_round_overhead", {}, round_overhead_rows(args.devices, args.rounds),
-                  f"Round overhead, {args.devices} in-process devices, embedded mosquitto, 2 cores", command)
+    if "bytes" in args.only:
+        write_results(args.out, "federated_bytes", {}, bytes_rows(state), "Bytes per device per round", command)
+    if "aggregation" in args.only:
+        write_results(args.out, "federated_aggregation", {}, aggregation_rows(state, args.updates, args.codecs),
+                      "Coordinator aggregation: decode + check + clip + fold into the running mean, per update, "
+                      "MobileNetV2-1.0 backbone, one core", command)
+        write_results(args.out, "federated_robust_memory", {}, robust_rows(state, args.robust_updates),
+                      "Robust rules hold every update (float32) at once: time and peak memory", command)
+    if "overhead" in args.only:
+        write_results(args.out, "federated_round_overhead", {}, round_overhead_rows(args.devices, args.rounds),
+                      f"Round overhead, {args.devices} in-process devices, embedded mosquitto, 2 cores", command)
     return 0
 
 

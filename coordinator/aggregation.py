@@ -32,10 +32,11 @@ class RunningMean:
     count: int = 0
     _scratch: np.ndarray | None = field(default=None, repr=False)  # reused: no page faults per update
 
-    def add(self, delta: State, weight: float) -> None:
+    def add(self, delta: State, weight: float, scale: float = 1.0) -> None:
+        """Fold in weight * scale * delta, counting `weight` (scale: a norm clip applied on the fly)."""
         if weight <= 0:
             raise ValueError("an update needs a positive weight (its number of samples)")
-        self._fold(delta, weight)
+        self._fold(delta, weight, scale)
         self.weight += weight
         self.count += 1
 
@@ -46,7 +47,7 @@ class RunningMean:
         self._fold(delta, new - old)
         self.weight += new - old
 
-    def _fold(self, delta: State, weight: float) -> None:
+    def _fold(self, delta: State, weight: float, scale: float = 1.0) -> None:
         if self.total and set(delta) != set(self.total):
             raise ValueError("update tensors differ from the ones already aggregated")
         if not self.total:
@@ -56,10 +57,10 @@ class RunningMean:
         for name, value in delta.items():
             total = self.total[name]
             if total.dtype != np.float32 or total.ndim == 0:  # integer buffers, 0-d: tiny, in float64
-                total[...] = total + weight * np.asarray(value, np.float64)
+                total[...] = total + weight * np.asarray(value, np.float64)  # counters are not clipped
                 continue
             scaled = self._scratch[:total.size].reshape(total.shape)
-            np.multiply(value, np.float32(weight), out=scaled, casting="unsafe")
+            np.multiply(value, np.float32(weight * scale), out=scaled, casting="unsafe")
             total += scaled
 
     def mean(self) -> State:

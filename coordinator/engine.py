@@ -21,14 +21,14 @@ from typing import Callable
 import numpy as np
 
 from coordinator.aggregation import FedAvgM, RunningMean, Strategy
-from coordinator.robust import COMBINERS, NormBound, clip_to_norm, combine, l2_norm
+from coordinator.robust import COMBINERS, NormBound, combine, l2_norm
 from coordinator.store import Store
 from protocol import topics
 from protocol.auth import Signer, proof_matches
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageError, Registered, RoundAnnouncement,
                                TrainingConfig, UpdateHeader, authenticate, parse, seal)
-from protocol.codecs import decode_update
+from protocol.codecs import Staging, decode_update
 from protocol.tensors import PayloadError, sha256_hex
 
 log = logging.getLogger("coordinator")
@@ -114,6 +114,7 @@ class Engine:
         self.images = store.device_images()
         self.guard = ReplayGuard(store.last_seqs())
         self.norms = NormBound(ceiling=settings.norm_ceiling * l2_norm(self.global_state), factor=settings.norm_factor)
+        self._staging = Staging(*self._layout())  # every accepted update is decoded into it (coordinator.codecs)
         self._publish_model()
         self._resume_open_round()
 
@@ -304,7 +305,7 @@ class Engine:
         try:
             if header.codec != self.settings.training.codec:
                 raise PayloadError(f"update sent with codec {header.codec}; this round takes {self.settings.training.codec}")
-            delta = decode_update(payload, header.payload_sha256, header.codec, *self._layout())
+            delta = decode_update(payload, header.payload_sha256, header.codec, *self._layout(), into=self._staging)
             norm = l2_norm(delta)
             if not np.isfinite(norm):
                 raise PayloadError("update norm overflows")
@@ -322,7 +323,8 @@ class Engine:
         current.metrics[device_id] = header.metrics
         current.bytes_received += len(payload)
         if self.settings.combine == "mean":
-            current.running.add(self._prepared(delta), weight)
+            delta, scale = self._prepared(delta, norm)
+            current.running.add(delta, weight, scale)
         current.fold_seconds += time.perf_counter() - started
         self.store.record_update(current.round_id, device_id, header.n_samples, True, "", len(payload),
                                  {**header.metrics, "update_norm": norm, "weight": weight})
@@ -479,13 +481,15 @@ class Engine:
         """The norm every update is clipped to; fixed for the length of a round (recorded only at aggregation)."""
         return self.norms.bound if self.settings.training.dp_clip is None else self.settings.training.dp_clip
 
-    def _prepared(self, delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """An accepted delta as it enters the combination: running statistics dropped under DP, norm clipped."""
+    def _prepared(self, delta: dict[str, np.ndarray], norm: float | None = None) -> tuple[dict[str, np.ndarray], float]:
+        """An accepted delta as it enters the combination, and the factor that clips its norm to the bound
+        (applied while folding: no copy); under DP its running statistics are dropped first."""
         if self.settings.training.dp_clip is not None:
             from models.state_norms import without_running_stats
 
-            delta = without_running_stats(delta)  # enforced here too: a device's word is not enough
-        return clip_to_norm(delta, self._bound())[0]
+            delta, norm = without_running_stats(delta), None  # enforced here too: a device's word is not enough
+        norm = l2_norm(delta) if norm is None else norm
+        return delta, (1.0 if norm <= self._bound() or norm == 0.0 else self._bound() / norm)
 
     def _load_delta(self, current: OpenRound, device_id: str) -> dict[str, np.ndarray]:
         """A stored (already validated) update, decoded by the codec it was sent with, prepared for combining."""
@@ -495,7 +499,8 @@ class Engine:
         with safe_open(str(path), framework="numpy") as stored:
             codec = (stored.metadata() or {}).get("ffr.codec", "fp16")
         data = path.read_bytes()
-        return self._prepared(decode_update(data, sha256_hex(data), codec, *self._layout()))
+        delta, scale = self._prepared(decode_update(data, sha256_hex(data), codec, *self._layout()))
+        return delta if scale == 1.0 else {k: (v * scale if v.dtype.kind == "f" else v) for k, v in delta.items()}
 
     def _combine(self, current: OpenRound, devices: list[str]) -> dict[str, np.ndarray]:
         """The plain mean was folded in as updates arrived (memory O(model)); only the few updates whose weight

@@ -14,7 +14,13 @@ def float_names(state: State) -> list[str]:
 
 
 def l2_norm(state: State) -> float:
-    return float(np.sqrt(sum(float(np.sum(np.square(state[k], dtype=np.float64))) for k in float_names(state))))
+    """sqrt of the sum of squares of the floating tensors; each tensor's dot product in its own precision
+    (BLAS, blocked accumulation), the total in float64."""
+    total = 0.0
+    for name in float_names(state):
+        flat = np.ravel(state[name])
+        total += float(np.vdot(flat, flat))
+    return float(np.sqrt(total))
 
 
 def clip_to_norm(delta: State, bound: float) -> tuple[State, float]:

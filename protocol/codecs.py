@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load, save
 
-from protocol.tensors import EncodedTensors, PayloadError, finite_float32, sha256_hex
+from protocol.tensors import EncodedTensors, PayloadError, sha256_hex
 
 CODECS = ("fp16", "fp32", "int8", "topk")
 LOSSY = ("int8", "topk")
@@ -103,8 +103,12 @@ def _topk_tensors(delta: State, fraction: float) -> State:
 
 # -- decoding (the coordinator's side) ----------------------------------------------------------------------
 
-def decode_update(data: bytes, sha256: str, codec: str, shapes: Shapes, kinds: Kinds) -> State:
-    """Payload bytes -> the dense delta (float32, integer buffers as sent), or PayloadError with the reason."""
+def decode_update(data: bytes, sha256: str, codec: str, shapes: Shapes, kinds: Kinds,
+                  into: Staging | None = None) -> State:
+    """Payload bytes -> the dense delta (float32, integer buffers as sent), or PayloadError with the reason.
+
+    With `into`, the floats are written into its reused tensors: the result is only valid until the next
+    update is decoded into the same staging."""
     if codec not in CODECS:
         raise PayloadError(f"unknown codec {codec!r}")
     if sha256_hex(data) != sha256:
@@ -114,7 +118,7 @@ def decode_update(data: bytes, sha256: str, codec: str, shapes: Shapes, kinds: K
     except (SafetensorError, ValueError) as exc:
         raise PayloadError(f"not a safetensors payload: {exc}") from exc
     _check_names(wire, _wire_names(codec, shapes, kinds))
-    return _reconstruct(wire, codec, shapes, kinds)
+    return _reconstruct(wire, codec, shapes, kinds, into)
 
 
 def _wire_names(codec: str, shapes: Shapes, kinds: Kinds) -> set[str]:
@@ -135,7 +139,28 @@ def _check_names(wire: State, expected: set[str]) -> None:
         raise PayloadError(f"tensor names differ from the model: unknown {unknown[:3]}, missing {missing[:3]}")
 
 
-def _reconstruct(wire: State, codec: str, shapes: Shapes, kinds: Kinds) -> State:
+class Staging:
+    """Float32 tensors an update is decoded into, allocated once and reused for every update, so decoding
+    allocates (and page-faults) nothing per update. The tensors top-k sparsifies are views into one flat
+    vector in `sparse_names` order, so its coordinates scatter straight into place."""
+
+    def __init__(self, shapes: Shapes, kinds: Kinds):
+        names = sparse_names(shapes, kinds)
+        sizes = [int(np.prod(shapes[k], dtype=np.int64)) for k in names]
+        self.flat = np.empty(int(sum(sizes)), np.float32)
+        self.tensors: State = {}
+        start = 0
+        for name, size in zip(names, sizes):
+            self.tensors[name] = self.flat[start:start + size].reshape(shapes[name])
+            start += size
+        for name, shape in shapes.items():
+            if kinds[name] == "f" and name not in self.tensors:
+                self.tensors[name] = np.empty(shape, np.float32)
+
+
+def _reconstruct(wire: State, codec: str, shapes: Shapes, kinds: Kinds, into: Staging | None = None) -> State:
+    """The dense delta, written into `into` (a fresh one when not given); integer buffers as sent."""
+    into = into or Staging(shapes, kinds)
     out: State = {}
     sparse = set(sparse_names(shapes, kinds)) if codec == "topk" else set()
     for name, shape in shapes.items():
@@ -148,11 +173,12 @@ def _reconstruct(wire: State, codec: str, shapes: Shapes, kinds: Kinds) -> State
                 raise PayloadError(f"tensor {name} has dtype {value.dtype}, expected an integer type")
             out[name] = value
         elif codec == "int8" and not _dense_name(name, shape):
-            out[name] = _dequantise(name, value, wire[name + SCALE_SUFFIX])
+            out[name] = _dequantise(name, value, wire[name + SCALE_SUFFIX], into.tensors[name])
         else:
-            out[name] = _floats(name, value)
+            out[name] = _floats(name, value, into.tensors[name])
     if sparse:
-        out.update(_densify(wire, shapes, sorted(sparse)))
+        _densify(wire, into.flat)
+        out.update({name: into.tensors[name] for name in sparse})
     return out
 
 
@@ -161,13 +187,17 @@ def _check_shape(name: str, value: np.ndarray, shape: tuple[int, ...]) -> None:
         raise PayloadError(f"tensor {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
 
 
-def _floats(name: str, value: np.ndarray) -> np.ndarray:
+def _floats(name: str, value: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """fp16/fp32 -> `out` (float32), refusing NaN and Inf (they stay NaN and Inf in float32)."""
     if value.dtype not in (np.float16, np.float32):
         raise PayloadError(f"tensor {name} is {value.dtype}; only float16 or float32 travel on the wire")
-    return finite_float32(name, value)
+    np.copyto(out, value)
+    if not np.isfinite(out).all():
+        raise PayloadError(f"tensor {name} holds NaN or Inf")
+    return out
 
 
-def _dequantise(name: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+def _dequantise(name: str, q: np.ndarray, scale: np.ndarray, out: np.ndarray) -> np.ndarray:
     if q.dtype != np.int8:
         raise PayloadError(f"tensor {name} is {q.dtype}; int8 sends int8")
     rows = q.shape[0] if q.ndim >= 2 else 1
@@ -177,24 +207,19 @@ def _dequantise(name: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
         raise PayloadError(f"tensor {name}{SCALE_SUFFIX} holds a negative or non-finite scale")
     if (q == -128).any():
         raise PayloadError(f"tensor {name} holds -128, outside the symmetric int8 range")
-    return (q.reshape(rows, -1).astype(np.float32) * scale[:, None]).reshape(q.shape)
+    np.multiply(q.reshape(rows, -1), scale[:, None], out=out.reshape(rows, -1))
+    return out
 
 
-def _densify(wire: State, shapes: Shapes, names: list[str]) -> State:
-    """Scatter the top-k coordinates back into zero tensors after checking every index."""
-    sizes = [int(np.prod(shapes[k], dtype=np.int64)) for k in names]
-    total = int(sum(sizes))
+def _densify(wire: State, flat: np.ndarray) -> None:
+    """Scatter the top-k coordinates into `flat` (zeroed first) after checking every index and value."""
     indices, values = wire[TOPK_INDICES], wire[TOPK_VALUES]
     if indices.dtype != np.int32 or indices.ndim != 1 or values.ndim != 1 or values.shape != indices.shape:
         raise PayloadError("top-k indices must be int32 and values a vector of the same length")
-    if indices.size > total:
-        raise PayloadError(f"top-k sends {indices.size} coordinates of a model with {total}")
-    if indices.size and (indices[0] < 0 or indices[-1] >= total or (np.diff(indices) <= 0).any()):
+    if indices.size > flat.size:
+        raise PayloadError(f"top-k sends {indices.size} coordinates of a model with {flat.size}")
+    if indices.size and (indices[0] < 0 or indices[-1] >= flat.size or (np.diff(indices) <= 0).any()):
         raise PayloadError("top-k indices must be strictly increasing and inside the model")
-    flat = np.zeros(total, np.float32)
-    flat[indices] = _floats(TOPK_VALUES, values)
-    out, start = {}, 0
-    for name, size in zip(names, sizes):
-        out[name] = flat[start:start + size].reshape(shapes[name])
-        start += size
-    return out
+    checked = _floats(TOPK_VALUES, values, np.empty(values.shape, np.float32))
+    flat.fill(0.0)
+    flat[indices] = checked

@@ -58,3 +58,25 @@ def test_strategies_by_name():
     with pytest.raises(ValueError, match="unknown strategy"):
         make_strategy("fedsgd")
     assert np.array_equal(apply_delta({"w": np.zeros(2)}, {"w": np.ones(2)}, 0.5)["w"], [0.5, 0.5])
+
+
+def test_the_streaming_mean_equals_numpys_mean_of_the_same_updates():
+    """Folding updates one at a time (float32 accumulator, in place) gives numpy's weighted mean over all of
+    them held at once, to float32 precision, including a clip applied on the fly and a weight changed later."""
+    rng = np.random.default_rng(1)
+    updates = [{"w": rng.standard_t(3, size=(50, 40)).astype(np.float32), "v": rng.normal(size=7).astype(np.float32),
+                "n": np.array(i % 3, np.int64)} for i in range(200)]
+    weights = rng.integers(1, 100, size=200).astype(float)
+    scales = np.where(np.arange(200) % 5 == 0, 0.5, 1.0)
+    mean = RunningMean()
+    for update, weight, scale in zip(updates, weights, scales):
+        mean.add(update, weight, scale)
+    mean.reweight({k: v * (scales[7] if v.dtype.kind == "f" else 1) for k, v in updates[7].items()}, weights[7], 3.0)
+    weights[7] = 3.0
+    got = mean.mean()
+    for name in ("w", "v"):
+        stacked = np.stack([u[name].astype(np.float64) * s for u, s in zip(updates, scales)])
+        expected = np.average(stacked, axis=0, weights=weights)
+        assert got[name].dtype == np.float32
+        np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-6)
+    assert float(got["n"]) == pytest.approx(np.average([u["n"] for u in updates], weights=weights))
