@@ -3,19 +3,24 @@
 Every route that changes state or names a device or a model needs the API token
 (`Authorization: Bearer TOKEN`, the token in `STATE/api-token`). A browser never attaches
 that header to a cross-site form post, so such posts are refused too. `/health` and
-`/metrics` stay open and show counts, never ids; `/public-set` serves FedFR's public faces.
+`/metrics` stay open and show counts, never ids; `/public-set` serves FedFR's public faces;
+`/dashboard` is a page with no data in it (it fetches `/dashboard/data` with the token).
 """
 from __future__ import annotations
 
 import hmac
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
+from coordinator.dashboard import PAGE, Evaluation, dashboard_data
 from coordinator.public_set import ROUTE as PUBLIC_SET_ROUTE
 
 MAX_PAGE = 500
+# the dashboard runs its own inline script and style, talks to this server only, and is never framed
+CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+       "img-src 'self' data:; frame-ancestors 'none'")
 
 
 def create_app(service) -> FastAPI:
@@ -83,6 +88,23 @@ def create_app(service) -> FastAPI:
     def start() -> dict:
         engine.running = True
         return engine.status()
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    def dashboard() -> HTMLResponse:
+        """The fleet dashboard (self-contained: it loads nothing from anywhere else; its data needs the token)."""
+        return HTMLResponse(PAGE.read_text(), headers={"Content-Security-Policy": CSP, "X-Frame-Options": "DENY"})
+
+    @app.get("/dashboard/data", dependencies=auth)
+    def dashboard_json() -> dict:
+        return dashboard_data(service)
+
+    @app.post("/evaluations", dependencies=auth)
+    def evaluation(body: Evaluation) -> dict:
+        """An operator's held-out evaluation of a model version, plotted on the dashboard."""
+        if store.model_bytes(body.model_version) is None:
+            raise HTTPException(404, f"no model version {body.model_version}")
+        store.record_evaluation(body.model_version, body.metrics, body.source)
+        return {"recorded": body.model_version}
 
     @app.get(PUBLIC_SET_ROUTE)
     def public_set() -> Response:

@@ -37,6 +37,7 @@ CREATE TABLE IF NOT EXISTS models (
     version INTEGER PRIMARY KEY, sha256 TEXT, path TEXT, created_at REAL, round_id INTEGER);
 CREATE TABLE IF NOT EXISTS rejections (id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL, sender TEXT, topic TEXT,
     reason TEXT);
+CREATE TABLE IF NOT EXISTS evaluations (model_version INTEGER PRIMARY KEY, at REAL, source TEXT, metrics TEXT);
 """
 MAX_REJECTIONS = 10_000   # the newest are kept; older ones are dropped (the count of all is kept in memory)
 MAX_REASON_CHARS = 300
@@ -192,6 +193,27 @@ class Store:
         self.rejections_total += 1
         if self.rejections_total % 500 == 0:
             self._q("DELETE FROM rejections WHERE id <= (SELECT MAX(id) FROM rejections) - ?", (MAX_REJECTIONS,))
+
+    # evaluations: an operator's held-out quality of a model version (the coordinator holds no faces) ----
+    def record_evaluation(self, model_version: int, metrics: dict[str, float], source: str) -> None:
+        self._q("INSERT OR REPLACE INTO evaluations VALUES (?,?,?,?)",
+                (model_version, time.time(), source[:64], json.dumps(metrics)))
+
+    def evaluations(self) -> list[dict]:
+        return [{**dict(r), "metrics": json.loads(r["metrics"])}
+                for r in self._q("SELECT * FROM evaluations ORDER BY model_version")]
+
+    def dropped_rounds(self) -> dict[str, int]:
+        """Per device: finished rounds it was selected for but delivered no accepted update to."""
+        rows = self._q("SELECT round_id, participants FROM rounds WHERE status IN ('completed', 'rolled_back', 'failed')")
+        accepted = {(r["round_id"], r["device_id"]) for r in self._q("SELECT round_id, device_id FROM updates "
+                                                                     "WHERE accepted=1")}
+        dropped: dict[str, int] = {}
+        for row in rows:
+            for device in json.loads(row["participants"] or "[]"):
+                if (row["round_id"], device) not in accepted:
+                    dropped[device] = dropped.get(device, 0) + 1
+        return dropped
 
     def rejections(self, offset: int = 0, limit: int | None = None) -> list[dict]:
         """Oldest first, one page at a time."""

@@ -171,7 +171,19 @@ def add_commands(fsub) -> None:
                    help="DP-FedAvg: Gaussian noise multiplier z (std z * clip / n on the mean; default 0)")
     g = p.add_argument_group("simulation")
     g.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR); an existing one is resumed")
-    g.add_argument("--workers", type=int, default=2, help="device worker processes (default 2)")
+    g.add_argument("--workers", type=int, default=2,
+                   help="devices trained at once on this machine (pool: worker processes; ray: CPUs given to a "
+                        "local Ray; default 2)")
+    g.add_argument("--backend", choices=("pool", "ray"), default="pool",
+                   help="who runs the device turns: pool (worker processes, default) or ray (Ray tasks, on this "
+                        "machine or on the cluster at --ray-address)")
+    g.add_argument("--ray-address", help="an existing Ray cluster (e.g. ray://HEAD:10001 or HEAD:6379); every node "
+                                         "must reach the broker and mount RUN_DIR at the same path")
+    g.add_argument("--dashboard-port", type=int,
+                   help="serve the coordinator's dashboard at http://127.0.0.1:PORT/dashboard while the run goes on "
+                        "(the address with its token is printed)")
+    g.add_argument("--cpus-per-device", type=float, default=1.0, help="CPUs Ray reserves per device turn (default 1)")
+    g.add_argument("--gpus-per-device", type=float, default=0.0, help="GPUs Ray reserves per device turn (default 0)")
     g.add_argument("--broker", help="use this MQTT broker (mqtt://HOST:PORT) instead of an embedded mosquitto")
     g.add_argument("--detector", choices=("auto", "yunet", "haar", "none"), default="auto",
                    help="face detector (auto: none for SYNTHETIC data, else YuNet with five-point alignment, "

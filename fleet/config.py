@@ -13,8 +13,9 @@ from pathlib import Path
 ALGORITHMS = ("fedavg", "fedprox", "fedavgm")
 
 # Options that may change between an interrupted run and its resumption; all others must match.
-RESUMABLE_CHANGES = {"rounds", "workers", "patience", "min_delta", "round_timeout", "centralized", "mlflow", "broker", "crop_cache",
-                     "progress"}
+RESUMABLE_CHANGES = {"rounds", "workers", "dashboard_port", "backend", "ray_address", "cpus_per_device",
+                     "gpus_per_device", "patience", "min_delta", "round_timeout", "centralized", "mlflow", "broker",
+                     "crop_cache", "progress"}
 
 
 @dataclass
@@ -64,6 +65,11 @@ class SimConfig:
     codec: str = "fp16"                # how updates travel: fp16 | fp32 | int8 | topk (protocol.codecs)
     topk_fraction: float = 0.05
     workers: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
+    backend: str = "pool"              # pool (worker processes) | ray (fleet.ray_pool)
+    ray_address: str | None = None     # an existing Ray cluster; None: start Ray on this machine
+    cpus_per_device: float = 1.0       # what Ray reserves for each device turn
+    gpus_per_device: float = 0.0
+    dashboard_port: int | None = None  # serve the coordinator's dashboard on 127.0.0.1 during the run
     round_timeout: float = 3600.0
     centralized: bool = True
     impostor_images: int = 300         # other clients' test images each client's verifier is tried on
@@ -87,6 +93,14 @@ class SimConfig:
             raise ValueError(f"unknown --algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         if not 0 < self.fraction <= 1:
             raise ValueError("--fraction must be in (0, 1]")
+        if self.backend not in ("pool", "ray"):
+            raise ValueError(f"unknown --backend {self.backend!r}; choose pool or ray")
+        if self.ray_address and self.backend != "ray":
+            raise ValueError("--ray-address needs --backend ray")
+        if self.cpus_per_device <= 0 or self.gpus_per_device < 0:
+            raise ValueError("--cpus-per-device must be positive and --gpus-per-device not negative")
+        if self.codec not in ("fp16", "fp32", "int8", "topk") or not 0 < self.topk_fraction <= 1:
+            raise ValueError("--codec must be fp16, fp32, int8 or topk, and --topk-fraction in (0, 1]")
         if self.data is not None and not Path(self.data).exists():
             raise FileNotFoundError(f"dataset path does not exist: {self.data}")
         from coordinator.robust import COMBINERS

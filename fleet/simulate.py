@@ -139,7 +139,9 @@ class Simulation:
         tracker.start(self.run_dir.name, asdict(c), self.state.mlflow_run_id)
         self.state.mlflow_run_id, self.state.status = tracker.run_id, "running"
         self.service = self._service()
-        pool = DevicePool(c.workers, max(1, self.cores // c.workers))
+        if c.dashboard_port:
+            self._serve_dashboard(c.dashboard_port)
+        pool = self._pool()
         try:
             self._register(pool)
             self._rounds(pool, tracker)
@@ -156,6 +158,29 @@ class Simulation:
         summary = self._finish(tracker, started)
         tracker.end()
         return summary
+
+    def _serve_dashboard(self, port: int) -> None:
+        """The coordinator's HTTP API and dashboard for the length of the run (127.0.0.1 only)."""
+        import threading
+
+        import uvicorn
+
+        from coordinator.api import create_app
+
+        server = uvicorn.Server(uvicorn.Config(create_app(self.service), host="127.0.0.1", port=port,
+                                               log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        tqdm.write(f"dashboard: http://127.0.0.1:{port}/dashboard#token={self.service.api_token}")
+
+    def _pool(self):
+        """The device runner: the process pool (default), or Ray tasks locally or on a cluster."""
+        c = self.config
+        if c.backend == "ray":
+            from fleet.ray_pool import RayPool
+
+            return RayPool(c.ray_address, c.cpus_per_device, c.gpus_per_device,
+                           num_cpus=None if c.ray_address else max(1, c.workers))
+        return DevicePool(c.workers, max(1, self.cores // c.workers))
 
     def _register(self, pool: DevicePool) -> None:
         """The simulator is the operator too: it admits its own devices, then each joins with its credential."""
@@ -273,6 +298,9 @@ class Simulation:
         record.update({f"holdout_{k}": v for k, v in flat(hold_report).items()})
         # early stopping watches validation images of the devices' own people; unseen people when too few
         record["select_auc"] = record.get("val_auc") if record.get("val_auc") is not None else record.get("holdout_auc")
+        quality = {k: float(record[f"holdout_{k}"]) for k in ("auc", "eer") if record.get(f"holdout_{k}") is not None}
+        if quality:  # the coordinator's dashboard plots it (the operator's evaluation: the simulator holds the faces)
+            self.service.engine.store.record_evaluation(version, quality, "fleet simulator, held-out people")
         return record
 
     def _eval_threads(self) -> None:

