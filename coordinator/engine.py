@@ -29,7 +29,7 @@ from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageError, Registered, RoundAnnouncement,
                                TrainingConfig, UpdateHeader, authenticate, parse, seal)
 from protocol.codecs import Staging, decode_update
-from protocol.tensors import PayloadError, sha256_hex
+from protocol.tensors import PayloadError, encode, sha256_hex
 
 log = logging.getLogger("coordinator")
 Publish = Callable[[str, bytes, bool], None]
@@ -57,6 +57,7 @@ class RoundSettings:
     errors_per_minute: int = 30    # replies to one device that explain a refusal
     dp_noise: float = 0.0          # DP-FedAvg noise multiplier z (needs training.dp_clip); 0: no noise
     dp_delta: float = 1e-5         # the delta at which epsilon is reported
+    model_dtype: str = "fp16"      # the global model on the wire: fp16 (half the bytes) or fp32
 
 
 @dataclass
@@ -83,6 +84,8 @@ class Engine:
                  now: Callable[[], float] = time.time):
         if settings.combine not in COMBINERS:
             raise ValueError(f"unknown combination rule {settings.combine!r}; choose one of {', '.join(COMBINERS)}")
+        if settings.model_dtype not in ("fp16", "fp32"):
+            raise ValueError("model_dtype must be fp16 or fp32")
         if settings.norm_action not in ("clip", "reject"):
             raise ValueError("norm_action must be clip or reject")
         if settings.dp_noise > 0 and settings.training.dp_clip is None:
@@ -130,8 +133,10 @@ class Engine:
         self._send(topics.device(device_id, "inbox"), body, to=device_id)
 
     def _publish_model(self) -> None:
-        """The global backbone as retained chunk messages, one topic per chunk."""
-        data = self.store.model_bytes(self.version)
+        """The global backbone as retained chunk messages, one topic per chunk, in the wire dtype (fp16 by
+        default: half the download; the coordinator keeps the float32 master it adds updates to)."""
+        wire = encode(self.global_state, self.settings.model_dtype)
+        data, self.wire_sha = wire.data, wire.sha256
         for chunk in split(f"model-{self.version}", data, self.settings.training.chunk_bytes):
             self.publish(f"{topics.model_chunks(self.version)}/{chunk.index}", to_bytes(chunk), True)
         self.model_size = len(data)
@@ -392,7 +397,7 @@ class Engine:
 
     def _announcement(self, current: OpenRound) -> RoundAnnouncement:
         config = self.settings.training.model_copy(update=self.strategy.client_config())
-        return RoundAnnouncement(round_id=current.round_id, model_version=self.version, model_sha256=self.global_sha,
+        return RoundAnnouncement(round_id=current.round_id, model_version=self.version, model_sha256=self.wire_sha,
                                  model_bytes=self.model_size, model_chunks=self.model_chunks,
                                  total_rounds=self.settings.rounds, deadline_unix=current.deadline, config=config,
                                  participants=current.participants)

@@ -29,7 +29,7 @@ from edge_client.local_training import LocalObjective, train_round
 from edge_client.public_set import fetch_public_set
 from models.public_set import PublicSet, PublicSetError, load_public_set
 from models.face_model import FaceModel, ModelConfig, from_numpy_state, private_state, shareable_state
-from models.faces.crops import CropConfig, crop_index
+from models.faces.crops import CropConfig, decoded_crops
 from models.state_norms import clip_to_norm, without_running_stats
 from models.faces.datasets import load_index
 from protocol import topics
@@ -61,7 +61,7 @@ class EdgeDevice:
         self.export_onnx, self.seed = export_onnx, seed
         index = load_index(data)
         config = CropConfig(detector=detector or ("none" if index.synthetic else "auto"), fallback_center=True)
-        self.crops = crop_index(index, config, cache_dir=crop_cache or self.home.root / "crops", progress=False, min_images=1)
+        self.crops = decoded_crops(index, config, crop_cache or self.home.root / "crops", self.home.root / "crops")
         self.signer = Signer.load_or_create(self.home.signing_key)
         self._seq = int(time.time() * 1000)
         self.model: FaceModel | None = None
@@ -187,7 +187,11 @@ class EdgeDevice:
                 log.exception("%s: round %d failed", self.device_id, job.round_id)
 
     def _fetch_global(self, job: RoundAnnouncement, timeout: float = 120.0) -> dict[str, torch.Tensor]:
-        """Download the announced model; refuse it unless its sha256 is the announced one."""
+        """The announced model, from the device's cache when it already holds that version (a resent or resumed
+        round), else downloaded; refused unless its sha256 is the announced one."""
+        cached = self.home.cached_model(job.model_version, job.model_sha256)
+        if cached is not None:
+            return from_numpy_state(decode(cached, job.model_sha256))
         self.download, self.downloaded = None, threading.Event()
         self.expected_model = (job.model_version, job.model_sha256, job.model_bytes)
         topic = self.model_topic = f"{topics.model_chunks(job.model_version)}/+"
@@ -199,6 +203,7 @@ class EdgeDevice:
             self.model_topic = None
             self.client.unsubscribe(topic)
         state = decode(self.model_payload, job.model_sha256)
+        self.home.cache_model(job.model_version, job.model_sha256, self.model_payload)
         return from_numpy_state(state)
 
     def _on_model_chunk(self, frame: bytes) -> None:
@@ -283,15 +288,19 @@ class EdgeDevice:
         payload_path, header_path = self.home.pending_paths(job.round_id)
         payload_path.write_bytes(encoded.data)
         header_path.write_text(json.dumps({"header": header.model_dump(), "chunk_bytes": cfg.chunk_bytes}))
+        uploading = time.perf_counter()
         self._send_update(header, encoded.data, cfg.chunk_bytes)
         acked = self._await_ack(job, header, encoded.data)
+        upload_seconds = time.perf_counter() - uploading
         if acked:
             payload_path.unlink(missing_ok=True)
             header_path.unlink(missing_ok=True)
         if self.export_onnx:
             self._export(model)
         self.home.log_round({"round_id": job.round_id, "base_version": job.model_version, "acked": acked,
-                             "bytes_sent": len(encoded.data), **result.metrics, **result.private_metrics})
+                             "bytes_sent": len(encoded.data), "fetch_seconds": fetched - started,
+                             "train_seconds": header.metrics["train_seconds"], "upload_seconds": upload_seconds,
+                             **result.metrics, **result.private_metrics})
         self.done_rounds.add(job.round_id)  # last: whoever waits on it finds the round logged
         if job.round_id >= job.total_rounds:
             self.finished.set()

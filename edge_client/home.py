@@ -74,6 +74,29 @@ class DeviceHome:
     def generic_onnx(self) -> Path:
         return self.root / "models" / "generic.onnx"
 
+    @property
+    def _model_cache(self) -> Path:
+        return self.root / "models" / "global.safetensors"
+
+    def cached_model(self, version: int, sha256: str) -> bytes | None:
+        """The global model of `version` if this device already downloaded it (and it still has that hash)."""
+        from protocol.tensors import sha256_hex
+
+        meta = self._model_cache.with_suffix(".json")
+        if not (meta.exists() and self._model_cache.exists()):
+            return None
+        if json.loads(meta.read_text()) != {"version": version, "sha256": sha256}:
+            return None
+        data = self._model_cache.read_bytes()
+        return data if sha256_hex(data) == sha256 else None
+
+    def cache_model(self, version: int, sha256: str, data: bytes) -> None:
+        """Keep the latest downloaded global model (one version: the next one replaces it)."""
+        tmp = self._model_cache.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(self._model_cache)
+        self._model_cache.with_suffix(".json").write_text(json.dumps({"version": version, "sha256": sha256}))
+
     def pending_paths(self, round_id: int) -> tuple[Path, Path]:
         return self.root / "pending" / f"round{round_id}.safetensors", self.root / "pending" / f"round{round_id}.json"
 

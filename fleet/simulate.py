@@ -287,10 +287,12 @@ class Simulation:
                   "updates": row["n_updates"], "dropped": row["n_dropped"],
                   "train_loss": m.get("mean_train_loss"), "train_acc": m.get("mean_train_acc"),
                   "bytes_up": m.get("bytes_received", 0),
-                  "bytes_down": len(self.service.engine.store.model_bytes(row["base_version"])) * len(row["participants"]),
+                  "bytes_down": self.service.engine.model_size * len(row["participants"]),  # the wire (fp16) size
                   "wall_s": wall_s if wall_s is not None else (row["closed_at"] or 0) - (row["started_at"] or 0),
                   "aggregation_s": m.get("aggregation_seconds"),
-                  "hn_fraction": self._device_mean(row, "hn_fraction")}
+                  "hn_fraction": self._device_mean(row, "hn_fraction"),
+                  **{f"{phase}_s": self._device_mean(row, f"{phase}_seconds") for phase in ("fetch", "train", "upload")}}
+        evaluating = time.perf_counter()
         self._eval_threads()
         val_report, _ = verification(model, self.val, self.config.max_eval_pairs, self.config.seed)
         hold_report, _ = verification(model, self.holdout, self.config.max_eval_pairs, self.config.seed)
@@ -298,6 +300,7 @@ class Simulation:
         record.update({f"holdout_{k}": v for k, v in flat(hold_report).items()})
         # early stopping watches validation images of the devices' own people; unseen people when too few
         record["select_auc"] = record.get("val_auc") if record.get("val_auc") is not None else record.get("holdout_auc")
+        record["eval_s"] = time.perf_counter() - evaluating
         quality = {k: float(record[f"holdout_{k}"]) for k in ("auc", "eer") if record.get(f"holdout_{k}") is not None}
         if quality:  # the coordinator's dashboard plots it (the operator's evaluation: the simulator holds the faces)
             self.service.engine.store.record_evaluation(version, quality, "fleet simulator, held-out people")

@@ -6,6 +6,7 @@ image or a different detector is cropped again and everything else is read back.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field
@@ -250,3 +251,30 @@ def _assemble(crops, names, paths, report, index, config, min_images) -> FaceCro
     images = np.stack([crops[i] for i in keep]).astype(np.uint8)
     labels = np.array([label_of[names[i]] for i in keep], dtype=np.int64)
     return FaceCrops(images, labels, keep_names, [paths[i] for i in keep], report, index.synthetic)
+
+
+def decoded_crops(index: FaceIndex, config: CropConfig, cache_dir: Path, folder: Path, min_images: int = 1) -> FaceCrops:
+    """`crop_index`, kept decoded in `folder` as one uncompressed .npz keyed by the files (path, size, mtime) and
+    the crop settings: a device's later runs load its crops in milliseconds instead of decoding every PNG again."""
+    files = "\n".join(f"{s.path}|{s.identity}|{s.path.stat().st_size}|{s.path.stat().st_mtime_ns}"
+                      for s in index.samples)
+    key = hashlib.sha1(f"{files}\n{config.signature()}\n{min_images}".encode()).hexdigest()[:20]
+    path = folder / f"decoded-{key}.npz"
+    if path.exists():
+        try:
+            with np.load(path, allow_pickle=False) as saved:
+                meta = json.loads(str(saved["meta"]))
+                return FaceCrops(saved["images"], saved["labels"], meta["identities"], meta["paths"],
+                                 CropReport(**meta["report"]), meta["synthetic"])
+        except (OSError, ValueError, KeyError):
+            path.unlink(missing_ok=True)  # damaged: decode again
+    crops = crop_index(index, config, cache_dir=cache_dir, progress=False, min_images=min_images)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("decoded-*.npz"):  # one set of crops per device: the data changed
+        old.unlink(missing_ok=True)
+    meta = {"identities": crops.identities, "paths": crops.paths, "report": asdict(crops.report),
+            "synthetic": crops.synthetic}
+    tmp = folder / f"decoded-{key}.tmp{os.getpid()}.npz"
+    np.savez(tmp, images=crops.images, labels=crops.labels, meta=np.array(json.dumps(meta)))
+    tmp.replace(path)
+    return crops
