@@ -24,6 +24,28 @@ from fleet.report import mean_std
 from fleet.simulate import simulate
 
 SETTINGS = {"iid": ("iid", None), "dirichlet0.5": ("dirichlet", 0.5), "dirichlet0.1": ("dirichlet", 0.1)}
+# FedAvg on the IID partition again, with one thing changed: who runs the devices, or how updates travel
+VARIANTS = {"ray": ("Ray backend", {"backend": "ray"}), "int8": ("int8 updates", {"codec": "int8"}),
+            "topk": ("top-k 5% updates", {"codec": "topk", "topk_fraction": 0.05}),
+            "fp32": ("fp32 updates", {"codec": "fp32"})}
+PHASES = ("fetch_s", "train_s", "upload_s", "aggregation_s", "eval_s", "wall_s")
+
+
+def phase_row(name: str, summary: dict) -> dict:
+    """Mean seconds per round by phase (device phases: the mean device), from the run's history."""
+    rounds = [h for h in summary["history"][1:] if h.get("train_s") is not None]
+    means = {p: (sum(h.get(p) or 0.0 for h in rounds) / len(rounds) if rounds else None) for p in PHASES}
+    return {"run": name, "download (device mean)": means["fetch_s"], "local training (device mean)": means["train_s"],
+            "upload (device mean)": means["upload_s"], "aggregation": means["aggregation_s"],
+            "evaluation (not in round)": means["eval_s"], "round wall": means["wall_s"],
+            "bytes up / update": summary["bytes"]["per_round_up_mean"] / max(1, summary["history"][-1]["updates"])}
+
+
+def peer_phase_row(peer: dict) -> dict:
+    return {"run": "Flower 1.41 FedAvg (simulation)", "download (device mean)": "in-process",
+            "local training (device mean)": peer.get("train_seconds_mean"), "upload (device mean)": "in-process",
+            "aggregation": peer.get("aggregation_seconds_mean"), "evaluation (not in round)": "-",
+            "round wall": peer["round_seconds_mean"], "bytes up / update": peer["bytes_up_per_round"] / peer["clients"]}
 
 
 def _tar(stats: dict, verifier: str) -> str:
@@ -103,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--init", choices=("face", "imagenet"), default="face", help="round 0's model (default face)")
     parser.add_argument("--partitions", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=[],
+                        help="FedAvg on the IID partition again with one change each (ray: --backend ray; "
+                             "int8/topk/fp32: --codec)")
     parser.add_argument("--name", default="fleet", help="results file name (default fleet: fleet.json, fleet.md)")
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     parser.add_argument("--flower-python", default=os.environ.get("FFR_FLOWER_PYTHON", ".venv-flower/bin/python"),
@@ -126,11 +151,25 @@ def main(argv: list[str] | None = None) -> int:
             if central is None:
                 central = summary
             rows.append(row(f"{algorithm}, {scheme}" + (f" α={alpha}" if alpha else ""), summary))
+    phases = [phase_row(n, summaries[n]) for n in summaries]
+    for variant in args.variants:
+        label, change = VARIANTS[variant]
+        name = f"fedavg-iid-{variant}"
+        config = SimConfig(data=str(data), clients=args.clients, rounds=args.rounds, partition="iid", alpha=0.5,
+                           algorithm="fedavg", dfc=True, patience=0, workers=args.workers, centralized=False,
+                           init=args.init, **change)
+        print(f"== {name}", flush=True)
+        done = args.runs / name / "summary.json"
+        summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
+        summaries[name] = summary
+        rows.append(row(f"fedavg, iid, {label}", summary))
+        phases.append(phase_row(name, summary))
     rows.insert(0, central_row(central))
     rows.insert(0, initial_row(central, args.runs / next(iter(summaries))))
     peer = flower_peer(args, args.runs / "fedavg-iid") if "fedavg-iid" in summaries else None
     if peer is not None:
         rows.append(peer_row(peer))
+        phases.append(peer_phase_row(peer))
     command = "python -m bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:])
     write_results(args.out, args.name, {"init": args.init, "data": str(data), "clients": args.clients, "rounds": args.rounds,
                                       "runs": {k: {kk: v[kk] for kk in ("global", "personalized", "bytes",
@@ -138,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                          "partition", "centralized")}
                                                for k, v in summaries.items()}, "flower": peer},
                   rows, f"Fleet simulation on {data.name}: {args.clients} clients, {args.rounds} rounds", command)
+    write_results(args.out, f"{args.name}_phases", {}, phases,
+                  f"Seconds per round by phase, {args.clients} clients on {data.name}, 2 cores", command)
     return 0
 
 

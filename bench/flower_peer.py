@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     clients = data.training_clients
     private_dir = args.run / "flower_private"
     private_dir.mkdir(exist_ok=True)
-    stats = {"bytes_down": 0, "bytes_up": 0, "round_started": [], "round_s": []}
+    stats = {"bytes_down": 0, "bytes_up": 0, "round_started": [], "round_s": [], "train_s": [], "aggregation_s": []}
 
     # each client's training crops, written once: Ray actors read their own file, not the whole dataset
     for k in clients:
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             model.load_state_dict(load_file(str(saved)), strict=False)
         global_state = msg.content["arrays"].to_torch_state_dict()
         round_no = int(msg.content["config"]["server-round"])
+        training = time.perf_counter()
         result = train_round(model, crops, global_state, config.local_epochs, config.batch_size, config.lr,
                              0.0, seed=config.seed * 1000 + k + round_no,
                              objective=LocalObjective(dfc_steps=config.dfc_steps, dfc_lr=config.dfc_lr,
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         save_file({n: v.contiguous() for n, v in private_state(model).items()}, str(saved))
         content = RecordDict({"arrays": ArrayRecord(shareable_state(model)),
                               "metrics": MetricRecord({"train_loss": result.metrics["train_loss"],
+                                                       "train_seconds": time.perf_counter() - training,
                                                        "num-examples": result.n_samples})})
         return Message(content=content, reply_to=msg)
 
@@ -103,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         def aggregate_train(self, server_round, replies):
             replies = list(replies)
             stats["bytes_up"] += sum(r.content["arrays"].count_bytes() for r in replies if r.has_content())
+            stats["train_s"] += [float(r.content["metrics"]["train_seconds"]) for r in replies if r.has_content()]
+            aggregating = time.perf_counter()
             out = super().aggregate_train(server_round, replies)
+            stats["aggregation_s"].append(time.perf_counter() - aggregating)
             stats["round_s"].append(time.perf_counter() - stats["round_started"][-1])
             return out
 
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
            "strategy_seconds": final["seconds"], "round_seconds_mean": float(np.mean(stats["round_s"])),
            "bytes_down": stats["bytes_down"], "bytes_up": stats["bytes_up"],
            "bytes_up_per_round": stats["bytes_up"] / max(1, rounds),
+           "train_seconds_mean": float(np.mean(stats["train_s"])), "aggregation_seconds_mean": float(np.mean(stats["aggregation_s"])),
            "global_auc": report.get("auc"), "global_eer": report.get("eer")}
     args.out.write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
