@@ -1,6 +1,8 @@
 """One round of local training on a device, as a function: global backbone in, backbone delta out.
 
-FedAvg/FedProx: loss = margin head (local classifier) + alpha_3 * DFC branch [+ mu/2 ||w - w_global||^2].
+FedAvg/FedProx: loss = margin head (local classifier) + alpha_3 * DFC branch [+ mu/2 ||w - w_global||^2]
+[+ C (1 - cos(f_global(x), f_local(x))), eq. 4 of the HF-MAML paper]. HF-MAML replaces the Adam steps by
+Hessian-free meta-learning steps over the same loss (`models.hfmaml`).
 FedFR (eq. 7 of Liu et al., AAAI 2022): alpha_1 L_cos + alpha_2 L_con + alpha_3 L_BCE, with the hard
 negatives of the device's public set D_g in the batch (a margin term against the local classes and
 negatives for the DFC classifiers), and the contrastive term against the global and the previous
@@ -28,6 +30,7 @@ from models.heads import CosineHead, class_centres, imprint
 from models.public_set import PublicSet
 from models.faces.crops import FaceCrops
 from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
+from models.hfmaml import embedding_regulariser, hf_maml_step
 from models.training import TrainConfig, as_chw, frozen_features, train_epoch, train_loader
 
 
@@ -45,6 +48,11 @@ class LocalObjective:
     dfc_lr: float = 1e-2
     dfc_views: int = 2
     imprint_head: bool = True
+    hfmaml: bool = False          # HF-MAML local steps (models.hfmaml, eq. 1-3) instead of Adam steps
+    maml_alpha: float = 0.01
+    maml_beta: float = 0.1
+    maml_delta: float = 1e-3
+    embedding_reg: float = 0.0    # C of eq. 4: pull the local embedding toward the round's global one
 
     @classmethod
     def from_config(cls, config) -> "LocalObjective":
@@ -156,6 +164,41 @@ def _fedfr_epoch(model: FaceModel, loader, optimiser: torch.optim.Optimizer, obj
     return {**{k: v / max(seen, 1) for k, v in sums.items()}, "train_acc": correct / max(seen, 1)}
 
 
+def _batch_triples(loader):
+    """Consecutive batches as HF-MAML's (D, D', D''); a device with fewer than three batches reuses its own."""
+    group, produced = [], False
+    for batch in loader:
+        group.append(batch)
+        if len(group) == 3:
+            yield tuple(group)
+            group, produced = [], True
+    if group and not produced:
+        yield tuple((group * 3)[:3])
+
+
+def _hfmaml_epoch(model: FaceModel, loader, objective: LocalObjective, extra) -> dict:
+    """One pass of HF-MAML over the local data (eq. 1-3): each step reads three batches and takes four
+    gradients of the local loss (margin head, DFC, eq. 4's regulariser) over every trainable parameter."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    seen_logits: list = []
+
+    def loss_fn(batch):
+        loss, logits, _ = model.losses(batch[0], batch[1], extra)
+        seen_logits.append(logits)
+        return loss
+
+    loss_sum = correct = seen = 0
+    for triple in _batch_triples(loader):
+        seen_logits.clear()
+        losses = hf_maml_step(loss_fn, params, triple, objective.maml_alpha, objective.maml_beta, objective.maml_delta)
+        x, y = triple[0]
+        loss_sum += losses["inner_loss"] * len(y)
+        correct += int((seen_logits[0].argmax(1) == y).sum())
+        seen += len(y)
+    return {"train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1)}
+
+
 def _frozen_copy(backbone: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
     net = copy.deepcopy(backbone).eval()
     if state is not None:
@@ -194,13 +237,19 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     generator = torch.Generator().manual_seed(seed)
     loader = train_loader(crops, TrainConfig(batch_size=batch_size, aug="weak"), generator)
     regulariser = (lambda: prox_mu / 2.0 * proximal_term(model, anchor)) if prox_mu > 0 else None
-    if objective.fedfr_loop:
+    extra = None
+    if objective.embedding_reg > 0:  # eq. 4 against the round's starting model
+        start_net = _frozen_copy(model.backbone)
+        extra = lambda emb, x: embedding_regulariser(emb, start_net(x), objective.embedding_reg)  # noqa: E731
+    if objective.hfmaml:
+        history = [_hfmaml_epoch(model, loader, objective, extra) for _ in range(epochs)]
+    elif objective.fedfr_loop:
         global_net = _frozen_copy(model.backbone) if objective.contrastive else None
         previous_net = _frozen_copy(model.backbone, previous_state) if objective.contrastive else None
         history = [_fedfr_epoch(model, loader, optimiser, objective, negatives, global_net, previous_net, generator,
                                 regulariser) for _ in range(epochs)]
     else:
-        history = [train_epoch(model, loader, optimiser, regulariser=regulariser) for _ in range(epochs)]
+        history = [train_epoch(model, loader, optimiser, regulariser=regulariser, extra=extra) for _ in range(epochs)]
     metrics = dict(history[-1])
     for key in ("neg_loss", "total_loss"):  # figures that involve D_g: the device's log only
         if key in metrics:

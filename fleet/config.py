@@ -41,7 +41,7 @@ class SimConfig:
     server_momentum: float = 0.9
     dfc: bool = True
     dfc_weight: float | None = None    # alpha_3; None: 1, or 10 with method fedfr (models.objective_cli)
-    method: str | None = None          # fedavg | fedprox | fedfr; None: --algorithm decides
+    method: str | None = None          # fedavg | fedprox | fedfr | hfmaml; None: --algorithm decides
     hard_negatives: bool | None = None  # None: on with method fedfr
     contrastive: bool | None = None     # None: on with method fedfr
     t_hn: float = 0.4
@@ -51,6 +51,10 @@ class SimConfig:
     dfc_steps: int = 300
     dfc_lr: float = 1e-2
     imprint_head: bool = True
+    embedding_reg: float = 0.0         # C of the HF-MAML paper's eq. 4
+    maml_alpha: float = 0.01
+    maml_beta: float = 0.1
+    maml_delta: float = 1e-3
     public_data: str | None = None     # FedFR's D_g: aligned faces of people no client has
     public_limit: int = 2000
     local_epochs: int = 1
@@ -120,6 +124,12 @@ class SimConfig:
 
         if self.method is not None and self.method not in METHODS:
             raise ValueError(f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.embedding_reg < 0:
+            raise ValueError("--embedding-reg must not be negative")
+        if self.method == "hfmaml" and (self.hard_negatives or self.contrastive):
+            raise ValueError("--method hfmaml takes no hard negatives or contrastive term (FedFR's)")
+        if self.embedding_reg and (self.method == "fedfr" or self.hard_negatives or self.contrastive):
+            raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
         if objective_settings(self)["hard_negatives"] and self.public_data is None:
             raise ValueError("hard negatives need a public set: --public-data DIR (aligned faces of people no "
                              "client has, e.g. ../shared/faces/utkface_aligned), or --no-hard-negatives")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,12 +85,19 @@ class FaceModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.embed(x)
 
-    def losses(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Total training loss, margin-free logits (for accuracy) and the loss parts for logging."""
+    def losses(self, x: torch.Tensor, labels: torch.Tensor,
+               extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Total training loss, margin-free logits (for accuracy) and the loss parts for logging.
+        `extra(emb, x)` adds a term on the batch's embedding (e.g. HF-MAML's embedding regulariser)."""
         emb = self.backbone(x)
         head_loss = F.cross_entropy(self.head(emb, labels), labels, weight=self.class_weights)
         parts = {"head_loss": float(head_loss.detach())}
         total = head_loss
+        if extra is not None:
+            term = extra(emb, x)
+            parts["extra_loss"] = float(term.detach())
+            total = total + term
         if self.dfc is not None:
             dfc_loss = self.dfc.loss(emb, labels)
             parts["dfc_loss"] = float(dfc_loss.detach())

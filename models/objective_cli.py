@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-METHODS = ("fedavg", "fedprox", "fedfr")
+METHODS = ("fedavg", "fedprox", "fedfr", "hfmaml")
+SERVER_FEDAVG = ("fedfr", "hfmaml")  # local objectives whose rounds the coordinator aggregates with FedAvg
 FEDFR_DFC_WEIGHT = 10.0  # alpha_3 of eq. 7
 DFC_WEIGHT = 1.0         # this project's default beside FedAvg/FedProx
 
@@ -16,7 +17,8 @@ DFC_WEIGHT = 1.0         # this project's default beside FedAvg/FedProx
 def add_objective_options(group) -> None:
     group.add_argument("--method", choices=METHODS,
                        help="fedavg | fedprox | fedfr (FedAvg aggregation with hard negatives from --public-data / "
-                            "--public-set, the contrastive term and DFC, at the paper's weights)")
+                            "--public-set, the contrastive term and DFC, at the paper's weights) | hfmaml (Hessian-free "
+                            "MAML local steps, FedAvg aggregation; add --embedding-reg C for eq. 4)")
     group.add_argument("--hard-negatives", action=argparse.BooleanOptionalAction, default=None,
                        help="sample hard negatives from the device's public set (default: on with --method fedfr)")
     group.add_argument("--t-hn", type=float, default=0.4, help="hard-negative cosine threshold t_HN (default 0.4)")
@@ -28,6 +30,13 @@ def add_objective_options(group) -> None:
     group.add_argument("--dfc-steps", type=int, default=300,
                        help="steps fitting the DFC branch on frozen features after local training (default 300)")
     group.add_argument("--dfc-lr", type=float, default=1e-2, help="learning rate of that fit (default 1e-2)")
+    group.add_argument("--embedding-reg", type=float, default=0.0,
+                       help="C: add C * (1 - cos(global embedding, local embedding)) to the local loss (the HF-MAML "
+                            "paper's eq. 4; FedAvg/FedProx/HF-MAML; default 0: off)")
+    group.add_argument("--maml-alpha", type=float, default=0.01, help="HF-MAML inner step size alpha (default 0.01)")
+    group.add_argument("--maml-beta", type=float, default=0.1, help="HF-MAML outer step size beta (default 0.1)")
+    group.add_argument("--maml-delta", type=float, default=1e-3,
+                       help="HF-MAML finite-difference step delta of the Hessian-vector product (default 1e-3)")
     group.add_argument("--imprint-head", action=argparse.BooleanOptionalAction, default=True,
                        help="each round, set the device's class centres to its people's mean embedding under the "
                             "received model before training (weight imprinting; default on)")
@@ -41,12 +50,14 @@ def objective_settings(args) -> dict:
             "contrastive": fedfr if args.contrastive is None else args.contrastive,
             "t_hn": args.t_hn, "tau": args.tau, "alpha_cos": args.alpha_cos, "alpha_con": args.alpha_con,
             "dfc_steps": args.dfc_steps, "dfc_lr": args.dfc_lr, "dfc_weight": dfc_weight,
-            "imprint_head": args.imprint_head}
+            "imprint_head": args.imprint_head, "hfmaml": args.method == "hfmaml",
+            "embedding_reg": args.embedding_reg, "maml_alpha": args.maml_alpha, "maml_beta": args.maml_beta,
+            "maml_delta": args.maml_delta}
 
 
 def aggregation_algorithm(method: str | None, fallback: str) -> str:
     """The server-side strategy a method implies (FedFR aggregates with FedAvg)."""
-    return fallback if method is None else ("fedavg" if method == "fedfr" else method)
+    return fallback if method is None else ("fedavg" if method in SERVER_FEDAVG else method)
 
 
 CODECS = ("fp16", "fp32", "int8", "topk")  # protocol.codecs

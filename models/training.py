@@ -107,15 +107,17 @@ def train_loader(crops: FaceCrops, config: TrainConfig, generator: torch.Generat
 
 def train_epoch(model: FaceModel, loader: DataLoader, optimiser: torch.optim.Optimizer,
                 desc: str = "train", progress: bool = False,
-                regulariser: Callable[[], torch.Tensor] | None = None) -> dict:
+                regulariser: Callable[[], torch.Tensor] | None = None,
+                extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict:
     """One pass over `loader`; returns mean loss and accuracy (margin-free logits).
 
-    `regulariser` adds a term to every step's loss (FedProx's proximal term on devices).
+    `regulariser` adds a term to every step's loss (FedProx's proximal term on devices); `extra(emb, x)` a term
+    on the batch's embedding (the embedding regulariser).
     """
     model.train()
     loss_sum, correct, seen = 0.0, 0, 0
     for x, y in tqdm(loader, desc=desc, unit="batch", disable=not progress, leave=False):
-        loss, logits, _ = model.losses(x, y)
+        loss, logits, _ = model.losses(x, y, extra)
         if regulariser is not None:
             loss = loss + regulariser()
         optimiser.zero_grad(set_to_none=True)

@@ -85,6 +85,12 @@ class TrainingConfig(_Body):
     dfc_lr: float = Field(1e-2, gt=0, le=1.0)
     dfc_views: int = Field(2, ge=1, le=16)     # views of each local image (the first unaugmented) for that fit
     imprint_head: bool = True             # local class centres from the received model's features each round
+    # HF-MAML (eq. 1-3 of the HF-MAML face paper) and its embedding regulariser (eq. 4, weight C)
+    hfmaml: bool = False
+    maml_alpha: float = Field(0.01, gt=0, le=1.0)
+    maml_beta: float = Field(0.1, gt=0, le=1.0)
+    maml_delta: float = Field(1e-3, gt=0, le=1.0)
+    embedding_reg: float = Field(0.0, ge=0, le=100.0)
     # FedFR's D_g as the coordinator serves it (all three or none): fetched once over HTTP, kept by its hash
     public_set_url: str | None = Field(None, max_length=512, pattern=r"^https?://[!-~]+$")
     public_set_sha256: Hex64 | None = None
