@@ -10,6 +10,7 @@ import argparse
 import json
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -67,8 +68,8 @@ def main(argv=None) -> int:
                 page.screenshot(path=str(args.out / "dashboard.png"), full_page=True)
                 browser.close()
         finally:
-            run.terminate()
-            run.wait(60)
+            run.send_signal(signal.SIGINT)  # Ctrl-C: the simulator stops its devices and its broker cleanly
+            run.wait(120)
     print(f"screenshot: {args.out / 'dashboard.png'}")
     return 0
 

@@ -7,6 +7,10 @@ and the mean delta into the next global model.
 - FedAvg (McMahan et al., AISTATS 2017): w <- w + eta * sum_k n_k d_k / sum_k n_k.
 - FedProx (Li et al., MLSys 2020): the same on the server; its proximal term lives on devices.
 - FedAvgM (Hsu et al., 2019, arXiv:1909.06335): v <- beta v + mean delta; w <- w + eta v.
+- PFM (FedFace, Liu et al.; `models.pfm`): FedAvg, and the global momentum M = (w_old - w_new) / eta
+  that devices apply at every local step of the next round (the server never applies it).
+
+A strategy with server state keeps it in `state` (persisted by the coordinator between restarts).
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+from models.pfm import global_momentum
 
 State = dict[str, np.ndarray]
 
@@ -111,17 +117,36 @@ class FedProx(FedAvg):
 class FedAvgM(FedAvg):
     momentum: float = 0.9
     name: str = "fedavgm"
-    velocity: State | None = None
+    state: State | None = None  # the server velocity v
 
     def aggregate(self, global_state: State, mean_delta: State) -> State:
-        if self.velocity is None:
-            self.velocity = {k: v.copy() for k, v in mean_delta.items()}
+        if self.state is None:
+            self.state = {k: v.copy() for k, v in mean_delta.items()}
         else:
-            self.velocity = {k: self.momentum * self.velocity[k] + mean_delta[k] for k in mean_delta}
-        return apply_delta(global_state, self.velocity, self.server_lr)
+            self.state = {k: self.momentum * self.state[k] + mean_delta[k] for k in mean_delta}
+        return apply_delta(global_state, self.state, self.server_lr)
 
 
-STRATEGIES = {"fedavg": FedAvg, "fedprox": FedProx, "fedavgm": FedAvgM}
+@dataclass
+class PFM(FedAvg):
+    """FedFace's Partially Federated Momentum (Algorithm 1): aggregate like FedAvg (eq. 4), then estimate the
+    global momentum from the model's change (eq. 5-6) for the devices to apply locally next round."""
+
+    lr: float = 1e-4          # eta: the devices' learning rate this round (M is measured in its units)
+    beta: float = 0.9
+    name: str = "pfm"
+    state: State | None = None  # the global momentum M, sent to devices with the model
+
+    def client_config(self) -> dict:
+        return {"algorithm": self.name, "pfm_beta": self.beta}
+
+    def aggregate(self, global_state: State, mean_delta: State) -> State:
+        new = apply_delta(global_state, mean_delta, 1.0)
+        self.state = global_momentum(global_state, new, self.lr)
+        return new
+
+
+STRATEGIES = {"fedavg": FedAvg, "fedprox": FedProx, "fedavgm": FedAvgM, "pfm": PFM}
 
 
 def make_strategy(name: str, **options) -> Strategy:

@@ -71,7 +71,9 @@ def add_commands(csub) -> None:
     p.add_argument("--rounds", type=int, default=10, help="rounds to run (default 10)")
     p.add_argument("--min-clients", type=int, default=2, help="devices needed to start a round and to aggregate it")
     p.add_argument("--fraction", type=float, default=1.0, help="fraction of registered devices sampled per round")
-    p.add_argument("--strategy", choices=("fedavg", "fedprox", "fedavgm"), default="fedavg")
+    p.add_argument("--strategy", choices=("fedavg", "fedprox", "fedavgm", "pfm"), default="fedavg",
+                   help="aggregation: fedavg, fedprox, fedavgm (server momentum) or pfm (FedFace's partially "
+                        "federated momentum: devices apply the global momentum with plain SGD at --lr; default fedavg)")
     p.add_argument("--mu", type=float, default=0.01, help="FedProx proximal weight (default 0.01)")
     p.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum")
     p.add_argument("--state", type=Path, default=Path("coordinator_state"), help="state folder")

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from coordinator.aggregation import FedAvgM, RunningMean, Strategy
+from coordinator.aggregation import RunningMean, Strategy
 from coordinator.robust import COMBINERS, NormBound, combine, l2_norm
 from coordinator.store import Store
 from protocol import topics
@@ -109,8 +109,8 @@ class Engine:
             store.save_model(0, state, None)
             latest = store.latest_model()
         self.version, self.global_state, self.global_sha = latest
-        if isinstance(strategy, FedAvgM):
-            strategy.velocity = store.load_strategy_state()
+        if hasattr(strategy, "state"):  # FedAvgM's velocity, PFM's global momentum
+            strategy.state = store.load_strategy_state()
         from protocol.auth import ReplayGuard
 
         self.keys = store.device_keys()
@@ -141,11 +141,28 @@ class Engine:
             self.publish(f"{topics.model_chunks(self.version)}/{chunk.index}", to_bytes(chunk), True)
         self.model_size = len(data)
         self.model_chunks = -(-len(data) // self.settings.training.chunk_bytes)
+        self._publish_momentum()
+
+    def _publish_momentum(self) -> None:
+        """PFM: the global momentum for the current version, retained beside the model (fp16 when it fits)."""
+        state = getattr(self.strategy, "state", None) if self.strategy.name == "pfm" else None
+        self.momentum = None
+        if state is None:
+            return
+        dtype = "fp16" if max(float(np.abs(v).max(initial=0.0)) for v in state.values()) < 6e4 else "fp32"
+        wire = encode(state, dtype)
+        chunk_bytes = self.settings.training.chunk_bytes
+        for chunk in split(f"momentum-{self.version}", wire.data, chunk_bytes):
+            self.publish(f"{topics.momentum_chunks(self.version)}/{chunk.index}", to_bytes(chunk), True)
+        self.momentum = (wire.sha256, len(wire.data), -(-len(wire.data) // chunk_bytes))
 
     def _retract_model(self, version: int, n_chunks: int) -> None:
         """Clear a superseded version's retained chunks, so the broker does not keep every model forever."""
         for index in range(n_chunks):
             self.publish(f"{topics.model_chunks(version)}/{index}", b"", True)
+        if self.momentum is not None:
+            for index in range(self.momentum[2]):
+                self.publish(f"{topics.momentum_chunks(version)}/{index}", b"", True)
 
     # incoming ---------------------------------------------------------------
     def on_message(self, topic: str, payload: bytes) -> None:
@@ -400,7 +417,13 @@ class Engine:
         return RoundAnnouncement(round_id=current.round_id, model_version=self.version, model_sha256=self.wire_sha,
                                  model_bytes=self.model_size, model_chunks=self.model_chunks,
                                  total_rounds=self.settings.rounds, deadline_unix=current.deadline, config=config,
-                                 participants=current.participants)
+                                 participants=current.participants, **self._momentum_fields())
+
+    def _momentum_fields(self) -> dict:
+        if self.momentum is None:
+            return {}
+        sha, size, chunks = self.momentum
+        return {"momentum_sha256": sha, "momentum_bytes": size, "momentum_chunks": chunks}
 
     def admit(self, device_id: str) -> str:
         """A one-time admission token for `device_id` (see coordinator.admission)."""
@@ -448,7 +471,7 @@ class Engine:
                           "dp_epsilon": _finite_or_none(dp.epsilon(rates, self.settings.dp_noise,
                                                                    self.settings.dp_delta)),
                           "dp_noise_norm": dp.noise_norm(n_params, len(devices), self.settings.dp_noise, dp_clip)}
-        velocity = getattr(self.strategy, "velocity", None)
+        server_state = getattr(self.strategy, "state", None)
         new_state = self.strategy.aggregate(self.global_state, mean_delta)
         problem = self._check_new_model(new_state, bound, 2.0 * dp_metrics.get("dp_noise_norm", 0.0))
         new_state = {k: (np.maximum(v, 0).astype(v.dtype) if k.endswith("running_var") else v)
@@ -460,8 +483,8 @@ class Engine:
                    **_mean_metrics(current.metrics)}
         self.store.drop_updates(current.round_id)
         if problem:
-            if isinstance(self.strategy, FedAvgM):
-                self.strategy.velocity = velocity  # the server's momentum forgets the refused round too
+            if hasattr(self.strategy, "state"):
+                self.strategy.state = server_state  # the server's momentum forgets the refused round too
             self.store.close_round(current.round_id, "rolled_back", None, len(current.done), dropped, metrics, problem)
             log.error("round %d rolled back: %s; model v%d stays current", current.round_id, problem, self.version)
             return
@@ -469,8 +492,8 @@ class Engine:
         self.version += 1
         self.global_sha = self.store.save_model(self.version, new_state, current.round_id)
         self.global_state = new_state
-        if isinstance(self.strategy, FedAvgM):
-            self.store.save_strategy_state(self.strategy.velocity)
+        if hasattr(self.strategy, "state"):
+            self.store.save_strategy_state(self.strategy.state)
         self.store.close_round(current.round_id, "completed", self.version, len(current.done), dropped, metrics)
         self._retract_model(self.version - 1, self.model_chunks)
         self._publish_model()

@@ -87,7 +87,8 @@ class Service:
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         options = {"mu": config.prox_mu} if config.strategy == "fedprox" else \
-            {"momentum": config.server_momentum} if config.strategy == "fedavgm" else {}
+            {"momentum": config.server_momentum} if config.strategy == "fedavgm" else \
+            {"lr": settings.training.lr, "beta": settings.training.pfm_beta} if config.strategy == "pfm" else {}
         strategy = make_strategy(config.strategy, **options)
         self.engine = Engine(Store(config.state), strategy, settings, self._publish, self._initial_model, self.signer)
         self.engine.running = not config.start_paused

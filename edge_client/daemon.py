@@ -73,6 +73,7 @@ class EdgeDevice:
             self.registered.set()
         self.acked: dict[int, threading.Event] = {}
         self.download: Reassembler | None = None
+        self.expected_transfer: tuple[str, str, int] | None = None
         self.downloaded = threading.Event()
         self.done_rounds = {e["round_id"] for e in self.home.rounds_log()}
         self.failed_rounds: dict[int, str] = {}
@@ -186,33 +187,53 @@ class EdgeDevice:
                 self.queued_rounds.discard(job.round_id)  # the coordinator's next announcement may retry it
                 log.exception("%s: round %d failed", self.device_id, job.round_id)
 
-    def _fetch_global(self, job: RoundAnnouncement, timeout: float = 120.0) -> dict[str, torch.Tensor]:
+    def _fetch_global(self, job: RoundAnnouncement) -> dict[str, torch.Tensor]:
         """The announced model, from the device's cache when it already holds that version (a resent or resumed
         round), else downloaded; refused unless its sha256 is the announced one."""
         cached = self.home.cached_model(job.model_version, job.model_sha256)
         if cached is not None:
             return from_numpy_state(decode(cached, job.model_sha256))
-        self.download, self.downloaded = None, threading.Event()
-        self.expected_model = (job.model_version, job.model_sha256, job.model_bytes)
-        topic = self.model_topic = f"{topics.model_chunks(job.model_version)}/+"
-        self.client.subscribe(topic, qos=1)
-        try:
-            if not self.downloaded.wait(timeout):
-                raise TimeoutError(f"model v{job.model_version} did not arrive within {timeout:.0f} s")
-        finally:
-            self.model_topic = None
-            self.client.unsubscribe(topic)
-        state = decode(self.model_payload, job.model_sha256)
-        self.home.cache_model(job.model_version, job.model_sha256, self.model_payload)
+        payload = self._download(topics.model_chunks(job.model_version), f"model-{job.model_version}",
+                                 job.model_sha256, job.model_bytes, f"model v{job.model_version}")
+        state = decode(payload, job.model_sha256)
+        self.home.cache_model(job.model_version, job.model_sha256, payload)
         return from_numpy_state(state)
 
+    def _fetch_momentum(self, job: RoundAnnouncement, model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """PFM's global momentum for the announced version (None before the first aggregation); its tensors must
+        be the model's floating parameters, shape for shape."""
+        if job.momentum_sha256 is None:
+            return None
+        payload = self._download(topics.momentum_chunks(job.model_version), f"momentum-{job.model_version}",
+                                 job.momentum_sha256, job.momentum_bytes, f"momentum v{job.model_version}")
+        momentum = decode(payload, job.momentum_sha256)
+        for name, value in momentum.items():
+            if name not in model or tuple(model[name].shape) != value.shape or value.dtype.kind != "f":
+                raise PayloadError(f"momentum tensor {name[:80]} is not one of the model's floating tensors")
+        return from_numpy_state(momentum)
+
+    def _download(self, topic: str, transfer_id: str, sha256: str, size: int, what: str,
+                  timeout: float = 120.0) -> bytes:
+        """Retained chunk frames on `topic`/+, each checked against the announced transfer, hash and size."""
+        self.download, self.downloaded = None, threading.Event()
+        self.expected_transfer = (transfer_id, sha256, size)
+        subscription = self.model_topic = f"{topic}/+"
+        self.client.subscribe(subscription, qos=1)
+        try:
+            if not self.downloaded.wait(timeout):
+                raise TimeoutError(f"{what} did not arrive within {timeout:.0f} s")
+        finally:
+            self.model_topic = None
+            self.client.unsubscribe(subscription)
+        return self.model_payload
+
     def _on_model_chunk(self, frame: bytes) -> None:
-        if not frame or self.downloaded.is_set():
+        if not frame or self.downloaded.is_set() or self.expected_transfer is None:
             return
         chunk = from_bytes(frame)
-        version, sha, size = self.expected_model
-        if chunk.transfer_id != f"model-{version}" or chunk.sha256 != sha or chunk.total_bytes != size:
-            log.error("%s: model chunk does not match the announced hash; not training on it", self.device_id)
+        transfer_id, sha, size = self.expected_transfer
+        if chunk.transfer_id != transfer_id or chunk.sha256 != sha or chunk.total_bytes != size:
+            log.error("%s: chunk does not match the announced %s; not using it", self.device_id, transfer_id)
             return
         if self.download is None:
             self.download = Reassembler.for_chunk(chunk)
@@ -268,10 +289,12 @@ class EdgeDevice:
         cfg = job.config
         previous = load_torch(str(self.home.local_backbone)) if cfg.contrastive and self.home.local_backbone.exists() \
             else None
+        pfm = cfg.algorithm == "pfm"
+        momentum = self._fetch_momentum(job, global_state) if pfm else None
         result = train_round(model, self.crops, global_state, cfg.epochs, cfg.batch_size, cfg.lr,
                              cfg.prox_mu if cfg.algorithm == "fedprox" else 0.0, seed=self.seed + job.round_id,
                              objective=LocalObjective.from_config(cfg), public=self._public_images(cfg),
-                             previous_state=previous)
+                             previous_state=previous, pfm_beta=cfg.pfm_beta if pfm else None, pfm_momentum=momentum)
         self.home.save_tensors(self.home.private_state, private_state(model))
         self.home.save_tensors(self.home.local_backbone, shareable_state(model))  # the personalised model's Theta
         delta, n_samples = result.delta, result.n_samples
@@ -300,6 +323,7 @@ class EdgeDevice:
         self.home.log_round({"round_id": job.round_id, "base_version": job.model_version, "acked": acked,
                              "bytes_sent": len(encoded.data), "fetch_seconds": fetched - started,
                              "train_seconds": header.metrics["train_seconds"], "upload_seconds": upload_seconds,
+                             "global_momentum_tensors": len(momentum or {}),
                              **result.metrics, **result.private_metrics})
         self.done_rounds.add(job.round_id)  # last: whoever waits on it finds the round logged
         if job.round_id >= job.total_rounds:

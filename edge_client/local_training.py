@@ -31,6 +31,7 @@ from models.public_set import PublicSet
 from models.faces.crops import FaceCrops
 from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
 from models.hfmaml import embedding_regulariser, hf_maml_step
+from models.pfm import apply_global_momentum
 from models.training import TrainConfig, as_chw, frozen_features, train_epoch, train_loader
 
 
@@ -199,6 +200,20 @@ def _hfmaml_epoch(model: FaceModel, loader, objective: LocalObjective, extra) ->
     return {"train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1)}
 
 
+def _pfm_epochs(model: FaceModel, loader, epochs: int, lr: float, beta: float, momentum: dict[str, torch.Tensor],
+                regulariser, extra) -> list[dict]:
+    """PFM's local steps (Algorithm 1, lines 6-10): SGD on the backbone plus beta * M / K per step (eq. 3),
+    classical momentum SGD on the classifier and the DFC branch (eq. 1-2)."""
+    backbone = dict(model.backbone.named_parameters())
+    others = [p for n, p in model.named_parameters() if not n.startswith("backbone.")]
+    optimiser = torch.optim.SGD([{"params": list(backbone.values())}, {"params": others, "momentum": beta}], lr=lr)
+    steps = epochs * len(loader)
+    local_momentum = {n: momentum[f"backbone.{n}"] for n in backbone if f"backbone.{n}" in momentum}
+    push = lambda: apply_global_momentum(backbone, local_momentum, lr, beta, steps)  # noqa: E731
+    return [train_epoch(model, loader, optimiser, regulariser=regulariser, extra=extra, after_step=push)
+            for _ in range(epochs)]
+
+
 def _frozen_copy(backbone: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
     net = copy.deepcopy(backbone).eval()
     if state is not None:
@@ -211,9 +226,13 @@ def _frozen_copy(backbone: torch.nn.Module, state: dict[str, torch.Tensor] | Non
 def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torch.Tensor], epochs: int,
                 batch_size: int, lr: float, prox_mu: float = 0.0, seed: int = 0,
                 objective: LocalObjective | None = None, public: PublicSet | None = None,
-                previous_state: dict[str, torch.Tensor] | None = None) -> LocalResult:
+                previous_state: dict[str, torch.Tensor] | None = None, pfm_beta: float | None = None,
+                pfm_momentum: dict[str, torch.Tensor] | None = None) -> LocalResult:
     """Train on the device's crops from the global backbone. `public` is D_g;
-    `previous_state` the device's last local backbone (keys `backbone.*`), for the contrastive term."""
+    `previous_state` the device's last local backbone (keys `backbone.*`), for the contrastive term.
+    With `pfm_beta`, FedFace's PFM: plain SGD at `lr` for the backbone plus the global momentum
+    `pfm_momentum` (keys `backbone.*`; None in the first round) spread over the round's steps, and classical
+    momentum SGD for the classifier (`models.pfm`)."""
     objective = objective or LocalObjective()
     load_shareable_state(model, global_state)
     start = {k: v.clone() for k, v in shareable_state(model).items()}
@@ -241,7 +260,9 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     if objective.embedding_reg > 0:  # eq. 4 against the round's starting model
         start_net = _frozen_copy(model.backbone)
         extra = lambda emb, x: embedding_regulariser(emb, start_net(x), objective.embedding_reg)  # noqa: E731
-    if objective.hfmaml:
+    if pfm_beta is not None:
+        history = _pfm_epochs(model, loader, epochs, lr, pfm_beta, pfm_momentum or {}, regulariser, extra)
+    elif objective.hfmaml:
         history = [_hfmaml_epoch(model, loader, objective, extra) for _ in range(epochs)]
     elif objective.fedfr_loop:
         global_net = _frozen_copy(model.backbone) if objective.contrastive else None

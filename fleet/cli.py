@@ -131,8 +131,9 @@ def add_commands(fsub) -> None:
     _partition_options(p, data_required=False)
     g = p.add_argument_group("federated training")
     g.add_argument("--rounds", type=int, default=10, help="federated rounds (default 10)")
-    g.add_argument("--algorithm", choices=("fedavg", "fedprox", "fedavgm"), default="fedprox",
-                   help="aggregation / local objective (default fedprox, as in the design)")
+    g.add_argument("--algorithm", choices=("fedavg", "fedprox", "fedavgm", "pfm"), default="fedprox",
+                   help="aggregation / local objective (default fedprox, as in the design; pfm: FedFace's partially "
+                        "federated momentum, devices on plain SGD at --lr, e.g. --lr 0.01)")
     g.add_argument("--prox-mu", type=float, default=0.01, help="FedProx proximal weight (default 0.01)")
     g.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (default 0.9)")
     g.add_argument("--dfc", action=argparse.BooleanOptionalAction, default=True,
@@ -196,6 +197,8 @@ def add_commands(fsub) -> None:
                    help="skip the centralised upper bound")
     g.add_argument("--impostor-images", type=int, default=300,
                    help="other clients' test images each client's verifier is tried against (default 300)")
+    g.add_argument("--eval-clients", type=int,
+                   help="measure per-client quality on a seeded sample of this many clients (default: all)")
     g.add_argument("--no-mlflow", dest="mlflow", action="store_false", help="do not log to MLflow")
     p.set_defaults(func=cmd_simulate)
 

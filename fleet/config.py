@@ -10,12 +10,12 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-ALGORITHMS = ("fedavg", "fedprox", "fedavgm")
+ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "pfm")
 
 # Options that may change between an interrupted run and its resumption; all others must match.
 RESUMABLE_CHANGES = {"rounds", "workers", "dashboard_port", "backend", "ray_address", "cpus_per_device",
                      "gpus_per_device", "patience", "min_delta", "round_timeout", "centralized", "mlflow", "broker",
-                     "crop_cache", "progress"}
+                     "crop_cache", "progress", "eval_clients"}
 
 
 @dataclass
@@ -77,6 +77,7 @@ class SimConfig:
     round_timeout: float = 3600.0
     centralized: bool = True
     impostor_images: int = 300         # other clients' test images each client's verifier is tried on
+    eval_clients: int | None = None    # per-client evaluation on a seeded sample of this many clients; None: all
     max_eval_pairs: int = 100_000
     broker: str | None = None
     crop_cache: str | None = None      # None: the user's crop cache ($FFR_CACHE_DIR), shared with other commands

@@ -64,12 +64,16 @@ def load_local_model(home: DeviceHome, n_classes: int, width_mult: float, dfc: b
 
 
 def evaluate_clients(data: FleetData, verifiers: dict[str, Callable[[int], Callable[[np.ndarray], np.ndarray] | None]],
-                     impostor_images: int, seed: int) -> dict:
+                     impostor_images: int, seed: int, limit: int | None = None) -> dict:
     """Per-client reports for each verifier; `verifiers[name](client)` gives a function from crop indices
-    to embeddings (so a model shared by all clients can embed each image once), or None."""
+    to embeddings (so a model shared by all clients can embed each image once), or None. `limit`: a seeded
+    sample of that many clients (a 1,000-device fleet), all of them by default."""
     test_idx = np.flatnonzero(data.split == TEST)
     rows, pooled = [], {name: ([], []) for name in verifiers}
-    for k in range(len(data.partition.clients)):
+    clients = np.arange(len(data.partition.clients))
+    if limit is not None and limit < len(clients):
+        clients = np.sort(np.random.default_rng(seed).choice(clients, limit, replace=False))
+    for k in map(int, clients):
         own = np.flatnonzero(data.client_mask(k, TEST))
         others = np.setdiff1d(test_idx, np.flatnonzero(data.client_mask(k)))
         others = np.setdiff1d(others, np.flatnonzero(data.holdout_mask()))

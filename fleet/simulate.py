@@ -334,7 +334,8 @@ class Simulation:
         global_report, global_curve = verification(global_model, holdout, c.max_eval_pairs, c.seed)
         central_report, central_curve = (verification(central_model, holdout, c.max_eval_pairs, c.seed)
                                          if central_model is not None else ({}, None))
-        clients = evaluate_clients(self.data, self._verifiers(global_model, central_model), c.impostor_images, c.seed)
+        clients = evaluate_clients(self.data, self._verifiers(global_model, central_model), c.impostor_images, c.seed,
+                                   c.eval_clients)
         figures = self._plots(history, best, global_curve, central_curve, central_report, clients, global_model)
         self.state.elapsed_s += time.time() - started
         self.state.save(self.state_path)

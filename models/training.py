@@ -108,11 +108,13 @@ def train_loader(crops: FaceCrops, config: TrainConfig, generator: torch.Generat
 def train_epoch(model: FaceModel, loader: DataLoader, optimiser: torch.optim.Optimizer,
                 desc: str = "train", progress: bool = False,
                 regulariser: Callable[[], torch.Tensor] | None = None,
-                extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict:
+                extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                after_step: Callable[[], None] | None = None) -> dict:
     """One pass over `loader`; returns mean loss and accuracy (margin-free logits).
 
     `regulariser` adds a term to every step's loss (FedProx's proximal term on devices); `extra(emb, x)` a term
-    on the batch's embedding (the embedding regulariser).
+    on the batch's embedding (the embedding regulariser); `after_step()` runs after each optimiser step (PFM's
+    global momentum).
     """
     model.train()
     loss_sum, correct, seen = 0.0, 0, 0
@@ -123,6 +125,8 @@ def train_epoch(model: FaceModel, loader: DataLoader, optimiser: torch.optim.Opt
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
+        if after_step is not None:
+            after_step()
         loss_sum += float(loss.detach()) * len(y)
         correct += int((logits.argmax(1) == y).sum())
         seen += len(y)

@@ -64,7 +64,8 @@ class TrainingConfig(_Body):
     epochs: int = Field(1, ge=1, le=20)
     batch_size: int = Field(32, ge=1, le=512)
     lr: float = Field(1e-4, gt=0, le=1.0)
-    algorithm: Literal["fedavg", "fedprox", "fedavgm"] = "fedavg"
+    algorithm: Literal["fedavg", "fedprox", "fedavgm", "pfm"] = "fedavg"
+    pfm_beta: float = Field(0.9, ge=0, lt=1.0)  # FedFace's momentum parameter (PFM: eq. 1-3)
     prox_mu: float = Field(0.01, ge=0, le=10.0)
     dfc: bool = True
     dfc_weight: float = Field(1.0, ge=0, le=100.0)  # alpha: weight of the DFC branch's loss beside the margin head
@@ -115,6 +116,17 @@ class RoundAnnouncement(_Body):
     deadline_unix: float = Field(ge=0, le=1e11)
     config: TrainingConfig
     participants: list[DeviceId] = Field(max_length=MAX_DEVICES_PER_ROUND)
+    # PFM's global momentum for this model version (all three or none), chunked like the model
+    momentum_sha256: Hex64 | None = None
+    momentum_bytes: int | None = Field(None, ge=1, le=1 << 31)
+    momentum_chunks: int | None = Field(None, ge=1, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _momentum_complete(self) -> "RoundAnnouncement":
+        given = [v is not None for v in (self.momentum_sha256, self.momentum_bytes, self.momentum_chunks)]
+        if any(given) and not all(given):
+            raise ValueError("momentum_sha256, momentum_bytes and momentum_chunks come together")
+        return self
 
 
 class UpdateHeader(_Body):

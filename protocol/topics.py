@@ -9,6 +9,7 @@
 | `ffr/v1/devices/{device}/inbox` | coordinator | `Ack` / `Error` for that device |
 | `ffr/v1/rounds/announce` | coordinator | `RoundAnnouncement` (retained) |
 | `ffr/v1/models/{version}/chunks` | coordinator | chunk frames of a global backbone |
+| `ffr/v1/models/{version}/momentum` | coordinator | chunk frames of PFM's global momentum for that version |
 """
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def round_announcements() -> str:
 
 def model_chunks(version: int) -> str:
     return f"{PREFIX}/models/{version}/chunks"
+
+
+def momentum_chunks(version: int) -> str:
+    return f"{PREFIX}/models/{version}/momentum"
 
 
 def all_device_messages() -> str:

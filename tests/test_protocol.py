@@ -233,3 +233,32 @@ def test_hostile_public_set_fields_in_a_round_announcement_are_refused(fields):
     envelope["body"]["config"].update(fields)
     with pytest.raises(MessageError):
         parse(json.dumps(envelope).encode())
+
+
+@pytest.mark.parametrize("fields, where", [
+    ({"momentum_sha256": None}, "body"),           # the three come together
+    ({"momentum_chunks": None}, "body"),
+    ({"momentum_sha256": "xyz"}, "body"),
+    ({"momentum_bytes": 0}, "body"),
+    ({"momentum_bytes": 1 << 40}, "body"),
+    ({"momentum_chunks": -1}, "body"),
+    ({"pfm_beta": 1.0}, "config"),                 # momentum that never decays
+    ({"pfm_beta": -0.5}, "config"),
+    ({"algorithm": "fedsgd"}, "config"),
+    ({"maml_beta": 0.0}, "config"),
+    ({"maml_delta": 5.0}, "config"),
+    ({"embedding_reg": -1.0}, "config"),
+    ({"codec": "zip"}, "config"),
+    ({"topk_fraction": 0.0}, "config"),
+])
+def test_hostile_method_fields_in_a_round_announcement_are_refused(fields, where):
+    from protocol.messages import RoundAnnouncement
+
+    body = RoundAnnouncement(round_id=1, model_version=0, model_sha256="0" * 64, model_bytes=1, model_chunks=1,
+                             total_rounds=1, deadline_unix=1e9, config=TrainingConfig(algorithm="pfm"),
+                             participants=["a"], momentum_sha256="ab" * 32, momentum_bytes=10, momentum_chunks=1)
+    envelope = json.loads(seal("coordinator", 1, body, Signer.generate()))
+    assert parse(json.dumps(envelope).encode()).body.momentum_bytes == 10
+    (envelope["body"] if where == "body" else envelope["body"]["config"]).update(fields)
+    with pytest.raises(MessageError):
+        parse(json.dumps(envelope).encode())
