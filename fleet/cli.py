@@ -197,6 +197,9 @@ def add_commands(fsub) -> None:
                    help="skip the centralised upper bound")
     g.add_argument("--impostor-images", type=int, default=300,
                    help="other clients' test images each client's verifier is tried against (default 300)")
+    g.add_argument("--tune-steps", type=int, default=0,
+                   help="also measure each client's global model after this many local batches on its training "
+                        "images ('tuned', as the HF-MAML paper evaluates; it uses 5; default 0: off)")
     g.add_argument("--eval-clients", type=int,
                    help="measure per-client quality on a seeded sample of this many clients (default: all)")
     g.add_argument("--no-mlflow", dest="mlflow", action="store_false", help="do not log to MLflow")

@@ -15,7 +15,7 @@ ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "pfm")
 # Options that may change between an interrupted run and its resumption; all others must match.
 RESUMABLE_CHANGES = {"rounds", "workers", "dashboard_port", "backend", "ray_address", "cpus_per_device",
                      "gpus_per_device", "patience", "min_delta", "round_timeout", "centralized", "mlflow", "broker",
-                     "crop_cache", "progress", "eval_clients"}
+                     "crop_cache", "progress", "eval_clients", "tune_steps"}
 
 
 @dataclass
@@ -77,6 +77,8 @@ class SimConfig:
     round_timeout: float = 3600.0
     centralized: bool = True
     impostor_images: int = 300         # other clients' test images each client's verifier is tried on
+    tune_steps: int = 0                # also measure each client's "tuned" model: the global one after this many
+                                       # local batches (the HF-MAML paper's evaluation; 5 there); 0: off
     eval_clients: int | None = None    # per-client evaluation on a seeded sample of this many clients; None: all
     max_eval_pairs: int = 100_000
     broker: str | None = None

@@ -63,6 +63,38 @@ def load_local_model(home: DeviceHome, n_classes: int, width_mult: float, dfc: b
     return model.eval()
 
 
+def tuned_model(global_model: FaceModel, crops, steps: int, lr: float, batch_size: int, seed: int) -> FaceModel:
+    """The global model after `steps` local batches on a client's own training images (the HF-MAML paper's
+    "tuned" evaluation): a head imprinted from the client's people, then Adam on backbone and head."""
+    import copy
+
+    import torch
+
+    from models.faces.splits import relabel
+    from models.heads import imprint
+    from models.training import TrainConfig, frozen_features, train_loader
+
+    crops = relabel(crops, np.unique(crops.labels))
+    model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=global_model.config.width_mult,
+                                  pretrained=False, dfc=False))
+    model.backbone.load_state_dict(copy.deepcopy(global_model.backbone.state_dict()))
+    imprint(model.head, frozen_features(model.backbone, crops.images, seed=seed), torch.from_numpy(crops.labels))
+    optimiser = torch.optim.Adam(model.parameters(), lr=lr)
+    loader = train_loader(crops, TrainConfig(batch_size=batch_size, aug="weak"), torch.Generator().manual_seed(seed))
+    model.train()
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            loss, _, _ = model.losses(x, y)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            done += 1
+            if done >= steps:
+                break
+    return model.eval()
+
+
 def evaluate_clients(data: FleetData, verifiers: dict[str, Callable[[int], Callable[[np.ndarray], np.ndarray] | None]],
                      impostor_images: int, seed: int, limit: int | None = None) -> dict:
     """Per-client reports for each verifier; `verifiers[name](client)` gives a function from crop indices

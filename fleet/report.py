@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-VERIFIERS = ("global", "local", "local+dfc", "centralized")
+VERIFIERS = ("global", "tuned", "local", "local+dfc", "centralized")
 
 
 def _f(value, digits: int = 3) -> str:

@@ -24,9 +24,9 @@ from coordinator.engine import RoundSettings
 from edge_client.home import DeviceHome
 from fleet import plots
 from fleet.config import SimConfig
-from fleet.data import TEST, VAL, FleetData, crop_cache, device_id, prepare, write_device_folders
+from fleet.data import TEST, TRAIN, VAL, FleetData, crop_cache, device_id, prepare, write_device_folders
 from fleet.devices import DevicePool, Turn
-from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model
+from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model, tuned_model
 from fleet.report import write_summary
 from models.face_model import FaceModel, ModelConfig, from_numpy_state, load_shareable_state
 from models.tracking import MlflowTracker, NullTracker, default_tracking_uri
@@ -394,7 +394,18 @@ class Simulation:
             verifiers["local+dfc"] = lambda k: local(k, True)
         if central_model is not None:
             verifiers["centralized"] = lambda k: shared["centralized"]
+        if c.tune_steps > 0:
+            verifiers["tuned"] = lambda k: self._tuned(global_model, k)
         return verifiers
+
+    def _tuned(self, global_model: FaceModel, client: int):
+        """The global model tuned for `tune_steps` batches on the client's training images (None: held out)."""
+        if client in self.data.partition.heldout_clients:
+            return None
+        c = self.config
+        model = tuned_model(global_model, self.data.union(TRAIN, [client]), c.tune_steps, c.lr, c.batch_size,
+                            c.seed + client)
+        return lambda idx: embed(model, self.data.crops.images[idx], False)
 
     def _plots(self, history, best, global_curve, central_curve, central_report, clients, global_model) -> dict:
         out, figures = self.run_dir, {}

@@ -107,7 +107,7 @@ def test_hf_maml_through_the_cli(tmp_path, mosquitto):
 
     out = tmp_path / "run"
     rc = main(["-q", "fleet", "simulate", "--clients", "2", "--rounds", "1", "--method", "hfmaml", "--embedding-reg",
-               "1.0", "--maml-beta", "0.02", "--synthetic-identities", "8", "--synthetic-images", "6",
+               "1.0", "--maml-beta", "0.02", "--synthetic-identities", "8", "--synthetic-images", "10", "--tune-steps", "2",
                "--holdout-identities", "0.25", "--width-mult", "0.35", "--no-pretrained", "--batch-size", "8",
                "--broker", mosquitto.url, "--no-centralized", "--out", str(out)])
     assert rc == 0
@@ -115,6 +115,8 @@ def test_hf_maml_through_the_cli(tmp_path, mosquitto):
     assert summary["rounds_completed"] == 1 and summary["history"][1]["updates"] == 2
     config = json.loads((out / "config.json").read_text())
     assert config["method"] == "hfmaml" and config["algorithm"] == "fedavg" and config["embedding_reg"] == 1.0
+    tuned = summary["personalized"]["training_clients"]["tuned"]  # the paper's "tuned": global + a few local batches
+    assert tuned["clients"] == 2 and tuned["auc"]["std"] >= 0 and "| tuned |" in (out / "summary.md").read_text()
 
 
 def test_bad_hfmaml_combinations_are_refused(tmp_path, capsys):
