@@ -26,6 +26,7 @@ pattern write ffr/v1/devices/%u/hello
 pattern write ffr/v1/devices/%u/heartbeat
 pattern write ffr/v1/devices/%u/update
 pattern write ffr/v1/devices/%u/update/chunks
+pattern write ffr/v1/devices/%u/score
 pattern read ffr/v1/devices/%u/inbox
 pattern read ffr/v1/rounds/#
 pattern read ffr/v1/models/#

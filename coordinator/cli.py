@@ -30,7 +30,9 @@ def cmd_coordinator_serve(args) -> int:
                              round_timeout_s=args.round_timeout, training=training, seed=args.seed,
                              combine=args.combine, trim=args.trim, byzantine=args.byzantine,
                              norm_factor=args.norm_factor, norm_ceiling=args.norm_ceiling,
-                             norm_action=args.norm_action, dp_noise=args.dp_noise, dp_delta=args.dp_delta)
+                             norm_action=args.norm_action, dp_noise=args.dp_noise, dp_delta=args.dp_delta,
+                             fv=args.fv or args.method == "fedface", fv_candidates=args.fv_candidates,
+                             fv_phi=args.fv_phi, fv_epsilon=args.fv_epsilon, fv_timeout_s=args.fv_timeout)
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
                            strategy=args.strategy, prox_mu=args.mu, server_momentum=args.server_momentum,
@@ -85,6 +87,13 @@ def add_commands(csub) -> None:
     p.add_argument("--dfc-weight", type=float, default=None,
                    help="alpha_3: weight of the DFC loss on devices (default 1; 10 with --method fedfr)")
     add_codec_options(p)
+    p.add_argument("--fv", action="store_true",
+                   help="FedFace's Federated Validation: devices run with `ffr edge run --validation DIR` score candidate "
+                        "aggregation weightings every round (they send only the score; they do not train)")
+    p.add_argument("--fv-candidates", type=int, default=3, help="T: candidate weightings per round (default 3)")
+    p.add_argument("--fv-phi", type=float, default=0.01, help="eq. 13's smoothing rate (default 0.01)")
+    p.add_argument("--fv-epsilon", type=float, default=1e-3, help="eq. 8's epsilon (default 1e-3)")
+    p.add_argument("--fv-timeout", type=float, default=120.0, help="seconds validators have per round (default 120)")
     p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
     p.add_argument("--width-mult", type=float, default=1.0)
     p.add_argument("--init", choices=("face", "imagenet", "none"), default="face",

@@ -20,14 +20,16 @@ from typing import Callable
 
 import numpy as np
 
-from coordinator.aggregation import RunningMean, Strategy
+from coordinator.aggregation import RunningMean, Strategy, apply_delta
+from coordinator.validation import FederatedValidation, choose
 from coordinator.robust import COMBINERS, NormBound, combine, l2_norm
 from coordinator.store import Store
 from protocol import topics
 from protocol.auth import Signer, proof_matches
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageError, Registered, RoundAnnouncement,
-                               TrainingConfig, UpdateHeader, authenticate, parse, seal)
+                               TrainingConfig, UpdateHeader, ValidationRequest, ValidationScore, authenticate, parse,
+                               seal)
 from protocol.codecs import Staging, decode_update
 from protocol.tensors import PayloadError, encode, sha256_hex
 
@@ -58,6 +60,11 @@ class RoundSettings:
     dp_noise: float = 0.0          # DP-FedAvg noise multiplier z (needs training.dp_clip); 0: no noise
     dp_delta: float = 1e-5         # the delta at which epsilon is reported
     model_dtype: str = "fp16"      # the global model on the wire: fp16 (half the bytes) or fp32
+    fv: bool = False               # FedFace's Federated Validation (coordinator.validation) when validators are online
+    fv_candidates: int = 3         # T
+    fv_phi: float = 0.01           # eq. 13's smoothing rate
+    fv_epsilon: float = 1e-3       # eq. 8, and the margin a candidate must win by
+    fv_timeout_s: float = 120.0    # how long validators have to score a round's candidates
 
 
 @dataclass
@@ -75,7 +82,26 @@ class OpenRound:
     bytes_received: int = 0
     refused_transfers: OrderedDict = field(default_factory=OrderedDict)
     running: RunningMean = field(default_factory=RunningMean)  # the plain mean, folded in as updates arrive
+    validation: "Validation | None" = None  # FV in progress: candidates sent, scores coming in
+    validation_metrics: dict = field(default_factory=dict)
     fold_seconds: float = 0.0
+
+
+@dataclass
+class Validation:
+    """One round's Federated Validation: the candidates sent to the validators and the scores back."""
+
+    devices: list[str]
+    base: np.ndarray                 # the devices' FedAvg weights
+    current: np.ndarray              # the current weighting over them
+    candidates: list[np.ndarray]
+    requested: set[str]
+    deadline: float
+    chunks: list[int]                # retained chunk count of each candidate's model, to clear afterwards
+    scores: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def complete(self) -> bool:
+        return all(len(self.scores.get(v, {})) == len(self.candidates) for v in self.requested)
 
 
 class Engine:
@@ -84,6 +110,8 @@ class Engine:
                  now: Callable[[], float] = time.time):
         if settings.combine not in COMBINERS:
             raise ValueError(f"unknown combination rule {settings.combine!r}; choose one of {', '.join(COMBINERS)}")
+        if settings.fv and settings.combine != "mean":
+            raise ValueError("Federated Validation weighs a mean: use the mean combination rule with it")
         if settings.model_dtype not in ("fp16", "fp32"):
             raise ValueError("model_dtype must be fp16 or fp32")
         if settings.norm_action not in ("clip", "reject"):
@@ -114,6 +142,8 @@ class Engine:
         from protocol.auth import ReplayGuard
 
         self.keys = store.device_keys()
+        self.validators: set[str] = set()  # devices that said (signed) they score FV candidates
+        self.fv = FederatedValidation(settings.fv_candidates, settings.fv_phi, settings.fv_epsilon, settings.seed)
         self.images = store.device_images()
         self.guard = ReplayGuard(store.last_seqs())
         self.norms = NormBound(ceiling=settings.norm_ceiling * l2_norm(self.global_state), factor=settings.norm_factor)
@@ -178,7 +208,7 @@ class Engine:
             try:
                 if leaf == "update/chunks":
                     self._on_chunk(device_id, payload)
-                elif leaf in ("hello", "heartbeat", "update"):
+                elif leaf in ("hello", "heartbeat", "update", "score"):
                     self._on_envelope(device_id, leaf, payload)
                 elif leaf != "inbox":
                     raise MessageError(f"unknown topic leaf {leaf!r}")
@@ -225,9 +255,12 @@ class Engine:
             raise MessageError(f"a {body.type!r} message does not belong on {leaf!r}")
         if isinstance(body, UpdateHeader):
             self._on_update_header(device_id, body)
+        elif isinstance(body, ValidationScore):
+            self._on_score(device_id, body)
         elif isinstance(body, Hello):
             if body.public_key != key:
                 raise MessageError("hello with a public key that is not this device's: re-admit the device")
+            (self.validators.add if body.validator else self.validators.discard)(device_id)
             self._tell(device_id, Ack(of="hello"))
             self._announce_to_late_joiner(device_id)
         elif not isinstance(body, Heartbeat):
@@ -257,6 +290,8 @@ class Engine:
         self.store.use_admission(device_id)
         self.store.seen(device_id, envelope.seq)
         self.keys[device_id], self.images[device_id] = hello.public_key, hello.n_images
+        if hello.validator:
+            self.validators.add(device_id)
         self._authenticated = device_id
         log.info("admitted %s (%d identities, %d images)", device_id, hello.n_identities, hello.n_images)
         self._tell(device_id, Registered(device_id=device_id))
@@ -400,7 +435,7 @@ class Engine:
                 self._maybe_close_round()
 
     def _maybe_start_round(self) -> None:
-        devices = sorted(self.keys)
+        devices = sorted(set(self.keys) - self.validators)  # FV's validators score; they are not asked to train
         if len(devices) < self.settings.min_clients:
             return
         k = max(self.settings.min_clients, int(round(self.settings.fraction * len(devices))))
@@ -439,9 +474,19 @@ class Engine:
         expired = self.now() >= current.deadline
         if not (all_in or expired):
             return
+        if current.validation is not None:
+            if not (current.validation.complete() or self.now() >= current.validation.deadline):
+                return
+            weights = self._finish_validation(current)
+        else:
+            weights = None
         dropped = len(current.participants) - len(current.done)
-        if len(current.done) >= min(self.settings.min_clients, len(current.participants)) and current.done:
-            self._aggregate(current, dropped)
+        enough = len(current.done) >= min(self.settings.min_clients, len(current.participants)) and current.done
+        if enough and weights is None and self.settings.fv and self.validators and len(current.done) >= 2:
+            self._start_validation(current)
+            return
+        if enough:
+            self._aggregate(current, dropped, weights)
         else:
             self.store.close_round(current.round_id, "failed", None, len(current.done), dropped, {},
                                    f"deadline passed with {len(current.done)} of {len(current.participants)} updates")
@@ -449,14 +494,14 @@ class Engine:
         self.current = None
         self._send(topics.round_announcements(), Ack(of=f"round-{current.round_id}-closed"), retain=True)
 
-    def _aggregate(self, current: OpenRound, dropped: int) -> None:
+    def _aggregate(self, current: OpenRound, dropped: int, weights: dict[str, float] | None = None) -> None:
         """Bound each update's norm, combine them by the run's rule, check the result, then publish it;
         a result that fails its checks is not published and the round is rolled back with the reason."""
         started = time.perf_counter()
         dp_clip = self.settings.training.dp_clip
         bound = self._bound()
         devices = sorted(current.done)
-        mean_delta = self._combine(current, devices)
+        mean_delta = self._combine(current, devices, weights)
         dp_metrics = {}
         if dp_clip is not None:
             from coordinator import dp
@@ -477,7 +522,8 @@ class Engine:
         new_state = {k: (np.maximum(v, 0).astype(v.dtype) if k.endswith("running_var") else v)
                      for k, v in new_state.items()}  # fp16 rounding can leave -1e-8 where a variance is 0
         seconds = time.perf_counter() - started
-        metrics = {**dp_metrics, "aggregation_seconds": seconds, "codec": self.settings.training.codec,
+        metrics = {**dp_metrics, **current.validation_metrics,
+                   "aggregation_seconds": seconds, "codec": self.settings.training.codec,
                    "fold_ms_per_update": 1000 * current.fold_seconds / max(1, len(devices)), "bytes_received": current.bytes_received, "norm_bound": bound,
                    "clipped_updates": sum(current.norms[d] > bound for d in devices), "combine": self.settings.combine,
                    **_mean_metrics(current.metrics)}
@@ -530,9 +576,16 @@ class Engine:
         delta, scale = self._prepared(decode_update(data, sha256_hex(data), codec, *self._layout()))
         return delta if scale == 1.0 else {k: (v * scale if v.dtype.kind == "f" else v) for k, v in delta.items()}
 
-    def _combine(self, current: OpenRound, devices: list[str]) -> dict[str, np.ndarray]:
+    def _combine(self, current: OpenRound, devices: list[str],
+                 override: dict[str, float] | None = None) -> dict[str, np.ndarray]:
         """The plain mean was folded in as updates arrived (memory O(model)); only the few updates whose weight
-        the round's median caps are read again. Robust rules need every update at once (O(n x model))."""
+        the round's median caps are read again. Robust rules need every update at once (O(n x model)).
+        `override`: Federated Validation's weighting (every update read again)."""
+        if override is not None:
+            mean = RunningMean()
+            for device in devices:
+                mean.add(self._load_delta(current, device), override[device])
+            return mean.mean()
         raw = [current.weights[d] for d in devices]
         weights = capped_weights(raw, self.settings.weight_factor)
         if self.settings.combine == "mean":
@@ -542,6 +595,67 @@ class Engine:
             return current.running.mean()
         deltas = [self._load_delta(current, d) for d in devices]
         return combine(deltas, weights, self.settings.combine, self.settings.trim, self.settings.byzantine)
+
+    # Federated Validation (FedFace, Algorithm 2) --------------------------------
+    def _start_validation(self, current: OpenRound) -> None:
+        """Candidate models from the round's updates under T weightings, published for the validators."""
+        devices = sorted(current.done)
+        base = np.array(capped_weights([current.weights[d] for d in devices], self.settings.weight_factor))
+        weighting = self.fv.current(devices, base)
+        candidates = self.fv.draw(weighting, current.round_id)
+        deltas = [self._load_delta(current, d) for d in devices]
+        deadline = self.now() + self.settings.fv_timeout_s
+        chunks = []
+        for t, w in enumerate(candidates, start=1):
+            mean = RunningMean()
+            for delta, weight in zip(deltas, w):
+                mean.add(delta, max(float(weight), 1e-12))
+            wire = encode(_applied(self.global_state, mean.mean()), self.settings.model_dtype)
+            parts = split(f"candidate-{current.round_id}-{t}", wire.data, self.settings.training.chunk_bytes)
+            for chunk in parts:
+                self.publish(f"{topics.candidate_chunks(current.round_id, t)}/{chunk.index}", to_bytes(chunk), True)
+            chunks.append(len(parts))
+            for validator in sorted(self.validators):
+                self._tell(validator, ValidationRequest(round_id=current.round_id, candidate=t,
+                                                        model_sha256=wire.sha256, model_bytes=len(wire.data),
+                                                        model_chunks=len(parts), deadline_unix=deadline))
+        current.validation = Validation(devices, base, weighting, candidates, set(self.validators), deadline, chunks)
+        log.info("round %d: %d candidate weightings sent to %d validator(s)", current.round_id, len(candidates),
+                 len(self.validators))
+
+    def _on_score(self, device_id: str, score: ValidationScore) -> None:
+        current = self.current
+        validation = current.validation if current is not None else None
+        if validation is None or score.round_id != current.round_id:
+            raise MessageError(f"round {score.round_id} is not being validated")
+        if device_id not in validation.requested:
+            raise MessageError(f"{device_id} was not asked to validate round {score.round_id}")
+        if score.candidate > len(validation.candidates):
+            raise MessageError(f"round {score.round_id} has {len(validation.candidates)} candidates")
+        mine = validation.scores.setdefault(device_id, {})
+        if score.candidate in mine:
+            raise MessageError(f"candidate {score.candidate} of round {score.round_id} is already scored")
+        mine[score.candidate] = score.score
+        self._tell(device_id, Ack(of="score", round_id=score.round_id))
+
+    def _finish_validation(self, current: OpenRound) -> dict[str, float]:
+        """Normalise the complete score rows, choose (eq. 12), blend (eq. 13); clear the candidates."""
+        v = current.validation
+        rows = [[mine[t] for t in range(1, len(v.candidates) + 1)] for mine in v.scores.values()
+                if len(mine) == len(v.candidates)]
+        chosen = choose(np.array(rows), self.fv.epsilon) if rows else 0
+        weighting = self.fv.adopt(v.devices, v.base, v.current, v.candidates[chosen]) if rows else v.current
+        for t, n_chunks in enumerate(v.chunks, start=1):
+            for index in range(n_chunks):
+                self.publish(f"{topics.candidate_chunks(current.round_id, t)}/{index}", b"", True)
+        current.validation_metrics = {"fv_validators": len(rows), "fv_chosen": chosen + 1,
+                                      "fv_candidates": len(v.candidates),
+                                      "fv_mean_scores": [float(np.mean([r[t] for r in rows])) if rows else None
+                                                         for t in range(len(v.candidates))],
+                                      "fv_weighting": dict(zip(v.devices, map(float, weighting)))}
+        log.info("round %d: FV chose candidate %d of %d (%d validator(s))", current.round_id, chosen + 1,
+                 len(v.candidates), len(rows))
+        return dict(zip(v.devices, map(float, weighting)))
 
     def _check_new_model(self, new_state: dict[str, np.ndarray], bound: float, noise_allowance: float = 0.0) -> str:
         """Why the new global model must not be published ('' when it may)."""
@@ -596,3 +710,8 @@ def _mean_metrics(per_device: dict[str, dict]) -> dict:
     keys = {k for m in per_device.values() for k in m}
     return {f"mean_{k}": float(np.mean([m[k] for m in per_device.values() if k in m])) for k in sorted(keys)}
 
+
+
+def _applied(global_state: dict[str, np.ndarray], mean_delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A candidate global model: the current one moved by a weighted mean of the round's updates."""
+    return apply_delta(global_state, mean_delta, 1.0)

@@ -11,7 +11,7 @@ def cmd_edge_run(args) -> int:
 
     return run(args.credential, args.data, args.home, until_finished=args.exit_when_done, broker=args.broker,
                detector=args.detector, ca_file=args.ca_file, export_onnx=not args.no_export, seed=args.seed,
-               public_set=args.public_set)
+               public_set=args.public_set, validation=args.validation)
 
 
 def cmd_edge_public_set(args) -> int:
@@ -43,6 +43,9 @@ def add_commands(esub) -> None:
     p.add_argument("--public-set", type=Path,
                    help="FedFR's public face set D_g (a file from `ffr edge public-set`): hard negatives are sampled "
                         "from it when a round asks; nothing about it is ever sent")
+    p.add_argument("--validation", type=Path,
+                   help="FedFace's Federated Validation: this device scores the coordinator's candidate models on "
+                        "these private images (one folder per person) and sends only the score; it does not train")
     p.set_defaults(func=cmd_edge_run)
 
     p = esub.add_parser("public-set", help="pack a folder of aligned faces into a public set file (FedFR's D_g)",

@@ -29,14 +29,15 @@ from edge_client.local_training import LocalObjective, train_round
 from edge_client.public_set import fetch_public_set
 from models.public_set import PublicSet, PublicSetError, load_public_set
 from models.face_model import FaceModel, ModelConfig, from_numpy_state, private_state, shareable_state
-from models.faces.crops import CropConfig, decoded_crops
+from models.faces.crops import CropConfig, FaceCrops, decoded_crops
 from models.state_norms import clip_to_norm, without_running_stats
 from models.faces.datasets import load_index
 from protocol import topics
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.auth import Signer, token_proof
 from protocol.credential import Credential
-from protocol.messages import (Ack, Error, Hello, MessageError, Registered, RoundAnnouncement, UpdateHeader,
+from protocol.messages import (Ack, Error, Hello, MessageError, Registered, RoundAnnouncement, TrainingConfig,
+                               UpdateHeader, ValidationRequest, ValidationScore,
                                open_envelope, seal)
 from protocol.tensors import PayloadError, decode
 from protocol.transport import BrokerAddress, make_client
@@ -47,10 +48,13 @@ log = logging.getLogger("edge_client")
 class EdgeDevice:
     def __init__(self, credential: Credential | Path | str, data: Path, home: Path, detector: str | None = None,
                  broker: str | None = None, ca_file: str | None = None, export_onnx: bool = True, seed: int = 0,
-                 crop_cache: Path | None = None, delta_hook=None, public_set: Path | None = None):
+                 crop_cache: Path | None = None, delta_hook=None, public_set: Path | None = None,
+                 validation: Path | FaceCrops | None = None):
         """`delta_hook(delta, n_samples, global_state) -> (delta, n_samples)`: a fleet experiment's malicious
         device (fleet.attacks); None on every real device. `public_set`: FedFR's D_g (models.public_set),
-        read when a round asks for hard negatives."""
+        read when a round asks for hard negatives. `validation`: this device's private validation images
+        (a folder, or crops): it then scores FedFace's candidate models (Federated Validation) and sends only
+        the score."""
         self.delta_hook = delta_hook
         self.public_set_path = None if public_set is None else Path(public_set)
         self._public: PublicSet | None = None
@@ -62,6 +66,13 @@ class EdgeDevice:
         index = load_index(data)
         config = CropConfig(detector=detector or ("none" if index.synthetic else "auto"), fallback_center=True)
         self.crops = decoded_crops(index, config, crop_cache or self.home.root / "crops", self.home.root / "crops")
+        self.validation_crops = validation if isinstance(validation, FaceCrops) or validation is None else \
+            decoded_crops(load_index(validation), config, crop_cache or self.home.root / "crops",
+                          self.home.root / "validation", min_images=2)
+        self.validations: queue.Queue[ValidationRequest | None] = queue.Queue()
+        self.scored: dict[tuple[int, int], float] = {}
+        self.last_config = TrainingConfig()
+        self._download_lock = threading.Lock()
         self.signer = Signer.load_or_create(self.home.signing_key)
         self._seq = int(time.time() * 1000)
         self.model: FaceModel | None = None
@@ -96,10 +107,15 @@ class EdgeDevice:
         self.client.loop_start()
         self.worker = threading.Thread(target=self._work, name=f"edge-{self.device_id}", daemon=True)
         self.worker.start()
+        if self.validation_crops is not None:
+            self.validator = threading.Thread(target=self._validate_loop, name=f"validate-{self.device_id}",
+                                              daemon=True)
+            self.validator.start()
 
     def stop(self) -> None:
         self.stop_event.set()
         self.jobs.put(None)  # type: ignore[arg-type]
+        self.validations.put(None)
         self.worker.join(timeout=30)
         self.client.loop_stop()
         self.client.disconnect()
@@ -117,7 +133,7 @@ class EdgeDevice:
         proof = None if self.registered.is_set() else token_proof(self.credential.token, self.device_id,
                                                                    self.signer.public_hex)
         return Hello(n_identities=len(self.crops.identities), n_images=len(self.crops),
-                     public_key=self.signer.public_hex, token_proof=proof)
+                     public_key=self.signer.public_hex, token_proof=proof, validator=self.validation_crops is not None)
 
     def _on_connect(self, client: mqtt.Client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
@@ -158,7 +174,10 @@ class EdgeDevice:
                 self.registered.set()
                 log.info("%s: admitted by the coordinator", self.device_id)
                 self._resend_pending()
+        elif isinstance(body, ValidationRequest) and self.validation_crops is not None:
+            self.validations.put(body)
         elif isinstance(body, RoundAnnouncement):
+            self.last_config = body.config
             fresh = body.round_id not in self.done_rounds and body.round_id not in self.queued_rounds
             if self.device_id in body.participants and fresh and body.deadline_unix > time.time():
                 self.queued_rounds.add(body.round_id)
@@ -186,6 +205,38 @@ class EdgeDevice:
                 self.failed_rounds[job.round_id] = f"{type(exc).__name__}: {exc}"
                 self.queued_rounds.discard(job.round_id)  # the coordinator's next announcement may retry it
                 log.exception("%s: round %d failed", self.device_id, job.round_id)
+
+    def _validate_loop(self) -> None:
+        """FedFace's validator: score each candidate model on the private validation images, send the score."""
+        while not self.stop_event.is_set():
+            request = self.validations.get()
+            if request is None or self.stop_event.is_set():
+                return
+            key = (request.round_id, request.candidate)
+            if key in self.scored or time.time() > request.deadline_unix:
+                continue
+            try:
+                self.scored[key] = self._score(request)
+                self._send("score", ValidationScore(round_id=request.round_id, candidate=request.candidate,
+                                                    score=self.scored[key]))
+            except Exception:  # noqa: BLE001 - a failed validation must not stop the validator
+                log.exception("%s: could not score candidate %d of round %d", self.device_id, request.candidate,
+                              request.round_id)
+
+    def _score(self, request: ValidationRequest) -> float:
+        """Verification AUC of the candidate's embedding over every pair of the validation images."""
+        from models.face_model import load_shareable_state
+        from models.training import verification
+
+        payload = self._download(topics.candidate_chunks(request.round_id, request.candidate),
+                                 f"candidate-{request.round_id}-{request.candidate}", request.model_sha256,
+                                 request.model_bytes, f"candidate {request.candidate} of round {request.round_id}")
+        cfg = self.last_config
+        model = FaceModel(ModelConfig(n_classes=1, embedding_dim=cfg.embedding_dim, width_mult=cfg.width_mult,
+                                      pretrained=False, dfc=False))
+        load_shareable_state(model, from_numpy_state(decode(payload, request.model_sha256)))
+        report, _ = verification(model.eval(), self.validation_crops, 100_000, request.round_id)
+        return float(min(1.0, max(0.0, report.get("auc") or 0.0)))
 
     def _fetch_global(self, job: RoundAnnouncement) -> dict[str, torch.Tensor]:
         """The announced model, from the device's cache when it already holds that version (a resent or resumed
@@ -215,6 +266,11 @@ class EdgeDevice:
     def _download(self, topic: str, transfer_id: str, sha256: str, size: int, what: str,
                   timeout: float = 120.0) -> bytes:
         """Retained chunk frames on `topic`/+, each checked against the announced transfer, hash and size."""
+        with self._download_lock:  # one transfer at a time: training and validation share the reassembler
+            return self._download_locked(topic, transfer_id, sha256, size, what, timeout)
+
+    def _download_locked(self, topic: str, transfer_id: str, sha256: str, size: int, what: str,
+                         timeout: float) -> bytes:
         self.download, self.downloaded = None, threading.Event()
         self.expected_transfer = (transfer_id, sha256, size)
         subscription = self.model_topic = f"{topic}/+"

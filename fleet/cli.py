@@ -47,6 +47,8 @@ def _config(args):
     values["rules"] = json.loads(args.rules.read_text()) if args.rules else None
     if "algorithm" in values:  # --method names the local objective and implies the aggregation
         values["algorithm"] = aggregation_algorithm(values.get("method"), values["algorithm"])
+    if values.get("method") == "fedface":
+        values["fv"] = True
     return SimConfig(**values)
 
 
@@ -197,6 +199,13 @@ def add_commands(fsub) -> None:
                    help="skip the centralised upper bound")
     g.add_argument("--impostor-images", type=int, default=300,
                    help="other clients' test images each client's verifier is tried against (default 300)")
+    g.add_argument("--fv", action="store_true",
+                   help="FedFace's Federated Validation: the first --fv-validators held-out clients score candidate "
+                        "aggregation weightings on their own images every round (needs --heldout-clients)")
+    g.add_argument("--fv-validators", type=int, default=1)
+    g.add_argument("--fv-candidates", type=int, default=3, help="T: candidate weightings per round (default 3)")
+    g.add_argument("--fv-phi", type=float, default=0.01, help="eq. 13's smoothing rate phi (default 0.01, the paper's)")
+    g.add_argument("--fv-epsilon", type=float, default=1e-3, help="epsilon of eq. 8 (default 1e-3, the paper's)")
     g.add_argument("--tune-steps", type=int, default=0,
                    help="also measure each client's global model after this many local batches on its training "
                         "images ('tuned', as the HF-MAML paper evaluates; it uses 5; default 0: off)")

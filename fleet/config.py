@@ -77,6 +77,11 @@ class SimConfig:
     round_timeout: float = 3600.0
     centralized: bool = True
     impostor_images: int = 300         # other clients' test images each client's verifier is tried on
+    fv: bool = False                   # FedFace's Federated Validation, validators = the first held-out clients
+    fv_validators: int = 1
+    fv_candidates: int = 3             # T
+    fv_phi: float = 0.01               # eq. 13
+    fv_epsilon: float = 1e-3
     tune_steps: int = 0                # also measure each client's "tuned" model: the global one after this many
                                        # local batches (the HF-MAML paper's evaluation; 5 there); 0: off
     eval_clients: int | None = None    # per-client evaluation on a seeded sample of this many clients; None: all
@@ -127,6 +132,13 @@ class SimConfig:
 
         if self.method is not None and self.method not in METHODS:
             raise ValueError(f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.fv and (self.fv_validators < 1 or self.heldout_clients < self.fv_validators):
+            raise ValueError("--fv needs --heldout-clients of at least --fv-validators (validators are clients kept "
+                             "out of training, scoring on their own images)")
+        if self.fv and self.combine != "mean":
+            raise ValueError("--fv weighs a mean: use --combine mean with it")
+        if self.fv_candidates < 2 or not 0 < self.fv_phi <= 1:
+            raise ValueError("--fv-candidates must be at least 2 and --fv-phi in (0, 1]")
         if self.embedding_reg < 0:
             raise ValueError("--embedding-reg must not be negative")
         if self.method == "hfmaml" and (self.hard_negatives or self.contrastive):

@@ -119,16 +119,21 @@ def prepare(config: SimConfig, run_dir: Path) -> FleetData:
     return data
 
 
-def write_device_folders(data: FleetData, devices_dir: Path) -> dict[int, Path]:
-    """Per client, a folder-per-identity view (symbolic links) of its training images."""
+def write_device_folders(data: FleetData, devices_dir: Path, clients: list[int] | None = None,
+                         parts: tuple[int, ...] = (TRAIN,)) -> dict[int, Path]:
+    """Per client (default: the training clients), a folder-per-identity view (symbolic links) of its images of
+    `parts` (default: its training images)."""
     out = {}
-    for k in data.training_clients:
+    for k in (data.training_clients if clients is None else clients):
         root = devices_dir / device_id(k) / "data"
         done = root / ".complete"
         out[k] = root
         if done.exists():
             continue
-        for i in np.flatnonzero(data.client_mask(k, TRAIN)):
+        mask = np.zeros(len(data.crops), bool)
+        for part in parts:
+            mask |= data.client_mask(k, part)
+        for i in np.flatnonzero(mask):
             source = Path(data.crops.paths[i]).resolve()
             link = root / data.crops.identities[data.crops.labels[i]] / f"{i:06d}_{source.name}"
             link.parent.mkdir(parents=True, exist_ok=True)

@@ -115,7 +115,8 @@ class Simulation:
                                   codec=c.codec, topk_fraction=c.topk_fraction, width_mult=c.width_mult, dp_clip=c.dp_clip,
                                   algorithm=c.algorithm, prox_mu=c.prox_mu, **objective_settings(c))
         settings = RoundSettings(rounds=c.rounds, min_clients=1, fraction=c.fraction, round_timeout_s=c.round_timeout,
-                                 training=training, seed=c.seed, combine=c.combine, dp_noise=c.dp_noise)
+                                 training=training, seed=c.seed, combine=c.combine, dp_noise=c.dp_noise, fv=c.fv,
+                                 fv_candidates=c.fv_candidates, fv_phi=c.fv_phi, fv_epsilon=c.fv_epsilon)
         return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, strategy=c.algorithm,
                                      prox_mu=c.prox_mu, server_momentum=c.server_momentum, init=c.init,
                                      start_paused=True), settings)
@@ -142,18 +143,24 @@ class Simulation:
         if c.dashboard_port:
             self._serve_dashboard(c.dashboard_port)
         pool = self._pool()
+        validators = []
         try:
             self._register(pool)
+            validators = self._start_validators()
             self._rounds(pool, tracker)
             pool.close()
         except BaseException as exc:
             pool.terminate()
+            for device in validators:
+                device.stop()
             self.service.close()
             self.state.status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
             self.state.elapsed_s += time.time() - started
             self.state.save(self.state_path)
             tracker.end("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
             raise
+        for device in validators:
+            device.stop()
         self.service.close()
         summary = self._finish(tracker, started)
         tracker.end()
@@ -181,6 +188,29 @@ class Simulation:
             return RayPool(c.ray_address, c.cpus_per_device, c.gpus_per_device,
                            num_cpus=None if c.ray_address else max(1, c.workers))
         return DevicePool(c.workers, max(1, self.cores // c.workers))
+
+    def _start_validators(self) -> list:
+        """FedFace's validators: the first held-out clients, online for the whole run in this process, each scoring
+        candidates on its own training and validation images (its test images stay for the final report)."""
+        if not self.config.fv:
+            return []
+        from edge_client.daemon import EdgeDevice
+
+        devices = []
+        clients = sorted(self.data.partition.heldout_clients)[:self.config.fv_validators]
+        folders = write_device_folders(self.data, self.run_dir / "devices", clients, (TRAIN, VAL))
+        for k in clients:
+            root = self.run_dir / "devices" / device_id(k)
+            if not (root / "credential.json").exists() or device_id(k) not in self.service.engine.keys:
+                self.service.admit(device_id(k), root / "credential.json")
+            device = EdgeDevice(root / "credential.json", folders[k], root / "home", broker=self.service.broker_url,
+                                detector=self.data.detector, export_onnx=False, crop_cache=crop_cache(self.config),
+                                validation=folders[k])
+            device.start()
+            if not device.registered.wait(120):
+                raise RuntimeError(f"validator {device_id(k)} could not register")
+            devices.append(device)
+        return devices
 
     def _register(self, pool: DevicePool) -> None:
         """The simulator is the operator too: it admits its own devices, then each joins with its credential."""

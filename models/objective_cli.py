@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-METHODS = ("fedavg", "fedprox", "fedfr", "hfmaml")
+METHODS = ("fedavg", "fedprox", "fedfr", "hfmaml", "fedface")
 SERVER_FEDAVG = ("fedfr", "hfmaml")  # local objectives whose rounds the coordinator aggregates with FedAvg
 FEDFR_DFC_WEIGHT = 10.0  # alpha_3 of eq. 7
 DFC_WEIGHT = 1.0         # this project's default beside FedAvg/FedProx
@@ -18,7 +18,8 @@ def add_objective_options(group) -> None:
     group.add_argument("--method", choices=METHODS,
                        help="fedavg | fedprox | fedfr (FedAvg aggregation with hard negatives from --public-data / "
                             "--public-set, the contrastive term and DFC, at the paper's weights) | hfmaml (Hessian-free "
-                            "MAML local steps, FedAvg aggregation; add --embedding-reg C for eq. 4)")
+                            "MAML local steps, FedAvg aggregation; add --embedding-reg C for eq. 4) | fedface (PFM + Federated "
+                            "Validation)")
     group.add_argument("--hard-negatives", action=argparse.BooleanOptionalAction, default=None,
                        help="sample hard negatives from the device's public set (default: on with --method fedfr)")
     group.add_argument("--t-hn", type=float, default=0.4, help="hard-negative cosine threshold t_HN (default 0.4)")
@@ -57,6 +58,8 @@ def objective_settings(args) -> dict:
 
 def aggregation_algorithm(method: str | None, fallback: str) -> str:
     """The server-side strategy a method implies (FedFR aggregates with FedAvg)."""
+    if method == "fedface":  # FedFace = PFM + Federated Validation (the caller turns FV on)
+        return "pfm"
     return fallback if method is None else ("fedavg" if method in SERVER_FEDAVG else method)
 
 

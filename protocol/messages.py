@@ -22,6 +22,7 @@ from protocol.auth import (MAX_SEQ, PUBLIC_KEY_PATTERN, SIGNATURE_PATTERN, AuthE
 MAX_MESSAGE_BYTES = 256 * 1024     # a round announcement for thousands of participants still fits
 MAX_DEVICES_PER_ROUND = 4096
 MAX_INT = 2 ** 53
+MAX_FV_CANDIDATES = 64            # FedFace's T: candidate weightings scored per round
 MAX_PUBLIC_SET_BYTES = 4 << 30     # 4 GiB: ~80k 128 px crops; a device refuses to fetch more
 
 DeviceId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
@@ -43,6 +44,7 @@ class Hello(_Body):
     software: str = Field("ffr-edge", max_length=64)
     public_key: str = Field(pattern=PUBLIC_KEY_PATTERN)
     token_proof: Hex64 | None = None  # HMAC(token, id | public key): the token itself never travels
+    validator: bool = False           # FedFace's FV: this device scores candidate models on private images
 
 
 class Registered(_Body):
@@ -143,6 +145,27 @@ class UpdateHeader(_Body):
     metrics: dict[MetricName, float] = Field(default_factory=dict, max_length=32)
 
 
+class ValidationRequest(_Body):
+    """FedFace's Federated Validation: score this candidate global model (chunks on the candidate's topic)."""
+
+    type: Literal["validate"] = "validate"
+    round_id: int = Field(ge=1, le=MAX_INT)
+    candidate: int = Field(ge=1, le=MAX_FV_CANDIDATES)
+    model_sha256: Hex64
+    model_bytes: int = Field(ge=1, le=1 << 31)
+    model_chunks: int = Field(ge=1, le=1 << 20)
+    deadline_unix: float = Field(ge=0, le=1e11)
+
+
+class ValidationScore(_Body):
+    """A validator's answer: one number in [0, 1] (its verification AUC on its own images), nothing else."""
+
+    type: Literal["score"] = "score"
+    round_id: int = Field(ge=1, le=MAX_INT)
+    candidate: int = Field(ge=1, le=MAX_FV_CANDIDATES)
+    score: float = Field(ge=0.0, le=1.0)
+
+
 class Ack(_Body):
     type: Literal["ack"] = "ack"
     of: str = Field(max_length=64)
@@ -156,7 +179,8 @@ class Error(_Body):
     resume_seq: int | None = Field(None, ge=-1, le=MAX_SEQ)  # a refused counter: number from here
 
 
-Body = Annotated[Union[Hello, Registered, Heartbeat, RoundAnnouncement, UpdateHeader, Ack, Error],
+Body = Annotated[Union[Hello, Registered, Heartbeat, RoundAnnouncement, UpdateHeader, ValidationRequest,
+                       ValidationScore, Ack, Error],
                  Field(discriminator="type")]
 
 

@@ -10,6 +10,8 @@
 | `ffr/v1/rounds/announce` | coordinator | `RoundAnnouncement` (retained) |
 | `ffr/v1/models/{version}/chunks` | coordinator | chunk frames of a global backbone |
 | `ffr/v1/models/{version}/momentum` | coordinator | chunk frames of PFM's global momentum for that version |
+| `ffr/v1/models/candidate-{round}-{t}/chunks` | coordinator | a candidate model FV validators score |
+| `ffr/v1/devices/{device}/score` | validator | signed `ValidationScore` |
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ def model_chunks(version: int) -> str:
 
 def momentum_chunks(version: int) -> str:
     return f"{PREFIX}/models/{version}/momentum"
+
+
+def candidate_chunks(round_id: int, candidate: int) -> str:
+    return f"{PREFIX}/models/candidate-{round_id}-{candidate}/chunks"
 
 
 def all_device_messages() -> str:
