@@ -8,9 +8,9 @@ and "tuned" (the global model after 5 local batches), mean and standard deviatio
 paper's fairness measure), AUC/EER on people no client has, seconds and bytes per round. The paper's
 attribute partition needs CelebA's attribute file, which the shared subset does not have: it is not run.
 
-Part 2 (FedFace, ../shared/papers/004): FedAvg and PFM at two synchronisation intervals (local epochs
-per round), and the centralised model, on the IID partition; generic verification on people no client
-has. Federated Validation is not part of this benchmark yet (not implemented).
+Part 2 (FedFace, ../shared/papers/004): FedAvg, FedAvg + FV, PFM and PFM + FV (= FedFace) at two
+synchronisation intervals (local epochs per round), and the centralised model, on the IID partition
+with one client held out of training as the validator; generic verification on people no client has.
 
 Every run is a full `ffr fleet simulate` over the real broker, coordinator and edge clients.
 """
@@ -65,10 +65,12 @@ def part2_rows(args, data: Path) -> list[dict]:
     rows, central = [], None
     for epochs in args.intervals:
         for label, options in (("FedAvg", {"algorithm": "fedavg", "lr": args.lr_fedavg}),
-                               ("PFM", {"algorithm": "pfm", "lr": args.lr_pfm})):
-            name = f"metafed2-e{epochs}-{label.lower()}"
+                               ("FedAvg + FV", {"algorithm": "fedavg", "lr": args.lr_fedavg, "fv": True}),
+                               ("PFM", {"algorithm": "pfm", "lr": args.lr_pfm}),
+                               ("FedFace (PFM + FV)", {"algorithm": "pfm", "lr": args.lr_pfm, "fv": True})):
+            name = f"metafed2-e{epochs}-" + label.split(" (")[0].lower().replace(" + ", "-").replace(" ", "")
             summary = _run(args, data, name, partition="iid", local_epochs=epochs, centralized=central is None,
-                           **options)
+                           heldout_clients=1, fv_phi=args.fv_phi, **options)
             central = central or summary.get("centralized")
             rows.append({"method": label, "local epochs per round": epochs, "unseen AUC": summary["global"]["auc"],
                          "unseen EER": summary["global"]["eer"], "s/round": summary["round_seconds_mean"]})
@@ -91,6 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--intervals", type=int, nargs="+", default=[1, 2], help="local epochs per round (part 2)")
     parser.add_argument("--lr-fedavg", type=float, default=1e-4, help="FedAvg's Adam learning rate (part 2)")
     parser.add_argument("--lr-pfm", type=float, default=1e-2, help="PFM's SGD learning rate (part 2)")
+    parser.add_argument("--fv-phi", type=float, default=0.5,
+                        help="FV's smoothing rate (the paper's 0.01 suits thousands of validation rounds, not 3)")
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     args = parser.parse_args(argv)
     data = args.data or ((faces_dir() or Path("missing")) / "celeba_subset")
