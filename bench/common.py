@@ -16,6 +16,17 @@ def faces_dir() -> Path | None:
     return path if path.is_dir() else None
 
 
+def face_set(given: Path | None, name: str = "celeba_subset") -> Path | None:
+    """--data, else $FFR_FACES_DIR/NAME; None (and the reason on stderr) when neither is a folder."""
+    import sys
+
+    data = given or ((faces_dir() or Path("missing")) / name)
+    if not data.is_dir():
+        print(f"no face data at {data} (set FFR_FACES_DIR or --data)", file=sys.stderr)
+        return None
+    return data
+
+
 def machine() -> dict:
     import onnxruntime
     import torch

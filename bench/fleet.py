@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import faces_dir, write_results
+from bench.common import face_set, write_results
 from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
@@ -133,9 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flower-python", default=os.environ.get("FFR_FLOWER_PYTHON", ".venv-flower/bin/python"),
                         help="a Python with flwr[simulation] and this project (`make bench-fleet` builds one)")
     args = parser.parse_args(argv)
-    data = args.data or ((faces_dir() or Path("missing")) / "celeba_subset")
-    if not data.is_dir():
-        print(f"no face data at {data} (set FFR_FACES_DIR or --data)", file=sys.stderr)
+    data = face_set(args.data)
+    if data is None:
         return 2
     rows, summaries, central = [], {}, None
     for scheme, alpha in (SETTINGS[p] for p in args.partitions):

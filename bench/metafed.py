@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.common import faces_dir, write_results
+from bench.common import face_set, write_results
 from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
@@ -97,9 +97,8 @@ def main(argv=None) -> int:
                         help="FV's smoothing rate (the paper's 0.01 suits thousands of validation rounds, not 3)")
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     args = parser.parse_args(argv)
-    data = args.data or ((faces_dir() or Path("missing")) / "celeba_subset")
-    if not data.is_dir():
-        print(f"no face data at {data} (set FFR_FACES_DIR or --data)", file=sys.stderr)
+    data = face_set(args.data)
+    if data is None:
         return 2
     command = "python -m bench.metafed " + " ".join(argv if argv is not None else sys.argv[1:])
     if 1 in args.part:

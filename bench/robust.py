@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.common import faces_dir, write_results
+from bench.common import face_set, write_results
 from fleet.config import SimConfig
 from fleet.simulate import simulate
 
@@ -69,9 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     args = parser.parse_args(argv)
-    data = args.data or ((faces_dir() or Path("missing")) / "celeba_subset")
-    if not data.is_dir():
-        print(f"no face data at {data} (set FFR_FACES_DIR or --data)", file=sys.stderr)
+    data = face_set(args.data)
+    if data is None:
         return 2
     plan = [(rule, None, None) for rule in args.clean_rules]
     plan += [(rule, attack, None) for attack in args.attacks for rule in args.rules]

@@ -20,10 +20,9 @@ ordering are all checked before a single value reaches aggregation (`PayloadErro
 from __future__ import annotations
 
 import numpy as np
-from safetensors import SafetensorError
 from safetensors.numpy import load, save
 
-from protocol.tensors import EncodedTensors, PayloadError, sha256_hex
+from protocol.tensors import EncodedTensors, PayloadError, load_checked, sha256_hex
 
 CODECS = ("fp16", "fp32", "int8", "topk")
 LOSSY = ("int8", "topk")
@@ -111,12 +110,7 @@ def decode_update(data: bytes, sha256: str, codec: str, shapes: Shapes, kinds: K
     update is decoded into the same staging."""
     if codec not in CODECS:
         raise PayloadError(f"unknown codec {codec!r}")
-    if sha256_hex(data) != sha256:
-        raise PayloadError("payload sha256 does not match (corrupted or truncated)")
-    try:
-        wire = load(data)
-    except (SafetensorError, ValueError) as exc:
-        raise PayloadError(f"not a safetensors payload: {exc}") from exc
+    wire = load_checked(data, sha256)
     _check_names(wire, _wire_names(codec, shapes, kinds))
     return _reconstruct(wire, codec, shapes, kinds, into)
 

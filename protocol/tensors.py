@@ -41,18 +41,23 @@ def encode(tensors: dict[str, np.ndarray], dtype: str = "fp16") -> EncodedTensor
     return EncodedTensors(data, sha256_hex(data), dtype)
 
 
+def load_checked(data: bytes, sha256: str) -> dict[str, np.ndarray]:
+    """The payload's tensors as sent, once its sha256 matches and it parses as safetensors; PayloadError otherwise."""
+    if sha256_hex(data) != sha256:
+        raise PayloadError("payload sha256 does not match (corrupted or truncated)")
+    try:
+        return load(data)
+    except (SafetensorError, ValueError) as exc:
+        raise PayloadError(f"not a safetensors payload: {exc}") from exc
+
+
 def decode(data: bytes, sha256: str, expected: dict[str, tuple[int, ...]] | None = None,
            expected_kinds: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Bytes -> float32 (or integer) arrays, after checking hash, names, shapes, dtypes and finiteness.
 
     `expected_kinds` maps names to numpy dtype kinds ('f' floating, 'i' integer) of the model.
     """
-    if sha256_hex(data) != sha256:
-        raise PayloadError("payload sha256 does not match (corrupted or truncated)")
-    try:
-        tensors = load(data)
-    except (SafetensorError, ValueError) as exc:
-        raise PayloadError(f"not a safetensors payload: {exc}") from exc
+    tensors = load_checked(data, sha256)
     if expected is not None:
         _check_layout(tensors, expected)
     for name, kind in (expected_kinds or {}).items():
