@@ -9,6 +9,7 @@ the broker's address, mount the run folder at the same path, and have ffr-edge i
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
 from fleet.devices import Turn, run_turn
@@ -49,11 +50,18 @@ class RayPool:
         self.pending: list = []
 
     def run(self, turns: list[Turn]) -> Iterator[dict]:
-        """Results as devices finish (not in submission order)."""
-        self.pending = [self.task.remote(turn, self.threads) for turn in turns]
+        """Results as devices finish (not in submission order); a task Ray could not run (its worker died, or
+        was killed for memory) is that device's failed turn, as with the process pool, not the run's end."""
+        refs = {self.task.remote(turn, self.threads): turn for turn in turns}
+        self.pending = list(refs)
         while self.pending:
             done, self.pending = self.ray.wait(self.pending, num_returns=1)
-            yield self.ray.get(done[0])
+            try:
+                yield self.ray.get(done[0])
+            except self.ray.exceptions.RayError as exc:
+                turn = refs[done[0]]
+                yield {"device_id": Path(turn.credential).parent.name, "round_id": turn.round_id, "ok": False,
+                       "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
 
     def close(self) -> None:
         if self.started_here:
