@@ -10,16 +10,22 @@ centralised momentum SGD: M_r = g + beta * M_{r-1}.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the device side uses torch; the coordinator imports this module without it
+    import torch
 
 NOT_TRAINED = ("running_mean", "running_var", "num_batches_tracked")  # buffers: no gradient, no momentum
 
 
-def apply_global_momentum(params: dict[str, torch.nn.Parameter], momentum: dict[str, torch.Tensor], lr: float,
+def apply_global_momentum(params: "dict[str, torch.nn.Parameter]", momentum: "dict[str, torch.Tensor]", lr: float,
                           beta: float, steps: int) -> None:
     """Eq. 3's momentum part of one local step, in place: theta -= eta * beta * M / K (the gradient part is the
     optimiser's plain SGD step). Parameters without a momentum tensor (the first round) are left alone."""
+    import torch
+
     scale = lr * beta / max(1, steps)
     with torch.no_grad():
         for name, p in params.items():

@@ -183,6 +183,8 @@ def _check_shape(name: str, value: np.ndarray, shape: tuple[int, ...]) -> None:
 
 def _floats(name: str, value: np.ndarray, out: np.ndarray) -> np.ndarray:
     """fp16/fp32 -> `out` (float32), refusing NaN and Inf (they stay NaN and Inf in float32)."""
+    if value.dtype.kind != "f":
+        raise PayloadError(f"tensor {name} has dtype {value.dtype}, expected a floating type")
     if value.dtype not in (np.float16, np.float32):
         raise PayloadError(f"tensor {name} is {value.dtype}; only float16 or float32 travel on the wire")
     np.copyto(out, value)

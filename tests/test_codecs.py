@@ -114,6 +114,7 @@ MALFORMED = [
     ("int8", _set("fc.weight" + SCALE_SUFFIX, np.ones(31, np.float32)), "shape"),
     ("int8", _set("fc.weight", np.full((32, 64), -128, np.int8)), "-128"),
     ("int8", _set("fc.weight", np.zeros((32, 64), np.float32)), "int8 sends int8"),
+    ("fp16", _set("fc.weight", np.zeros((32, 64), np.int32)), "expected a floating type"),
     ("int8", _set("extra", np.zeros(1, np.float32)), "names differ"),
     ("topk", _set(TOPK_INDICES, np.array([5, 3], np.int32)), "same length"),
     ("topk", lambda t: t.update({TOPK_INDICES: t[TOPK_INDICES][::-1].copy()}), "strictly increasing"),

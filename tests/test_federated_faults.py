@@ -371,7 +371,7 @@ def test_device_refuses_a_model_whose_hash_is_not_the_announced_one(tmp_path):
     forged = b"some other model of the same size"[: len(real)]
     from protocol.tensors import sha256_hex
 
-    device.expected_model = (3, sha256_hex(real), len(real))
+    device.expected_transfer = ("model-3", sha256_hex(real), len(real))
     device._on_model_chunk(to_bytes(split("model-3", forged)[0]))
     assert not device.downloaded.is_set(), "a chunk with another hash must not be assembled"
     device._on_model_chunk(to_bytes(split("model-3", real)[0]))
