@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                                min_available_nodes=len(clients))
         started = time.perf_counter()
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(from_numpy_state(initial)), train_config=ConfigRecord({}),
-                                num_rounds=len(json.loads((args.run / "state.json").read_text())["history"]))
+                                num_rounds=sum(h["round"] > 0 for h in  # round 0 is the starting model
+                                               json.loads((args.run / "state.json").read_text())["history"]))
         final["seconds"] = time.perf_counter() - started
         final["arrays"] = result.arrays
 
