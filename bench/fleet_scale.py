@@ -82,8 +82,8 @@ class Sampler(threading.Thread):
                 if rss is None:
                     continue
                 total += rss
-                role, best = self.peak.get(pid, (_role(pid, self.root), 0))
-                self.peak[pid] = (role, max(best, rss))
+                _, best = self.peak.get(pid, ("", 0))
+                self.peak[pid] = (_role(pid, self.root), max(best, rss))  # a Ray worker renames itself after start
             self.peak_total_kib = max(self.peak_total_kib, total)
             self.stop.wait(1.0)
 
