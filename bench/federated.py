@@ -29,6 +29,7 @@ from models.face_model import initial_global_state
 from protocol.chunks import DEFAULT_CHUNK_BYTES, split
 from protocol.codecs import CODECS, Staging, decode_update, encode_update
 from coordinator.robust import combine, l2_norm
+from models.state_norms import clip_scale
 from safetensors.numpy import load
 
 
@@ -74,7 +75,7 @@ def fold_update(running: RunningMean, staging: Staging, data: bytes, sha256: str
     delta = decode_update(data, sha256, codec, shapes, kinds, into=staging)
     t1 = time.perf_counter()
     norm = l2_norm(delta)
-    scale = 1.0 if norm <= bound else bound / norm
+    scale = clip_scale(norm, bound)
     t2 = time.perf_counter()
     running.add(delta, weight, scale)
     t3 = time.perf_counter()

@@ -23,6 +23,7 @@ import numpy as np
 from coordinator.aggregation import RunningMean, Strategy, apply_delta
 from coordinator.validation import FederatedValidation, choose
 from coordinator.robust import COMBINERS, NormBound, combine, l2_norm
+from models.state_norms import clip_scale
 from coordinator.store import Store
 from protocol import topics
 from protocol.auth import Signer, proof_matches
@@ -98,6 +99,7 @@ class Validation:
     requested: set[str]
     deadline: float
     chunks: list[int]                # retained chunk count of each candidate's model, to clear afterwards
+    means: list[dict]                # each candidate's mean delta: the adopted one is their blend, no re-read
     scores: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def complete(self) -> bool:
@@ -147,7 +149,8 @@ class Engine:
         self.images = store.device_images()
         self.guard = ReplayGuard(store.last_seqs())
         self.norms = NormBound(ceiling=settings.norm_ceiling * l2_norm(self.global_state), factor=settings.norm_factor)
-        self._staging = Staging(*self._layout())  # every accepted update is decoded into it (coordinator.codecs)
+        self._layout = _layout_of(self.global_state)  # fixed for the run: what every update must match
+        self._staging = Staging(*self._layout)  # every accepted update is decoded into it (coordinator.codecs)
         self._publish_model()
         self._resume_open_round()
 
@@ -362,7 +365,7 @@ class Engine:
         try:
             if header.codec != self.settings.training.codec:
                 raise PayloadError(f"update sent with codec {header.codec}; this round takes {self.settings.training.codec}")
-            delta = decode_update(payload, header.payload_sha256, header.codec, *self._layout(), into=self._staging)
+            delta = decode_update(payload, header.payload_sha256, header.codec, *self._layout, into=self._staging)
             norm = l2_norm(delta)
             if not np.isfinite(norm):
                 raise PayloadError("update norm overflows")
@@ -477,16 +480,16 @@ class Engine:
         if current.validation is not None:
             if not (current.validation.complete() or self.now() >= current.validation.deadline):
                 return
-            weights = self._finish_validation(current)
+            mean_delta = self._finish_validation(current)
         else:
-            weights = None
+            mean_delta = None
         dropped = len(current.participants) - len(current.done)
         enough = len(current.done) >= min(self.settings.min_clients, len(current.participants)) and current.done
-        if enough and weights is None and self.settings.fv and self.validators and len(current.done) >= 2:
+        if enough and mean_delta is None and self.settings.fv and self.validators and len(current.done) >= 2:
             self._start_validation(current)
             return
         if enough:
-            self._aggregate(current, dropped, weights)
+            self._aggregate(current, dropped, mean_delta)
         else:
             self.store.close_round(current.round_id, "failed", None, len(current.done), dropped, {},
                                    f"deadline passed with {len(current.done)} of {len(current.participants)} updates")
@@ -494,14 +497,14 @@ class Engine:
         self.current = None
         self._send(topics.round_announcements(), Ack(of=f"round-{current.round_id}-closed"), retain=True)
 
-    def _aggregate(self, current: OpenRound, dropped: int, weights: dict[str, float] | None = None) -> None:
+    def _aggregate(self, current: OpenRound, dropped: int, mean_delta: dict[str, np.ndarray] | None = None) -> None:
         """Bound each update's norm, combine them by the run's rule, check the result, then publish it;
         a result that fails its checks is not published and the round is rolled back with the reason."""
         started = time.perf_counter()
         dp_clip = self.settings.training.dp_clip
         bound = self._bound()
         devices = sorted(current.done)
-        mean_delta = self._combine(current, devices, weights)
+        mean_delta = self._combine(current, devices) if mean_delta is None else mean_delta
         dp_metrics = {}
         if dp_clip is not None:
             from coordinator import dp
@@ -546,11 +549,6 @@ class Engine:
         log.info("round %d: aggregated %d updates (%d dropped) into model v%d", current.round_id, len(current.done),
                  dropped, self.version)
 
-    def _layout(self) -> tuple[dict, dict]:
-        """Names -> shapes and -> kinds ('f' floating, 'i' integer) of the global model: what an update must match."""
-        return ({k: tuple(v.shape) for k, v in self.global_state.items()},
-                {k: "f" if np.issubdtype(v.dtype, np.floating) else "i" for k, v in self.global_state.items()})
-
     def _bound(self) -> float:
         """The norm every update is clipped to; fixed for the length of a round (recorded only at aggregation)."""
         return self.norms.bound if self.settings.training.dp_clip is None else self.settings.training.dp_clip
@@ -562,8 +560,7 @@ class Engine:
             from models.state_norms import without_running_stats
 
             delta, norm = without_running_stats(delta), None  # enforced here too: a device's word is not enough
-        norm = l2_norm(delta) if norm is None else norm
-        return delta, (1.0 if norm <= self._bound() or norm == 0.0 else self._bound() / norm)
+        return delta, clip_scale(l2_norm(delta) if norm is None else norm, self._bound())
 
     def _load_delta(self, current: OpenRound, device_id: str) -> dict[str, np.ndarray]:
         """A stored (already validated) update, decoded by the codec it was sent with, prepared for combining."""
@@ -573,19 +570,12 @@ class Engine:
         with safe_open(str(path), framework="numpy") as stored:
             codec = (stored.metadata() or {}).get("ffr.codec", "fp16")
         data = path.read_bytes()
-        delta, scale = self._prepared(decode_update(data, sha256_hex(data), codec, *self._layout()))
+        delta, scale = self._prepared(decode_update(data, sha256_hex(data), codec, *self._layout))
         return delta if scale == 1.0 else {k: (v * scale if v.dtype.kind == "f" else v) for k, v in delta.items()}
 
-    def _combine(self, current: OpenRound, devices: list[str],
-                 override: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+    def _combine(self, current: OpenRound, devices: list[str]) -> dict[str, np.ndarray]:
         """The plain mean was folded in as updates arrived (memory O(model)); only the few updates whose weight
-        the round's median caps are read again. Robust rules need every update at once (O(n x model)).
-        `override`: Federated Validation's weighting (every update read again)."""
-        if override is not None:
-            mean = RunningMean()
-            for device in devices:
-                mean.add(self._load_delta(current, device), override[device])
-            return mean.mean()
+        the round's median caps are read again. Robust rules need every update at once (O(n x model))."""
         raw = [current.weights[d] for d in devices]
         weights = capped_weights(raw, self.settings.weight_factor)
         if self.settings.combine == "mean":
@@ -605,12 +595,13 @@ class Engine:
         candidates = self.fv.draw(weighting, current.round_id)
         deltas = [self._load_delta(current, d) for d in devices]
         deadline = self.now() + self.settings.fv_timeout_s
-        chunks = []
+        chunks, means = [], []
         for t, w in enumerate(candidates, start=1):
             mean = RunningMean()
             for delta, weight in zip(deltas, w):
                 mean.add(delta, max(float(weight), 1e-12))
-            wire = encode(_applied(self.global_state, mean.mean()), self.settings.model_dtype)
+            means.append(mean.mean())
+            wire = encode(_applied(self.global_state, means[-1]), self.settings.model_dtype)
             parts = split(f"candidate-{current.round_id}-{t}", wire.data, self.settings.training.chunk_bytes)
             for chunk in parts:
                 self.publish(f"{topics.candidate_chunks(current.round_id, t)}/{chunk.index}", to_bytes(chunk), True)
@@ -619,7 +610,8 @@ class Engine:
                 self._tell(validator, ValidationRequest(round_id=current.round_id, candidate=t,
                                                         model_sha256=wire.sha256, model_bytes=len(wire.data),
                                                         model_chunks=len(parts), deadline_unix=deadline))
-        current.validation = Validation(devices, base, weighting, candidates, set(self.validators), deadline, chunks)
+        current.validation = Validation(devices, base, weighting, candidates, set(self.validators), deadline, chunks,
+                                        means)
         log.info("round %d: %d candidate weightings sent to %d validator(s)", current.round_id, len(candidates),
                  len(self.validators))
 
@@ -638,8 +630,10 @@ class Engine:
         mine[score.candidate] = score.score
         self._tell(device_id, Ack(of="score", round_id=score.round_id))
 
-    def _finish_validation(self, current: OpenRound) -> dict[str, float]:
-        """Normalise the complete score rows, choose (eq. 12), blend (eq. 13); clear the candidates."""
+    def _finish_validation(self, current: OpenRound) -> dict[str, np.ndarray]:
+        """Normalise the complete score rows, choose (eq. 12), blend (eq. 13); clear the candidates. Returns the
+        round's mean delta under the adopted weighting: the same blend of the current and chosen candidates'
+        means (a weighted mean is linear in its weights), so no update is read again."""
         v = current.validation
         rows = [[mine[t] for t in range(1, len(v.candidates) + 1)] for mine in v.scores.values()
                 if len(mine) == len(v.candidates)]
@@ -655,7 +649,8 @@ class Engine:
                                       "fv_weighting": dict(zip(v.devices, map(float, weighting)))}
         log.info("round %d: FV chose candidate %d of %d (%d validator(s))", current.round_id, chosen + 1,
                  len(v.candidates), len(rows))
-        return dict(zip(v.devices, map(float, weighting)))
+        phi = self.fv.phi if rows else 0.0
+        return {k: ((1.0 - phi) * v.means[0][k] + phi * v.means[chosen][k]) for k in v.means[0]}
 
     def _check_new_model(self, new_state: dict[str, np.ndarray], bound: float, noise_allowance: float = 0.0) -> str:
         """Why the new global model must not be published ('' when it may)."""
@@ -710,6 +705,12 @@ def _mean_metrics(per_device: dict[str, dict]) -> dict:
     keys = {k for m in per_device.values() for k in m}
     return {f"mean_{k}": float(np.mean([m[k] for m in per_device.values() if k in m])) for k in sorted(keys)}
 
+
+
+def _layout_of(state: dict[str, np.ndarray]) -> tuple[dict, dict]:
+    """Names -> shapes and -> kinds ('f' floating, 'i' integer) of a model."""
+    return ({k: tuple(v.shape) for k, v in state.items()},
+            {k: "f" if np.issubdtype(v.dtype, np.floating) else "i" for k, v in state.items()})
 
 
 def _applied(global_state: dict[str, np.ndarray], mean_delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

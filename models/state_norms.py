@@ -23,12 +23,17 @@ def l2_norm(state: State) -> float:
     return float(np.sqrt(total))
 
 
+def clip_scale(norm: float, bound: float) -> float:
+    """The factor that brings a delta of L2 norm `norm` down to `bound` (1 when it is within it)."""
+    return 1.0 if norm <= bound or norm == 0.0 else bound / norm
+
+
 def clip_to_norm(delta: State, bound: float) -> tuple[State, float]:
     """The delta scaled down to norm `bound` when longer, and its original norm."""
     norm = l2_norm(delta)
-    if norm <= bound or norm == 0.0:
+    scale = clip_scale(norm, bound)
+    if scale == 1.0:
         return delta, norm
-    scale = bound / norm
     floats = set(float_names(delta))
     return {k: (v * scale if k in floats else v) for k, v in delta.items()}, norm
 

@@ -31,6 +31,14 @@ Count = Annotated[int, Field(ge=0, le=MAX_INT)]
 MetricName = Annotated[str, StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$")]
 
 
+def _together(body, *names: str):
+    """Optional fields that describe one thing (a file: where, its hash, its size) come all together or not at all."""
+    given = [getattr(body, name) is not None for name in names]
+    if any(given) and not all(given):
+        raise ValueError(f"{', '.join(names[:-1])} and {names[-1]} come together")
+    return body
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -101,10 +109,7 @@ class TrainingConfig(_Body):
 
     @model_validator(mode="after")
     def _public_set_complete(self) -> "TrainingConfig":
-        given = [v is not None for v in (self.public_set_url, self.public_set_sha256, self.public_set_bytes)]
-        if any(given) and not all(given):
-            raise ValueError("public_set_url, public_set_sha256 and public_set_bytes come together")
-        return self
+        return _together(self, "public_set_url", "public_set_sha256", "public_set_bytes")
 
 
 class RoundAnnouncement(_Body):
@@ -125,10 +130,7 @@ class RoundAnnouncement(_Body):
 
     @model_validator(mode="after")
     def _momentum_complete(self) -> "RoundAnnouncement":
-        given = [v is not None for v in (self.momentum_sha256, self.momentum_bytes, self.momentum_chunks)]
-        if any(given) and not all(given):
-            raise ValueError("momentum_sha256, momentum_bytes and momentum_chunks come together")
-        return self
+        return _together(self, "momentum_sha256", "momentum_bytes", "momentum_chunks")
 
 
 class UpdateHeader(_Body):
