@@ -28,15 +28,18 @@ SETTINGS = {"iid": ("iid", None), "dirichlet0.5": ("dirichlet", 0.5), "dirichlet
 VARIANTS = {"ray": ("Ray backend", {"backend": "ray"}), "int8": ("int8 updates", {"codec": "int8"}),
             "topk": ("top-k 5% updates", {"codec": "topk", "topk_fraction": 0.05}),
             "fp32": ("fp32 updates", {"codec": "fp32"})}
-PHASES = ("fetch_s", "train_s", "upload_s", "aggregation_s", "eval_s", "wall_s")
+PHASES = ("fetch_s", "train_s", "upload_s", "turn_s", "aggregation_s", "eval_s", "wall_s")
 
 
 def phase_row(name: str, summary: dict) -> dict:
     """Mean seconds per round by phase (device phases: the mean device), from the run's history."""
     rounds = [h for h in summary["history"][1:] if h.get("train_s") is not None]
     means = {p: (sum(h.get(p) or 0.0 for h in rounds) / len(rounds) if rounds else None) for p in PHASES}
+    in_turn = means["fetch_s"] is not None and all(h.get("turn_s") is not None for h in rounds)
+    start_stop = means["turn_s"] - means["fetch_s"] - means["train_s"] - means["upload_s"] if in_turn and rounds else None
     return {"run": name, "download (device mean)": means["fetch_s"], "local training (device mean)": means["train_s"],
-            "upload (device mean)": means["upload_s"], "aggregation": means["aggregation_s"],
+            "upload (device mean)": means["upload_s"], "device start/stop (device mean)": start_stop,
+            "aggregation": means["aggregation_s"],
             "evaluation (not in round)": means["eval_s"], "round wall": means["wall_s"],
             "bytes up / update": summary["bytes"]["per_round_up_mean"] / max(1, summary["history"][-1]["updates"])}
 
@@ -44,6 +47,7 @@ def phase_row(name: str, summary: dict) -> dict:
 def peer_phase_row(peer: dict) -> dict:
     return {"run": "Flower 1.41 FedAvg (simulation)", "download (device mean)": "in-process",
             "local training (device mean)": peer.get("train_seconds_mean"), "upload (device mean)": "in-process",
+            "device start/stop (device mean)": "-",
             "aggregation": peer.get("aggregation_seconds_mean"), "evaluation (not in round)": "-",
             "round wall": peer["round_seconds_mean"], "bytes up / update": peer["bytes_up_per_round"] / peer["clients"]}
 

@@ -117,8 +117,10 @@ class EdgeDevice:
         self.jobs.put(None)  # type: ignore[arg-type]
         self.validations.put(None)
         self.worker.join(timeout=30)
-        self.client.loop_stop()
+        # disconnect first: the network thread then ends at once; stopping the loop first waits out its
+        # select() timeout (0.7 s measured with paho 2, per device turn in a fleet)
         self.client.disconnect()
+        self.client.loop_stop()
 
     def _next_seq(self) -> int:
         self._seq += 1

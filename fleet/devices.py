@@ -41,6 +41,22 @@ def _init_worker(threads: int) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 
 
+def freeze_imports() -> None:
+    """Once per worker process, after the heavy imports: move what exists now (modules, torch's and numpy's
+    objects) out of the garbage collector's sight, so the full collection after every turn walks only what
+    the turn made (0.35 s -> a few ms per turn measured on CelebA devices); imports live as long as the process."""
+    import gc
+
+    global _FROZEN
+    if not _FROZEN:
+        gc.collect()
+        gc.freeze()
+        _FROZEN = True
+
+
+_FROZEN = False
+
+
 def release_memory() -> None:
     """After a turn: collect the device's reference cycles (paho's callbacks hold the device, so its crops and
     model wait for a full collection that large arrays alone never trigger) and hand freed heap back to the
@@ -60,6 +76,7 @@ def run_turn(turn: Turn) -> dict:
     """One device's turn; returns its round log entry (loss, accuracy, bytes sent) or why it failed."""
     from edge_client.daemon import EdgeDevice
 
+    freeze_imports()
     started = time.perf_counter()
     result = {"device_id": Path(turn.credential).parent.name, "round_id": turn.round_id, "ok": False}
     hook = None

@@ -87,6 +87,7 @@ class Simulation:
         self.state_path = self.run_dir / "state.json"
         self.state = RunState.load(self.state_path)
         self.cores = os.cpu_count() or 1
+        self.turn_seconds: dict[int, list[float]] = {}  # round id -> each device's whole turn, start to stop
 
     def _check_resume(self) -> None:
         path = self.run_dir / "config.json"
@@ -259,6 +260,7 @@ class Simulation:
                    disable=not self.config.progress)
         for result in bar:
             if result["ok"]:
+                self.turn_seconds.setdefault(round_id, []).append(result["turn_seconds"])
                 bar.set_postfix(device=result["device_id"], loss=f"{result.get('train_loss', float('nan')):.3f}")
             else:
                 tqdm.write(f"  {result['device_id']}: dropped from round {round_id}: {result.get('error')}")
@@ -321,7 +323,10 @@ class Simulation:
                   "wall_s": wall_s if wall_s is not None else (row["closed_at"] or 0) - (row["started_at"] or 0),
                   "aggregation_s": m.get("aggregation_seconds"),
                   "hn_fraction": self._device_mean(row, "hn_fraction"),
-                  **{f"{phase}_s": self._device_mean(row, f"{phase}_seconds") for phase in ("fetch", "train", "upload")}}
+                  **{f"{phase}_s": self._device_mean(row, f"{phase}_seconds") for phase in ("fetch", "train", "upload")},
+                  # the device's start (connect, register, wait for the job) and stop are the rest of its turn
+                  "turn_s": float(np.mean(self.turn_seconds[row["round_id"]]))
+                  if self.turn_seconds.get(row["round_id"]) else None}
         evaluating = time.perf_counter()
         self._eval_threads()
         val_report, _ = verification(model, self.val, self.config.max_eval_pairs, self.config.seed)
