@@ -51,7 +51,7 @@ class LocalObjective:
     imprint_head: bool = True
     hfmaml: bool = False          # HF-MAML local steps (models.hfmaml, eq. 1-3) instead of Adam steps
     maml_alpha: float = 0.01
-    maml_beta: float = 0.1
+    maml_beta: float = 0.01
     maml_delta: float = 1e-3
     embedding_reg: float = 0.0    # C of eq. 4: pull the local embedding toward the round's global one
 

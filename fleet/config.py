@@ -53,7 +53,7 @@ class SimConfig:
     imprint_head: bool = True
     embedding_reg: float = 0.0         # C of the HF-MAML paper's eq. 4
     maml_alpha: float = 0.01
-    maml_beta: float = 0.1
+    maml_beta: float = 0.01
     maml_delta: float = 1e-3
     public_data: str | None = None     # FedFR's D_g: aligned faces of people no client has
     public_limit: int = 2000

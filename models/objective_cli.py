@@ -35,7 +35,8 @@ def add_objective_options(group) -> None:
                        help="C: add C * (1 - cos(global embedding, local embedding)) to the local loss (the HF-MAML "
                             "paper's eq. 4; FedAvg/FedProx/HF-MAML; default 0: off)")
     group.add_argument("--maml-alpha", type=float, default=0.01, help="HF-MAML inner step size alpha (default 0.01)")
-    group.add_argument("--maml-beta", type=float, default=0.1, help="HF-MAML outer step size beta (default 0.1)")
+    group.add_argument("--maml-beta", type=float, default=0.01,
+                       help="HF-MAML outer step size beta (default 0.01, the paper's Tab. IV)")
     group.add_argument("--maml-delta", type=float, default=1e-3,
                        help="HF-MAML finite-difference step delta of the Hessian-vector product (default 1e-3)")
     group.add_argument("--imprint-head", action=argparse.BooleanOptionalAction, default=True,

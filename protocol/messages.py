@@ -99,7 +99,7 @@ class TrainingConfig(_Body):
     # HF-MAML (eq. 1-3 of the HF-MAML face paper) and its embedding regulariser (eq. 4, weight C)
     hfmaml: bool = False
     maml_alpha: float = Field(0.01, gt=0, le=1.0)
-    maml_beta: float = Field(0.1, gt=0, le=1.0)
+    maml_beta: float = Field(0.01, gt=0, le=1.0)
     maml_delta: float = Field(1e-3, gt=0, le=1.0)
     embedding_reg: float = Field(0.0, ge=0, le=100.0)
     # FedFR's D_g as the coordinator serves it (all three or none): fetched once over HTTP, kept by its hash
