@@ -45,7 +45,8 @@ def _run(args, data: Path, name: str, **options) -> dict:
 
 def part1_rows(args, data: Path) -> list[dict]:
     rows = []
-    for partition, p_options in PART1_PARTITIONS.items():
+    for partition in args.partitions:
+        p_options = PART1_PARTITIONS[partition]
         for method, m_options in PART1_METHODS.items():
             name = f"metafed1-{partition}-{method.lower().replace(' ', '').replace('.', '').replace('+', '-')}"
             summary = _run(args, data, name, centralized=False, tune_steps=5, **p_options, **m_options)
@@ -70,8 +71,9 @@ def part2_rows(args, data: Path) -> list[dict]:
                                ("PFM", {"algorithm": "pfm", "lr": args.lr_pfm}),
                                ("FedFace (PFM + FV)", {"algorithm": "pfm", "lr": args.lr_pfm, "fv": True})):
             name = f"metafed2-e{epochs}-" + label.split(" (")[0].lower().replace(" + ", "-").replace(" ", "")
+            # generic verification only: no per-client evaluation (eval_clients=0), the costliest part of a run
             summary = _run(args, data, name, partition="iid", local_epochs=epochs, centralized=central is None,
-                           heldout_clients=1, fv_phi=args.fv_phi, **options)
+                           heldout_clients=1, fv_phi=args.fv_phi, eval_clients=0, **options)
             central = central or summary.get("centralized")
             rows.append({"method": label, "local epochs per round": epochs, "unseen AUC": summary["global"]["auc"],
                          "unseen EER": summary["global"]["eer"], "s/round": summary["round_seconds_mean"]})
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=Path, default=Path("bench/results/metafed_runs"))
     parser.add_argument("--data", type=Path, help="default $FFR_FACES_DIR/celeba_subset")
     parser.add_argument("--part", type=int, nargs="+", choices=(1, 2), default=[1, 2])
+    parser.add_argument("--partitions", nargs="+", choices=tuple(PART1_PARTITIONS), default=list(PART1_PARTITIONS),
+                        help="part 1's partitions")
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fraction", type=float, default=1.0,
