@@ -245,15 +245,18 @@ class Engine:
             raise MessageError(f"sender {envelope.sender!r} does not match the topic's device {device_id!r}")
         if envelope.to not in (None, SENDER):
             raise MessageError("message addressed to someone else")
-        if isinstance(envelope.body, Hello) and envelope.body.token_proof is not None:
+        body = envelope.body
+        if isinstance(body, Hello) and body.token_proof is not None and body.public_key != self.keys.get(device_id):
             self._on_admission_hello(device_id, envelope)
             return
+        # an admission hello under the key already registered: the device never heard its Registered (it
+        # stopped, or the reply was lost) and would be locked out, its one-time token spent; its signature
+        # with that key proves it, and below it is answered with Registered again
         key = self.keys.get(device_id)
         if key is None:
             raise MessageError(f"unknown device {device_id!r}: it must be admitted (ffr coordinator admit) first")
         self._authenticate(envelope, key)
         self.store.seen(device_id, envelope.seq)
-        body = envelope.body
         if leaf != body.type:
             raise MessageError(f"a {body.type!r} message does not belong on {leaf!r}")
         if isinstance(body, UpdateHeader):
@@ -264,7 +267,7 @@ class Engine:
             if body.public_key != key:
                 raise MessageError("hello with a public key that is not this device's: re-admit the device")
             (self.validators.add if body.validator else self.validators.discard)(device_id)
-            self._tell(device_id, Ack(of="hello"))
+            self._tell(device_id, Ack(of="hello") if body.token_proof is None else Registered(device_id=device_id))
             self._announce_to_late_joiner(device_id)
         elif not isinstance(body, Heartbeat):
             raise MessageError(f"devices may not send {body.type!r} messages")

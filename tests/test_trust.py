@@ -149,6 +149,26 @@ def test_admission_tokens_are_one_time_bound_to_a_key_and_never_sent(tmp_path):
     assert "bad signature" in h.engine.store.rejections()[-1]["reason"]
 
 
+def test_a_device_that_never_heard_its_registration_is_answered_again_not_locked_out(tmp_path):
+    """The coordinator spends the one-time token on the first hello; a device that stops (or loses the reply)
+    before Registered arrives says hello again under the same key and must get Registered again."""
+    h = Harness(tmp_path)
+    dev = Dev(h, "dev1")
+    first = dev.send("hello", dev.hello())
+    assert h.engine.keys["dev1"] == dev.signer.public_hex and h.engine.store.admission_token("dev1") is None
+    replies = len(h.inbox("dev1"))
+    dev.send("hello", dev.hello())  # same key, the spent token's proof: the answer again, nothing else changes
+    assert [b.type for b in h.inbox("dev1")[replies:]] == ["registered"]
+    assert h.engine.keys["dev1"] == dev.signer.public_hex and len(h.engine.store.devices()) == 1
+    dev.raw("hello", first)  # a recorded copy of the first hello is a replay
+    assert "replayed" in h.engine.store.rejections()[-1]["reason"]
+    answered = len(h.inbox("dev1"))
+    forger = Signer.generate()  # the registered key is public, and so is a proof seen on the wire
+    dev.send("hello", dev.hello(), signer=forger)
+    assert "bad signature" in h.engine.store.rejections()[-1]["reason"]
+    assert len(h.inbox("dev1")) == answered, "a forger is not answered"
+
+
 def test_replays_are_refused_and_sequence_numbers_cannot_be_burnt(tmp_path):
     h = Harness(tmp_path)
     dev = Dev(h, "dev1").join()
