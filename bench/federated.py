@@ -27,7 +27,7 @@ from bench.common import write_results
 from coordinator.aggregation import FedAvg, RunningMean
 from models.face_model import initial_global_state
 from protocol.chunks import DEFAULT_CHUNK_BYTES, split
-from protocol.codecs import CODECS, Staging, decode_update, encode_update
+from protocol.codecs import CODECS, Staging, decode_update, encode_update, layout
 from coordinator.robust import combine, l2_norm
 from models.state_norms import clip_scale
 from safetensors.numpy import load
@@ -88,8 +88,7 @@ def fold_update(running: RunningMean, staging: Staging, data: bytes, sha256: str
 def aggregation_rows(state: dict[str, np.ndarray], counts: list[int], codecs: list[str]) -> list[dict]:
     """ms per update folded, by phase, beside two floors measured in the same run: numpy adding the same
     (already decoded) wire arrays into a float32 accumulator, and the bytes touched over memory bandwidth."""
-    shapes = {k: tuple(v.shape) for k, v in state.items()}
-    kinds = {k: "f" if v.dtype.kind == "f" else "i" for k, v in state.items()}
+    shapes, kinds = layout(state)
     model_bytes = sum(v.nbytes for v in state.values())
     bandwidth = memory_bandwidth_gbs()
     rows = []
@@ -141,8 +140,7 @@ def _peak_mib(state, shapes, kinds, encoded, codec: str, n: int) -> float:
 
 def robust_rows(state: dict[str, np.ndarray], n: int) -> list[dict]:
     """The coordinate-wise rules hold every update at once: time and peak memory for n of them."""
-    shapes = {k: tuple(v.shape) for k, v in state.items()}
-    kinds = {k: "f" if v.dtype.kind == "f" else "i" for k, v in state.items()}
+    shapes, kinds = layout(state)
     encoded, _ = encode_update(random_delta(state), "fp16")
     rows = []
     for rule in ("trimmed-mean", "median", "krum"):

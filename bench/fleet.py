@@ -35,8 +35,8 @@ def phase_row(name: str, summary: dict) -> dict:
     """Mean seconds per round by phase (device phases: the mean device), from the run's history."""
     rounds = [h for h in summary["history"][1:] if h.get("train_s") is not None]
     means = {p: (sum(h.get(p) or 0.0 for h in rounds) / len(rounds) if rounds else None) for p in PHASES}
-    in_turn = means["fetch_s"] is not None and all(h.get("turn_s") is not None for h in rounds)
-    start_stop = means["turn_s"] - means["fetch_s"] - means["train_s"] - means["upload_s"] if in_turn and rounds else None
+    timed = rounds and all(h.get(p) is not None for h in rounds for p in ("turn_s", "fetch_s", "upload_s"))
+    start_stop = means["turn_s"] - means["fetch_s"] - means["train_s"] - means["upload_s"] if timed else None
     return {"run": name, "download (device mean)": means["fetch_s"], "local training (device mean)": means["train_s"],
             "upload (device mean)": means["upload_s"], "device start/stop (device mean)": start_stop,
             "aggregation": means["aggregation_s"],

@@ -31,7 +31,7 @@ from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageError, Registered, RoundAnnouncement,
                                TrainingConfig, UpdateHeader, ValidationRequest, ValidationScore, authenticate, parse,
                                seal)
-from protocol.codecs import Staging, decode_update
+from protocol.codecs import Staging, decode_update, layout
 from protocol.tensors import PayloadError, encode, sha256_hex
 
 log = logging.getLogger("coordinator")
@@ -149,7 +149,7 @@ class Engine:
         self.images = store.device_images()
         self.guard = ReplayGuard(store.last_seqs())
         self.norms = NormBound(ceiling=settings.norm_ceiling * l2_norm(self.global_state), factor=settings.norm_factor)
-        self._layout = _layout_of(self.global_state)  # fixed for the run: what every update must match
+        self._layout = layout(self.global_state)  # fixed for the run: what every update must match
         self._staging = Staging(*self._layout)  # every accepted update is decoded into it (coordinator.codecs)
         self._publish_model()
         self._resume_open_round()
@@ -245,14 +245,13 @@ class Engine:
             raise MessageError(f"sender {envelope.sender!r} does not match the topic's device {device_id!r}")
         if envelope.to not in (None, SENDER):
             raise MessageError("message addressed to someone else")
-        body = envelope.body
-        if isinstance(body, Hello) and body.token_proof is not None and body.public_key != self.keys.get(device_id):
+        body, key = envelope.body, self.keys.get(device_id)
+        # an admission hello under the key already registered is no new admission: the device never heard its
+        # Registered (it stopped, or the reply was lost) and its one-time token is spent; that key's signature
+        # proves it below, and it is answered with Registered again
+        if isinstance(body, Hello) and body.token_proof is not None and body.public_key != key:
             self._on_admission_hello(device_id, envelope)
             return
-        # an admission hello under the key already registered: the device never heard its Registered (it
-        # stopped, or the reply was lost) and would be locked out, its one-time token spent; its signature
-        # with that key proves it, and below it is answered with Registered again
-        key = self.keys.get(device_id)
         if key is None:
             raise MessageError(f"unknown device {device_id!r}: it must be admitted (ffr coordinator admit) first")
         self._authenticate(envelope, key)
@@ -652,8 +651,9 @@ class Engine:
                                       "fv_weighting": dict(zip(v.devices, map(float, weighting)))}
         log.info("round %d: FV chose candidate %d of %d (%d validator(s))", current.round_id, chosen + 1,
                  len(v.candidates), len(rows))
-        phi = self.fv.phi if rows else 0.0
-        return {k: ((1.0 - phi) * v.means[0][k] + phi * v.means[chosen][k]) for k in v.means[0]}
+        if not rows or chosen == 0:  # the current weighting stays: its mean is already built
+            return v.means[0]
+        return {k: (1.0 - self.fv.phi) * v.means[0][k] + self.fv.phi * v.means[chosen][k] for k in v.means[0]}
 
     def _check_new_model(self, new_state: dict[str, np.ndarray], bound: float, noise_allowance: float = 0.0) -> str:
         """Why the new global model must not be published ('' when it may)."""
@@ -708,12 +708,6 @@ def _mean_metrics(per_device: dict[str, dict]) -> dict:
     keys = {k for m in per_device.values() for k in m}
     return {f"mean_{k}": float(np.mean([m[k] for m in per_device.values() if k in m])) for k in sorted(keys)}
 
-
-
-def _layout_of(state: dict[str, np.ndarray]) -> tuple[dict, dict]:
-    """Names -> shapes and -> kinds ('f' floating, 'i' integer) of a model."""
-    return ({k: tuple(v.shape) for k, v in state.items()},
-            {k: "f" if np.issubdtype(v.dtype, np.floating) else "i" for k, v in state.items()})
 
 
 def _applied(global_state: dict[str, np.ndarray], mean_delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -79,6 +79,12 @@ def _int8_tensors(delta: State) -> State:
     return wire
 
 
+def layout(state: State) -> tuple[Shapes, Kinds]:
+    """Names -> shapes and -> kinds of a model: what `decode_update` checks an update against."""
+    return ({k: tuple(v.shape) for k, v in state.items()},
+            {k: "f" if np.issubdtype(v.dtype, np.floating) else "i" for k, v in state.items()})
+
+
 def sparse_names(shapes: Shapes, kinds: Kinds) -> list[str]:
     """The tensors top-k sparsifies, in the order their coordinates are concatenated (both sides agree)."""
     return sorted(k for k, shape in shapes.items() if kinds[k] == "f" and not (k.endswith(DENSE_SUFFIXES) or shape == ()))

@@ -6,7 +6,8 @@ import pytest
 from safetensors.numpy import load, save
 
 from edge_client.error_feedback import ErrorFeedback
-from protocol.codecs import CODECS, SCALE_SUFFIX, TOPK_INDICES, TOPK_VALUES, decode_update, encode_update, sparse_names
+from protocol.codecs import (CODECS, SCALE_SUFFIX, TOPK_INDICES, TOPK_VALUES, decode_update, encode_update, layout,
+                             sparse_names)
 from protocol.messages import MessageError, UpdateHeader, parse, seal
 from protocol.auth import Signer
 from protocol.tensors import PayloadError, sha256_hex
@@ -200,8 +201,7 @@ def test_a_topk_round_aggregates_what_the_devices_sent(tmp_path):
     devs = [Dev(h, f"dev{i}").join() for i in range(2)]
     h.open_round()
     current = h.engine.current
-    shapes = {k: v.shape for k, v in GLOBAL.items()}
-    kinds = {k: v.dtype.kind if v.dtype.kind == "f" else "i" for k, v in GLOBAL.items()}
+    shapes, kinds = layout(GLOBAL)
     received = []
     for i, dev in enumerate(devs):
         encoded, _ = encode_update(honest_delta(i), "topk", 0.25)
