@@ -67,7 +67,7 @@ class SimConfig:
     width_mult: float = 1.0
     init: str = "face"                 # round 0: face (shipped weights) | imagenet | none
     codec: str = "fp16"                # how updates travel: fp16 | fp32 | int8 | topk (protocol.codecs)
-    topk_fraction: float = 0.05
+    topk_fraction: float = 0.15
     workers: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
     backend: str = "pool"              # pool (worker processes) | ray (fleet.ray_pool)
     ray_address: str | None = None     # an existing Ray cluster; None: start Ray on this machine

