@@ -59,9 +59,17 @@ def test_round_trip_within_each_codecs_stated_error(codec):
         assert np.allclose(flat_out[kept], flat_in[kept], rtol=1e-3)
 
 
-def test_fp16_decodes_every_bit_pattern_exactly_and_refuses_nan_and_inf():
-    """The decoder looks float16 bits up in a table (protocol.codecs.HALF_TO_FLOAT): every finite pattern,
-    subnormals included, must give numpy's own cast, and NaN/Inf must still be refused."""
+@pytest.mark.parametrize("converter", ["torch", "table"])
+def test_fp16_decodes_every_bit_pattern_exactly_and_refuses_nan_and_inf(converter, monkeypatch):
+    """Both float16 converters (torch's copy when torch is installed, else the table protocol.codecs.HALF_TO_FLOAT):
+    every finite pattern, subnormals included, must give numpy's own cast, and NaN/Inf must still be refused."""
+    from protocol import codecs
+
+    calls = []
+    fast = codecs._torch_half_to_float()
+    assert fast is not None, "the test environment has torch"
+    spy = lambda bits, out: (calls.append(bits.size), fast(bits, out))  # noqa: E731 - counts torch's conversions
+    monkeypatch.setattr(codecs, "_HALF_TO_FLOAT_FAST", [spy if converter == "torch" else None])
     patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
     finite = patterns[np.isfinite(patterns)]
     shapes, kinds = {"w": finite.shape}, {"w": "f"}
@@ -69,6 +77,7 @@ def test_fp16_decodes_every_bit_pattern_exactly_and_refuses_nan_and_inf():
     out = decode_update(data, sha256_hex(data), "fp16", shapes, kinds)
     assert out["w"].dtype == np.float32 and np.array_equal(out["w"], finite.astype(np.float32))
     assert np.array_equal(np.signbit(out["w"]), np.signbit(finite)), "signed zeros keep their sign"
+    assert bool(calls) == (converter == "torch"), "the converter under test did the work"
     for bad in (np.inf, -np.inf, np.nan):
         payload = save({"w": np.where(np.arange(finite.size) == 7, np.float16(bad), finite)})
         with pytest.raises(PayloadError, match="NaN or Inf"):
