@@ -27,13 +27,10 @@ from bench.common import write_results
 from coordinator.aggregation import FedAvg, RunningMean
 from models.face_model import initial_global_state
 from protocol.chunks import DEFAULT_CHUNK_BYTES, split
-from protocol.codecs import CODECS, Staging, decode_update, encode_update, layout
-from protocol.messages import TrainingConfig
+from protocol.codecs import CODECS, TOPK_FRACTION, Staging, decode_update, encode_update, layout
 from coordinator.robust import combine, l2_norm
 from models.state_norms import clip_scale
 from safetensors.numpy import load
-
-TOPK_DEFAULT = TrainingConfig().topk_fraction  # the fraction a round keeps unless told otherwise
 
 
 def random_delta(state: dict[str, np.ndarray], seed: int = 0, scale: float = 2e-4) -> dict[str, np.ndarray]:
@@ -48,7 +45,7 @@ def bytes_rows(state: dict[str, np.ndarray]) -> list[dict]:
     rows = []
     n_params = int(sum(v.size for v in state.values()))
     fp32 = len(encode_update(random_delta(state), "fp32")[0].data)
-    for codec, fraction in [(c, TOPK_DEFAULT) for c in CODECS] + [("topk", 0.05)]:
+    for codec, fraction in [(c, TOPK_FRACTION) for c in CODECS] + [("topk", 0.05)]:
         encoded, _ = encode_update(random_delta(state), codec, fraction)
         chunks = split("bench", encoded.data, DEFAULT_CHUNK_BYTES)
         label = f"codec {codec}" + (f" {fraction:.0%} kept" if codec == "topk" else "")

@@ -21,12 +21,13 @@ from pathlib import Path
 from bench.common import face_set, write_results
 from fleet.config import SimConfig
 from fleet.report import mean_std
+from protocol.codecs import TOPK_FRACTION
 from fleet.simulate import simulate
 
 SETTINGS = {"iid": ("iid", None), "dirichlet0.5": ("dirichlet", 0.5), "dirichlet0.1": ("dirichlet", 0.1)}
 # FedAvg on the IID partition again, with one thing changed: who runs the devices, or how updates travel
 VARIANTS = {"ray": ("Ray backend", {"backend": "ray"}), "int8": ("int8 updates", {"codec": "int8"}),
-            "topk": ("top-k 15% updates", {"codec": "topk", "topk_fraction": 0.15}),
+            "topk": (f"top-k {TOPK_FRACTION:.0%} updates", {"codec": "topk", "topk_fraction": TOPK_FRACTION}),
             "fp32": ("fp32 updates", {"codec": "fp32"})}
 PHASES = ("fetch_s", "train_s", "upload_s", "turn_s", "aggregation_s", "eval_s", "wall_s")
 

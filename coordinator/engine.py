@@ -31,8 +31,8 @@ from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageError, Registered, RoundAnnouncement,
                                TrainingConfig, UpdateHeader, ValidationRequest, ValidationScore, authenticate, parse,
                                seal)
-from protocol.codecs import Staging, decode_update, layout
-from protocol.tensors import PayloadError, encode, sha256_hex
+from protocol.codecs import Staging, decode_verified, layout
+from protocol.tensors import PayloadError, encode
 
 log = logging.getLogger("coordinator")
 Publish = Callable[[str, bytes, bool], None]
@@ -367,7 +367,8 @@ class Engine:
         try:
             if header.codec != self.settings.training.codec:
                 raise PayloadError(f"update sent with codec {header.codec}; this round takes {self.settings.training.codec}")
-            delta = decode_update(payload, header.payload_sha256, header.codec, *self._layout, into=self._staging)
+            # the reassembler matched these bytes to the signed header's sha256 (chunk.sha256 is checked against it)
+            delta = decode_verified(payload, header.codec, *self._layout, into=self._staging)
             norm = l2_norm(delta)
             if not np.isfinite(norm):
                 raise PayloadError("update norm overflows")
@@ -572,7 +573,7 @@ class Engine:
         with safe_open(str(path), framework="numpy") as stored:
             codec = (stored.metadata() or {}).get("ffr.codec", "fp16")
         data = path.read_bytes()
-        delta, scale = self._prepared(decode_update(data, sha256_hex(data), codec, *self._layout))
+        delta, scale = self._prepared(decode_verified(data, codec, *self._layout))
         return delta if scale == 1.0 else {k: (v * scale if v.dtype.kind == "f" else v) for k, v in delta.items()}
 
     def _combine(self, current: OpenRound, devices: list[str]) -> dict[str, np.ndarray]:

@@ -10,6 +10,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from protocol.codecs import CODECS, TOPK_FRACTION
+
 ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "pfm")
 
 # Options that may change between an interrupted run and its resumption; all others must match.
@@ -67,7 +69,7 @@ class SimConfig:
     width_mult: float = 1.0
     init: str = "face"                 # round 0: face (shipped weights) | imagenet | none
     codec: str = "fp16"                # how updates travel: fp16 | fp32 | int8 | topk (protocol.codecs)
-    topk_fraction: float = 0.15
+    topk_fraction: float = TOPK_FRACTION
     workers: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
     backend: str = "pool"              # pool (worker processes) | ray (fleet.ray_pool)
     ray_address: str | None = None     # an existing Ray cluster; None: start Ray on this machine
@@ -111,7 +113,7 @@ class SimConfig:
             raise ValueError("--ray-address needs --backend ray")
         if self.cpus_per_device <= 0 or self.gpus_per_device < 0:
             raise ValueError("--cpus-per-device must be positive and --gpus-per-device not negative")
-        if self.codec not in ("fp16", "fp32", "int8", "topk") or not 0 < self.topk_fraction <= 1:
+        if self.codec not in CODECS or not 0 < self.topk_fraction <= 1:
             raise ValueError("--codec must be fp16, fp32, int8 or topk, and --topk-fraction in (0, 1]")
         if self.data is not None and not Path(self.data).exists():
             raise FileNotFoundError(f"dataset path does not exist: {self.data}")

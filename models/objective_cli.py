@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from protocol.codecs import CODECS, TOPK_FRACTION
+
 METHODS = ("fedavg", "fedprox", "fedfr", "hfmaml", "fedface")
 SERVER_FEDAVG = ("fedfr", "hfmaml")  # local objectives whose rounds the coordinator aggregates with FedAvg
 FEDFR_DFC_WEIGHT = 10.0  # alpha_3 of eq. 7
@@ -64,7 +66,6 @@ def aggregation_algorithm(method: str | None, fallback: str) -> str:
     return fallback if method is None else ("fedavg" if method in SERVER_FEDAVG else method)
 
 
-CODECS = ("fp16", "fp32", "int8", "topk")  # protocol.codecs
 
 
 def add_codec_options(group) -> None:
@@ -74,6 +75,6 @@ def add_codec_options(group) -> None:
                             "topk (the --topk-fraction largest coordinates; 15%% is about 1/8.8); int8 and topk keep "
                             "what they could not send on the device and add it to the next update (error feedback)")
     group.add_argument("--wire-dtype", dest="codec", choices=("fp16", "fp32"), help="older spelling of --codec fp16|fp32")
-    group.add_argument("--topk-fraction", type=float, default=0.15,
-                       help="fraction of coordinates the topk codec sends (default 0.15: with their bitmask, "
-                            "about 1/8.8 of fp32's bytes)")
+    group.add_argument("--topk-fraction", type=float, default=TOPK_FRACTION,
+                       help=f"fraction of coordinates the topk codec sends (default {TOPK_FRACTION}: with their "
+                            "bitmask, about 1/8.8 of fp32's bytes)")

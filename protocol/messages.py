@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StringConstrain
                       model_validator)
 
 from protocol import SCHEMA_VERSION
+from protocol.codecs import TOPK_FRACTION
 from protocol.auth import (MAX_SEQ, PUBLIC_KEY_PATTERN, SIGNATURE_PATTERN, AuthError, ReplayGuard, Signer,
                            verify)
 
@@ -80,7 +81,7 @@ class TrainingConfig(_Body):
     dfc: bool = True
     dfc_weight: float = Field(1.0, ge=0, le=100.0)  # alpha: weight of the DFC branch's loss beside the margin head
     codec: Literal["fp16", "fp32", "int8", "topk"] = "fp16"  # how updates travel (protocol.codecs)
-    topk_fraction: float = Field(0.15, ge=1e-4, le=1.0)    # coordinates the topk codec keeps
+    topk_fraction: float = Field(TOPK_FRACTION, ge=1e-4, le=1.0)    # coordinates the topk codec keeps
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=8 * 1024 * 1024)
     width_mult: float = Field(1.0, ge=0.25, le=1.4)
     embedding_dim: int = Field(128, ge=16, le=1024)

@@ -45,6 +45,12 @@ def load_checked(data: bytes, sha256: str) -> dict[str, np.ndarray]:
     """The payload's tensors as sent, once its sha256 matches and it parses as safetensors; PayloadError otherwise."""
     if sha256_hex(data) != sha256:
         raise PayloadError("payload sha256 does not match (corrupted or truncated)")
+    return parse(data)
+
+
+def parse(data: bytes) -> dict[str, np.ndarray]:
+    """Safetensors bytes -> tensors as sent, PayloadError when they do not parse. Only for bytes already matched
+    to their signed sha256 (`protocol.chunks.Reassembler` does that for everything that arrives in chunks)."""
     try:
         return load(data)
     except (SafetensorError, ValueError) as exc:

@@ -6,7 +6,8 @@ import pytest
 from safetensors.numpy import load, save
 
 from edge_client.error_feedback import ErrorFeedback
-from protocol.codecs import (CODECS, SCALE_SUFFIX, TOPK_INDICES, TOPK_MASK, TOPK_VALUES, decode_update, encode_update, layout,
+from protocol.codecs import (CODECS, SCALE_SUFFIX, TOPK_INDICES, TOPK_MASK, TOPK_VALUES, decode_update, decode_verified,
+                             encode_update, layout,
                              sparse_names)
 from protocol.messages import MessageError, UpdateHeader, parse, seal
 from protocol.auth import Signer
@@ -69,7 +70,7 @@ def test_fp16_decodes_every_bit_pattern_exactly_and_refuses_nan_and_inf(converte
     fast = codecs._torch_half_to_float()
     assert fast is not None, "the test environment has torch"
     spy = lambda bits, out: (calls.append(bits.size), fast(bits, out))  # noqa: E731 - counts torch's conversions
-    monkeypatch.setattr(codecs, "_HALF_TO_FLOAT_FAST", [spy if converter == "torch" else None])
+    monkeypatch.setattr(codecs, "_torch_half_to_float", lambda: spy if converter == "torch" else None)
     patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
     finite = patterns[np.isfinite(patterns)]
     shapes, kinds = {"w": finite.shape}, {"w": "f"}
@@ -178,6 +179,20 @@ def test_malformed_payloads_are_refused_with_the_reason(codec, mutate, reason):
     data = _payload(codec, mutate)
     with pytest.raises(PayloadError, match=reason):
         decode_update(data, sha256_hex(data), codec.removesuffix("-indices"), SHAPES, KINDS)
+
+
+@pytest.mark.parametrize("codec,mutate,reason", MALFORMED)
+def test_bytes_already_hashed_get_every_other_check(codec, mutate, reason):
+    """decode_verified (the coordinator's path after the chunk reassembler matched the signed sha256) skips only
+    the hash: a valid payload decodes as decode_update does, and every malformed one is refused the same way."""
+    encoded, _ = encode_update(delta(), codec.removesuffix("-indices"), 0.01 if codec.endswith("-indices") else 0.1)
+    plain = codec.removesuffix("-indices")
+    expected = decode_update(encoded.data, encoded.sha256, plain, SHAPES, KINDS)
+    assert all(np.array_equal(v, expected[k]) for k, v in decode_verified(encoded.data, plain, SHAPES, KINDS).items())
+    with pytest.raises(PayloadError, match=reason):
+        decode_verified(_payload(codec, mutate), plain, SHAPES, KINDS)
+    with pytest.raises(PayloadError, match="safetensors"):
+        decode_verified(b"\xff" * 64, plain, SHAPES, KINDS)
 
 
 @pytest.mark.parametrize("fraction,form", [(0.01, TOPK_INDICES), (0.05, TOPK_MASK), (0.5, TOPK_MASK), (1.0, TOPK_MASK)])

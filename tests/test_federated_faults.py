@@ -1,6 +1,7 @@
 """Faults against a live coordinator: bad inputs, a restart mid-round, a device dropping mid-upload."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -152,12 +153,18 @@ def test_bad_inputs_are_rejected_with_reasons_while_a_round_completes(tmp_path, 
         truncated = good.data[: len(good.data) // 2]
         mallory.send("update", _header(1, base, good.data, good.sha256, "t-trunc"))
         mallory.raw("update/chunks", to_bytes(split("t-trunc", truncated, 1 << 30)[0]))
+        # same size, the signed hash, other bytes: the reassembler refuses them (the engine then decodes unhashed)
+        tampered = bytes([good.data[0] ^ 1]) + good.data[1:]
+        mallory.send("update", _header(1, base, good.data, good.sha256, "t-tampered"))
+        for chunk in split("t-tampered", tampered, 1 << 20):
+            mallory.raw("update/chunks", to_bytes(dataclasses.replace(chunk, sha256=good.sha256)))
+        time.sleep(0.3)
         mallory.upload(_header(1, base, good.data, good.sha256, "t-good"), good.data)  # and finally a valid one
         wait_for(lambda: service.finished, 120, "the round to complete")
         reasons = [r["reason"] for r in store.rejections()]
         expected = ["invalid message", "unsupported schema version", "unknown device", "bad signature", "replayed",
                     "round 99 is not open", "stale base version", "exceeds", "tensor names differ", "has shape",
-                    "has dtype int32", "NaN or Inf", "does not match the signed update header"]
+                    "has dtype int32", "NaN or Inf", "does not match the signed update header", "corrupted"]
         for fragment in expected:
             assert any(fragment in r for r in reasons), f"no rejection mentioning {fragment!r} in {reasons}"
         assert any("stale base version" in e for e in mallory.errors()), "the sender is told why"
