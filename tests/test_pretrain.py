@@ -91,3 +91,22 @@ def test_labelled_sets_add_a_margin_loss_that_falls(tmp_path, synthetic_dir):
     history = json.loads((out / "metrics.json").read_text())["history"]
     margins = [row["train_margin_loss"] for row in history]
     assert len(margins) == 5 and margins[-1] < 0.9 * margins[0], margins
+
+
+def test_teacher_cache_key_follows_contents_not_mtimes(tmp_path, synthetic_dir):
+    """A data folder copied elsewhere (new mtimes) keeps its cache key; one changed byte gives a new one."""
+    import os
+    import shutil
+
+    from models.distill_data import dataset_key, list_images
+
+    copy = tmp_path / "copy"
+    shutil.copytree(synthetic_dir, copy)
+    files, copied = list_images([synthetic_dir]), list_images([copy])
+    for f in copied:
+        os.utime(f, (1_000_000, 1_000_000))
+    assert dataset_key(copied) == dataset_key(files)
+    data = bytearray(copied[0].read_bytes())
+    data[-3] ^= 0xFF
+    copied[0].write_bytes(bytes(data))
+    assert dataset_key(copied) != dataset_key(files)
