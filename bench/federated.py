@@ -3,8 +3,8 @@
 python -m bench.federated --out bench/results
 - bytes: one device's backbone delta (the real MobileNetV2-1.0 embedder) under each codec,
   and the number of MQTT messages at the default 256 KiB chunk size;
-- aggregation: per update, what the coordinator does on accepting it (decode and check, norm and
-  clip, fold into the float32 running mean) for 10 to 1,000 updates per codec, split by phase,
+- aggregation: per update, what the coordinator does on accepting it (match the signed sha256,
+  decode and check, norm and clip, fold into the float32 running mean) for 10 to 1,000 updates per codec, split by phase,
   beside two floors measured in the same run (numpy adding the same wire arrays into a float32
   accumulator; the bytes touched over the machine's copy bandwidth), and the peak Python-tracked
   memory of 1,000 (tracemalloc sees numpy's buffers); the robust rules' memory for n updates;
@@ -27,9 +27,10 @@ from bench.common import write_results
 from coordinator.aggregation import FedAvg, RunningMean
 from models.face_model import initial_global_state
 from protocol.chunks import DEFAULT_CHUNK_BYTES, split
-from protocol.codecs import CODECS, TOPK_FRACTION, Staging, decode_update, encode_update, layout
+from protocol.codecs import CODECS, TOPK_FRACTION, Staging, decode_update, decode_verified, encode_update, layout
 from coordinator.robust import combine, l2_norm
 from models.state_norms import clip_scale
+from protocol.tensors import check_sha256
 from safetensors.numpy import load
 
 
@@ -71,18 +72,20 @@ def _timed(fn) -> float:
 
 def fold_update(running: RunningMean, staging: Staging, data: bytes, sha256: str, codec: str, shapes: dict,
                 kinds: dict, bound: float, weight: float, phases: dict) -> None:
-    """What the coordinator does with each accepted update (coordinator.engine): decode and check it into the
-    reused staging tensors, take its norm, fold it into the running mean clipped to the bound; each phase's
-    seconds added to `phases`."""
+    """What the coordinator does with each accepted update (coordinator.engine): match its bytes to the signed
+    sha256 (the chunk reassembler's check), decode and check it into the reused staging tensors, take its norm,
+    fold it into the running mean clipped to the bound; each phase's seconds added to `phases`."""
     t0 = time.perf_counter()
-    delta = decode_update(data, sha256, codec, shapes, kinds, into=staging)
+    check_sha256(data, sha256)
     t1 = time.perf_counter()
+    delta = decode_verified(data, codec, shapes, kinds, into=staging)
+    t2 = time.perf_counter()
     norm = l2_norm(delta)
     scale = clip_scale(norm, bound)
-    t2 = time.perf_counter()
-    running.add(delta, weight, scale)
     t3 = time.perf_counter()
-    for name, seconds in (("decode", t1 - t0), ("norm_clip", t2 - t1), ("fold", t3 - t2)):
+    running.add(delta, weight, scale)
+    t4 = time.perf_counter()
+    for name, seconds in (("hash", t1 - t0), ("decode", t2 - t1), ("norm_clip", t3 - t2), ("fold", t4 - t3)):
         phases[name] = phases.get(name, 0.0) + seconds
 
 
@@ -98,7 +101,7 @@ def aggregation_rows(state: dict[str, np.ndarray], counts: list[int], codecs: li
         wire = load(encoded.data)
         for n in counts:
             phases: dict[str, float] = {}
-            running, staging = RunningMean(), Staging(shapes, kinds)
+            running, staging = RunningMean(), Staging(shapes, kinds, codec)
             start = time.perf_counter()
             for i in range(n):
                 fold_update(running, staging, encoded.data, encoded.sha256, codec, shapes, kinds, 1e9, 10 + i % 7,
@@ -130,7 +133,7 @@ def _numpy_floor(wire: dict[str, np.ndarray], n: int) -> float:
 def _peak_mib(state, shapes, kinds, encoded, codec: str, n: int) -> float:
     """Peak Python-tracked memory (tracemalloc sees numpy's buffers) while folding n updates: O(model), not O(n)."""
     tracemalloc.start()
-    running, staging = RunningMean(), Staging(shapes, kinds)
+    running, staging = RunningMean(), Staging(shapes, kinds, codec)
     for i in range(n):
         fold_update(running, staging, encoded.data, encoded.sha256, codec, shapes, kinds, 1e9, 1.0, {})
     FedAvg().aggregate(state, running.mean())

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+from scipy.linalg.blas import saxpy
 
 from models.pfm import global_momentum
+from protocol.codecs import Decoded
 
 State = dict[str, np.ndarray]
 
@@ -28,15 +30,18 @@ State = dict[str, np.ndarray]
 class RunningMean:
     """Weighted mean of deltas, folded in one update at a time: memory is one model however many arrive.
 
-    Floating tensors accumulate in float32 in place (the updates themselves travel as fp16 or coarser,
-    so float32's rounding, at most about n * 6e-8 relative after n updates, is far below theirs);
-    integer buffers accumulate in float64.
+    Floating tensors accumulate in float32 in place, in one vector (the updates themselves travel as fp16
+    or coarser, so float32's rounding, at most about n * 6e-8 relative after n updates, is far below theirs);
+    integer buffers accumulate in float64, unclipped.
     """
 
     total: State = field(default_factory=dict)
     weight: float = 0.0
     count: int = 0
+    _flat: np.ndarray | None = field(default=None, repr=False)     # the floats' accumulator, one vector
     _scratch: np.ndarray | None = field(default=None, repr=False)  # reused: no page faults per update
+    _layout: tuple[str, ...] = field(default=(), repr=False)       # the floats, in `_flat`'s order
+    _counters: list[str] = field(default_factory=list, repr=False)  # integer buffers, in float64
 
     def add(self, delta: State, weight: float, scale: float = 1.0) -> None:
         """Fold in weight * scale * delta, counting `weight` (scale: a norm clip applied on the fly)."""
@@ -57,17 +62,36 @@ class RunningMean:
         if self.total and set(delta) != set(self.total):
             raise ValueError("update tensors differ from the ones already aggregated")
         if not self.total:
-            self.total = {k: np.zeros(np.shape(v), np.float32 if np.asarray(v).dtype.kind == "f" else np.float64)
-                          for k, v in delta.items()}
-            self._scratch = np.empty(max(v.size for v in self.total.values()), np.float32)
-        for name, value in delta.items():
-            total = self.total[name]
-            if total.dtype != np.float32 or total.ndim == 0:  # integer buffers, 0-d: tiny, in float64
-                total[...] = total + weight * np.asarray(value, np.float64)  # counters are not clipped
-                continue
-            scaled = self._scratch[:total.size].reshape(total.shape)
-            np.multiply(value, np.float32(weight * scale), out=scaled, casting="unsafe")
-            total += scaled
+            self._allocate(delta)
+        factor = np.float32(weight * scale)
+        if self._flat is not None and isinstance(delta, Decoded) and delta.layout == self._layout:
+            # every float in one BLAS axpy (total += factor * delta, in place): one pass, 7x numpy's two
+            if saxpy(delta.flat, self._flat, a=factor) is not self._flat:
+                raise RuntimeError("BLAS axpy did not update the accumulator in place")
+        else:
+            for name in self._layout:
+                scaled = self._scratch[:self.total[name].size].reshape(self.total[name].shape)
+                np.multiply(delta[name], factor, out=scaled, casting="unsafe")
+                self.total[name] += scaled
+        for name in self._counters:  # integer buffers, in float64: tiny, and counters are not clipped
+            self.total[name][...] = self.total[name] + weight * np.asarray(delta[name], np.float64)
+
+    def _allocate(self, delta: State) -> None:
+        """The accumulator, laid out like a decoded update when the first one is (`protocol.codecs.Decoded`):
+        then each later update folds in as one vector."""
+        floats = (list(delta.layout) if isinstance(delta, Decoded) else
+                  [k for k, v in delta.items() if np.asarray(v).dtype.kind == "f"])
+        sizes = [int(np.size(delta[k])) for k in floats]
+        self._flat = np.zeros(sum(sizes), np.float32)
+        self._scratch = np.empty_like(self._flat)
+        self._layout = tuple(floats)
+        start = 0
+        for name, size in zip(floats, sizes):
+            self.total[name] = self._flat[start:start + size].reshape(np.shape(delta[name]))
+            start += size
+        self._counters = [k for k in delta if k not in self.total]
+        for name in self._counters:
+            self.total[name] = np.zeros(np.shape(delta[name]), np.float64)
 
     def mean(self) -> State:
         if self.count == 0:

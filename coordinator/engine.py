@@ -150,7 +150,8 @@ class Engine:
         self.guard = ReplayGuard(store.last_seqs())
         self.norms = NormBound(ceiling=settings.norm_ceiling * l2_norm(self.global_state), factor=settings.norm_factor)
         self._layout = layout(self.global_state)  # fixed for the run: what every update must match
-        self._staging = Staging(*self._layout)  # every accepted update is decoded into it (coordinator.codecs)
+        # every accepted update is decoded into it, laid out as the round's codec sends it (protocol.codecs)
+        self._staging = Staging(*self._layout, settings.training.codec)
         self._publish_model()
         self._resume_open_round()
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from protocol.codecs import Decoded
+
 State = dict[str, np.ndarray]
 
 
@@ -15,7 +17,9 @@ def float_names(state: State) -> list[str]:
 
 def l2_norm(state: State) -> float:
     """sqrt of the sum of squares of the floating tensors; each tensor's dot product in its own precision
-    (BLAS, blocked accumulation), the total in float64."""
+    (BLAS, blocked accumulation), the total in float64. A decoded update's floats lie in one vector: one dot."""
+    if isinstance(state, Decoded):
+        return float(np.sqrt(float(np.vdot(state.flat, state.flat))))
     total = 0.0
     for name in float_names(state):
         flat = np.ravel(state[name])

@@ -18,15 +18,21 @@ dense in fp16: a sparsified or coarsely quantised variance could turn negative o
 
 Decoding is the attacker-facing side: hash, names, shapes, dtypes, finiteness, index ranges and
 ordering are all checked before a single value reaches aggregation (`PayloadError` otherwise).
+It is also the coordinator's hot path, so it reads the payload in place (`protocol.safetensors_view`)
+and treats it as a few long runs, not 318 small tensors: one conversion, one finiteness check, and
+a `Decoded` whose floats lie in one vector that norms and folds read in one pass each.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
-from safetensors.numpy import load, save
+from safetensors.numpy import save
 
-from protocol.tensors import EncodedTensors, PayloadError, load_checked, parse, sha256_hex
+from protocol import safetensors_view
+from protocol.safetensors_view import SafetensorsView
+from protocol.tensors import EncodedTensors, PayloadError, check_sha256, sha256_hex
 
 CODECS = ("fp16", "fp32", "int8", "topk")
 LOSSY = ("int8", "topk")
@@ -56,7 +62,7 @@ def encode_update(delta: State, codec: str = "fp16", topk_fraction: float = TOPK
     data = save(wire, metadata={"ffr.codec": codec})
     shapes = {k: tuple(np.shape(v)) for k, v in delta.items()}
     kinds = {k: np.asarray(v).dtype.kind for k, v in delta.items()}
-    return EncodedTensors(data, sha256_hex(data), codec), _reconstruct(load(data), codec, shapes, kinds)
+    return EncodedTensors(data, sha256_hex(data), codec), _reconstruct(safetensors_view.read(data), codec, shapes, kinds)
 
 
 def _cast(value: np.ndarray, dtype) -> np.ndarray:
@@ -119,28 +125,37 @@ def _topk_tensors(delta: State, fraction: float) -> State:
 
 # -- decoding (the coordinator's side) ----------------------------------------------------------------------
 
+class Decoded(dict):
+    """A decoded update, name -> array, whose floating tensors are all views into `flat` (one float32 vector in
+    the order `layout`): `models.state_norms.l2_norm` and `coordinator.aggregation.RunningMean` then read it in
+    one pass instead of one call per tensor. Read-only by contract: a changed entry would not change `flat`
+    (transformations such as clipping build a plain dict)."""
+
+    def __init__(self, tensors: State, flat: np.ndarray, layout: tuple[str, ...]):
+        super().__init__(tensors)
+        self.flat, self.layout = flat, layout
+
+
 def decode_update(data: bytes, sha256: str, codec: str, shapes: Shapes, kinds: Kinds,
-                  into: Staging | None = None) -> State:
+                  into: Staging | None = None) -> Decoded:
     """Payload bytes -> the dense delta (float32, integer buffers as sent), or PayloadError with the reason.
 
     With `into`, the floats are written into its reused tensors: the result is only valid until the next
     update is decoded into the same staging."""
     if codec not in CODECS:
         raise PayloadError(f"unknown codec {codec!r}")
-    return _decode_wire(load_checked(data, sha256), codec, shapes, kinds, into)
+    check_sha256(data, sha256)
+    return decode_verified(data, codec, shapes, kinds, into)
 
 
-def decode_verified(data: bytes, codec: str, shapes: Shapes, kinds: Kinds, into: Staging | None = None) -> State:
+def decode_verified(data: bytes, codec: str, shapes: Shapes, kinds: Kinds, into: Staging | None = None) -> Decoded:
     """`decode_update` for bytes already matched to their signed sha256 -- what `protocol.chunks.Reassembler`
     returns, or an update the coordinator stored after checking it -- so the payload is not hashed twice
-    (about 4 ms of a 5 MB update); every other check runs as in `decode_update`."""
+    (about 3 ms of a 5 MB update); every other check runs as in `decode_update`."""
     if codec not in CODECS:
         raise PayloadError(f"unknown codec {codec!r}")
-    return _decode_wire(parse(data), codec, shapes, kinds, into)
-
-
-def _decode_wire(wire: State, codec: str, shapes: Shapes, kinds: Kinds, into: Staging | None) -> State:
-    _check_names(wire, _wire_names(codec, shapes, kinds, TOPK_MASK in wire))
+    wire = safetensors_view.read(data)
+    _check_names(wire, _wire_names(codec, shapes, kinds, TOPK_MASK in wire.entries))
     return _reconstruct(wire, codec, shapes, kinds, into)
 
 
@@ -157,58 +172,117 @@ def _dense_name(name: str, shape: tuple[int, ...]) -> bool:
     return name.endswith(DENSE_SUFFIXES) or shape == ()
 
 
-def _check_names(wire: State, expected: set[str]) -> None:
-    unknown, missing = sorted(set(wire) - expected), sorted(expected - set(wire))
+def _check_names(wire: SafetensorsView, expected: set[str]) -> None:
+    unknown, missing = sorted(set(wire.entries) - expected), sorted(expected - set(wire.entries))
     if unknown or missing:
         raise PayloadError(f"tensor names differ from the model: unknown {unknown[:3]}, missing {missing[:3]}")
 
 
 class Staging:
     """Float32 tensors an update is decoded into, allocated once and reused for every update, so decoding
-    allocates (and page-faults) nothing per update. The tensors top-k sparsifies are views into one flat
-    vector in `sparse_names` order, so its coordinates scatter straight into place."""
+    allocates (and page-faults) nothing per update.
 
-    def __init__(self, shapes: Shapes, kinds: Kinds):
-        names = sparse_names(shapes, kinds)
-        sizes = [int(np.prod(shapes[k], dtype=np.int64)) for k in names]
+    Every floating tensor is a view into one vector, `flat`, laid out in the order the codec's payload stores
+    them (safetensors writes tensors by dtype, then by name): fp16 and fp32 send every float by name, so the
+    whole payload converts in one call; int8 and top-k send their coded tensors (`sparse_names`) apart from the
+    dense rest, so those come first, contiguous (`coded`), and top-k's coordinates scatter straight into place.
+    A layout that does not match costs speed, never correctness: runs are found from the header."""
+
+    def __init__(self, shapes: Shapes, kinds: Kinds, codec: str = "fp16"):
+        self.lossy = codec in LOSSY
+        coded = sparse_names(shapes, kinds) if self.lossy else []
+        coded_set = set(coded)
+        self.layout = tuple(coded + sorted(k for k in shapes if kinds[k] == "f" and k not in coded_set))
+        sizes = [int(np.prod(shapes[k], dtype=np.int64)) for k in self.layout]
         self.flat = np.empty(int(sum(sizes)), np.float32)
         self.tensors: State = {}
+        self.offsets: dict[str, int] = {}
         start = 0
-        for name, size in zip(names, sizes):
-            self.tensors[name] = self.flat[start:start + size].reshape(shapes[name])
+        for name, size in zip(self.layout, sizes):
+            self.tensors[name], self.offsets[name] = self.flat[start:start + size].reshape(shapes[name]), start
             start += size
-        for name, shape in shapes.items():
-            if kinds[name] == "f" and name not in self.tensors:
-                self.tensors[name] = np.empty(shape, np.float32)
+        self.coded_names, self.coded = coded, self.flat[:sum(sizes[:len(coded)])]
+        # int8's per-row scales: how many coordinates each row of the coded tensors holds, in `coded` order
+        rows = np.array([_rows(shapes[k]) for k in coded], np.int64)
+        self.row_lengths = np.repeat(np.array(sizes[:len(coded)], np.int64) // np.maximum(rows, 1), rows)
+
+    def region(self, names: list[str]) -> np.ndarray:
+        """The part of `flat` that holds `names` (consecutive in `layout`)."""
+        return self.flat[self.offsets[names[0]]:self.offsets[names[-1]] + self.tensors[names[-1]].size]
 
 
-def _reconstruct(wire: State, codec: str, shapes: Shapes, kinds: Kinds, into: Staging | None = None) -> State:
-    """The dense delta, written into `into` (a fresh one when not given); integer buffers as sent."""
-    into = into or Staging(shapes, kinds)
-    out: State = {}
-    sparse = set(sparse_names(shapes, kinds)) if codec == "topk" else set()
+def _reconstruct(wire: SafetensorsView, codec: str, shapes: Shapes, kinds: Kinds, into: Staging | None = None
+                 ) -> Decoded:
+    """The dense delta, written into `into` (a fresh one when not given or laid out for another codec)."""
+    if into is None or into.lossy != (codec in LOSSY):
+        into = Staging(shapes, kinds, codec)
+    entries = wire.entries
     for name, shape in shapes.items():
-        if name in sparse:
-            continue
-        value = wire[name]
-        _check_shape(name, value, shape)
+        _check_shape(name, entries[name].shape if name in entries else None, shape)
+    out: State = {}
+    for name in shapes:
         if kinds[name] == "i":
+            value = wire.array(name)
             if value.dtype.kind not in "iu":
                 raise PayloadError(f"tensor {name} has dtype {value.dtype}, expected an integer type")
             out[name] = value
-        elif codec == "int8" and not _dense_name(name, shape):
-            out[name] = _dequantise(name, value, wire[name + SCALE_SUFFIX], into.tensors[name])
-        else:
-            out[name] = _floats(name, value, into.tensors[name])
-    if sparse:
-        _densify(wire, into.flat)
-        out.update({name: into.tensors[name] for name in sparse})
-    return out
+    coded = into.coded_names
+    plain = list(into.layout[len(coded):])
+    if plain:
+        _read_floats(wire, plain, into.region(plain))
+    if codec == "int8" and coded:
+        _dequantise(wire, coded, into)
+    elif codec == "topk":
+        _densify(wire, into.coded)
+    out.update(into.tensors)
+    return Decoded(out, into.flat, into.layout)
 
 
-def _check_shape(name: str, value: np.ndarray, shape: tuple[int, ...]) -> None:
-    if tuple(value.shape) != tuple(shape):
-        raise PayloadError(f"tensor {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+def _check_shape(name: str, actual: tuple[int, ...] | None, shape: tuple[int, ...]) -> None:
+    if actual is not None and tuple(actual) != tuple(shape):
+        raise PayloadError(f"tensor {name} has shape {tuple(actual)}, expected {tuple(shape)}")
+
+
+def _read_floats(wire: SafetensorsView, names: list[str], out: np.ndarray) -> None:
+    """fp16/fp32 tensors `names` -> `out` (float32, their concatenation), refusing other dtypes, NaN and Inf.
+    When their bytes lie back to back (as safetensors writes them), one conversion and one check do it all."""
+    dtypes, entries = set(), wire.entries
+    for name in names:
+        dtype = entries[name].dtype
+        if dtype.kind != "f":
+            raise PayloadError(f"tensor {name} has dtype {dtype}, expected a floating type")
+        if dtype not in (np.float16, np.float32):
+            raise PayloadError(f"tensor {name} is {dtype}; only float16 or float32 travel on the wire")
+        dtypes.add(dtype)
+    run = wire.span(names, dtypes.pop()) if len(dtypes) == 1 else None
+    if run is not None:
+        _to_float32(run, out)
+    else:
+        start = 0
+        for name in names:
+            value = wire.array(name).reshape(-1)
+            _to_float32(value, out[start:start + value.size])
+            start += value.size
+    if not np.isfinite(out).all():
+        bad = next(n for n, part in _split(out, names, wire) if not np.isfinite(part).all())
+        raise PayloadError(f"tensor {bad} holds NaN or Inf")
+
+
+def _split(flat: np.ndarray, names: list[str], wire: SafetensorsView):
+    """(name, its part of `flat`) for tensors laid end to end (only to name the culprit of a refusal)."""
+    start = 0
+    for name in names:
+        size = int(np.prod(wire.entries[name].shape, dtype=np.int64))
+        yield name, flat[start:start + size]
+        start += size
+
+
+def _to_float32(value: np.ndarray, out: np.ndarray) -> None:
+    """A flat fp16 or fp32 array -> flat float32 `out`, exactly."""
+    if value.dtype == np.float16 and value.size:
+        _half_to_float(value.view(np.uint16), out)
+    else:
+        np.copyto(out, value)
 
 
 # every float16 bit pattern's float32 value (256 KB, stays in cache): numpy's own float16 cast is scalar code
@@ -220,71 +294,79 @@ HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.fl
 @functools.cache
 def _torch_half_to_float():
     """torch's float16 -> float32 copy when torch is installed (the coordinator's extra does not require it):
-    vectorised F16C conversion in hardware, exact and as fast on subnormals (2.4 M values: 1.9 ms against the
-    table's 14.3 ms, measured side by side on a busy machine); None without torch."""
+    vectorised F16C conversion in hardware, exact and as fast on subnormals (2.4 M values: 0.23 ms against the
+    table's 4 ms on an idle machine); None without torch."""
     try:
         import torch
     except ImportError:
         return None
 
     def convert(bits: np.ndarray, out: np.ndarray) -> None:
-        torch.from_numpy(out).copy_(torch.from_numpy(bits.view(np.int16)).view(torch.float16))
+        with warnings.catch_warnings():  # torch warns that a read-only array could be written; it only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.from_numpy(bits.view(np.int16))
+        torch.from_numpy(out).copy_(source.view(torch.float16))
     return convert
 
 
 def _half_to_float(bits: np.ndarray, out: np.ndarray) -> None:
-    """float16 bit patterns (uint16, C-contiguous, 1-D) -> float32 `out` (1-D, C-contiguous), exactly. torch is
-    looked for on first use, not at import: importing it costs a second."""
+    """float16 bit patterns (uint16, 1-D) -> float32 `out` (1-D, C-contiguous), exactly. torch is looked for on
+    first use, not at import: importing it costs a second."""
     fast = _torch_half_to_float()
-    if fast is not None and bits.flags.writeable:  # torch.from_numpy warns on read-only arrays
+    if fast is not None:
         fast(bits, out)
     else:  # mode="wrap": a uint16 index is always inside the table, so numpy may skip its bounds check
         np.take(HALF_TO_FLOAT, bits, out=out, mode="wrap")
 
 
-def _floats(name: str, value: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """fp16/fp32 -> `out` (float32), refusing NaN and Inf (they stay NaN and Inf in float32)."""
-    if value.dtype.kind != "f":
-        raise PayloadError(f"tensor {name} has dtype {value.dtype}, expected a floating type")
-    if value.dtype not in (np.float16, np.float32):
-        raise PayloadError(f"tensor {name} is {value.dtype}; only float16 or float32 travel on the wire")
-    if value.dtype == np.float16 and out.flags.c_contiguous and value.size:
-        _half_to_float(np.ascontiguousarray(value).view(np.uint16).reshape(-1), out.reshape(-1))
+def _dequantise(wire: SafetensorsView, names: list[str], into: Staging) -> None:
+    """int8 tensors and their per-row float32 scales -> `into.coded`. The int8 bytes (back to back, as safetensors
+    writes them) convert in one call, the scales are checked together and applied as one vector of per-coordinate
+    factors: a loop over 160 tensors of small rows cost 3x more."""
+    entries, scale_names = wire.entries, [name + SCALE_SUFFIX for name in names]
+    for name, scale_name in zip(names, scale_names):
+        entry, scale = entries[name], entries[scale_name]
+        if entry.dtype != np.int8:
+            raise PayloadError(f"tensor {name} is {entry.dtype}; int8 sends int8")
+        rows = _rows(entry.shape)
+        if scale.dtype != np.float32 or scale.shape != (rows,):
+            raise PayloadError(f"tensor {scale_name} must be float32 of shape ({rows},)")
+    run = wire.span(names, np.dtype(np.int8))
+    if run is None or (run.size and run.min() == -128):
+        for name in names:  # slower, and names the culprit
+            q = wire.array(name)
+            if q.size and q.min() == -128:
+                raise PayloadError(f"tensor {name} holds -128, outside the symmetric int8 range")
+            np.copyto(into.tensors[name].reshape(-1), q.reshape(-1))
     else:
-        np.copyto(out, value)
-    if not np.isfinite(out).all():
-        raise PayloadError(f"tensor {name} holds NaN or Inf")
-    return out
+        np.copyto(into.coded, run)  # int8 -> float32 unbuffered: ~4x a mixed-type ufunc
+    scales = wire.span(scale_names, np.dtype(np.float32))
+    if scales is None:
+        scales = np.concatenate([wire.array(n) for n in scale_names])
+    if not np.isfinite(scales).all() or (scales < 0).any():
+        bad = next(n for n in scale_names if not np.isfinite(wire.array(n)).all() or (wire.array(n) < 0).any())
+        raise PayloadError(f"tensor {bad} holds a negative or non-finite scale")
+    into.coded *= np.repeat(scales, into.row_lengths)
 
 
-def _dequantise(name: str, q: np.ndarray, scale: np.ndarray, out: np.ndarray) -> np.ndarray:
-    if q.dtype != np.int8:
-        raise PayloadError(f"tensor {name} is {q.dtype}; int8 sends int8")
-    rows = q.shape[0] if q.ndim >= 2 else 1
-    if scale.dtype != np.float32 or scale.shape != (rows,):
-        raise PayloadError(f"tensor {name}{SCALE_SUFFIX} must be float32 of shape ({rows},)")
-    if not np.isfinite(scale).all() or (scale < 0).any():
-        raise PayloadError(f"tensor {name}{SCALE_SUFFIX} holds a negative or non-finite scale")
-    if (q == -128).any():
-        raise PayloadError(f"tensor {name} holds -128, outside the symmetric int8 range")
-    view = out.reshape(rows, -1)
-    np.copyto(view, q.reshape(rows, -1))  # int8 -> float32 unbuffered, then scale in place: ~4x a mixed-type ufunc
-    view *= scale[:, None]
-    return out
+def _rows(shape: tuple[int, ...]) -> int:
+    """int8's scale count: one per output channel of a weight, one for a vector."""
+    return shape[0] if len(shape) >= 2 else 1
 
 
-def _densify(wire: State, flat: np.ndarray) -> None:
+def _densify(wire: SafetensorsView, flat: np.ndarray) -> None:
     """Scatter the top-k coordinates into `flat` (zeroed first) after checking every position and value."""
-    values = wire[TOPK_VALUES]
+    values = wire.array(TOPK_VALUES)
     if values.ndim != 1:
         raise PayloadError("top-k values must be a vector")
     if values.size > flat.size:
         raise PayloadError(f"top-k sends {values.size} coordinates of a model with {flat.size}")
-    positions = (_mask_positions(wire[TOPK_MASK], flat.size) if TOPK_MASK in wire
-                 else _index_positions(wire[TOPK_INDICES], flat.size))
+    positions = (_mask_positions(wire.array(TOPK_MASK), flat.size) if TOPK_MASK in wire.entries
+                 else _index_positions(wire.array(TOPK_INDICES), flat.size))
     if positions.size != values.size:
         raise PayloadError("top-k positions and values must be the same length")
-    checked = _floats(TOPK_VALUES, values, np.empty(values.shape, np.float32))
+    checked = np.empty(values.shape, np.float32)
+    _read_floats(wire, [TOPK_VALUES], checked)
     flat.fill(0.0)
     flat[positions] = checked
 
@@ -299,10 +381,10 @@ def _index_positions(indices: np.ndarray, size: int) -> np.ndarray:
 
 def _mask_positions(mask: np.ndarray, size: int) -> np.ndarray:
     """The packed bitmask (numpy's big-endian bit order) -> the indices of its set bits (scattering through
-    indices is 2.5x faster than through a boolean mask: 2.4 M coordinates, 15 % set, 9.6 -> 3.8 ms)."""
+    indices is faster than through a boolean mask: 2.4 M coordinates, 15 % set, 1.6 ms against 7.0 ms)."""
     if mask.dtype != np.uint8 or mask.shape != ((size + 7) // 8,):
         raise PayloadError(f"top-k mask must be uint8 of shape ({(size + 7) // 8},), one bit per coordinate")
-    bits = np.unpackbits(mask)
+    bits = np.unpackbits(mask).view(np.bool_)  # 0/1 bytes; numpy finds set bools 6x faster than set uint8s
     if bits[size:].any():
         raise PayloadError("top-k mask sets bits past the model's last coordinate")
     return np.flatnonzero(bits[:size])

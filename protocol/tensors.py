@@ -41,10 +41,14 @@ def encode(tensors: dict[str, np.ndarray], dtype: str = "fp16") -> EncodedTensor
     return EncodedTensors(data, sha256_hex(data), dtype)
 
 
-def load_checked(data: bytes, sha256: str) -> dict[str, np.ndarray]:
-    """The payload's tensors as sent, once its sha256 matches and it parses as safetensors; PayloadError otherwise."""
+def check_sha256(data: bytes, sha256: str) -> None:
     if sha256_hex(data) != sha256:
         raise PayloadError("payload sha256 does not match (corrupted or truncated)")
+
+
+def load_checked(data: bytes, sha256: str) -> dict[str, np.ndarray]:
+    """The payload's tensors as sent, once its sha256 matches and it parses as safetensors; PayloadError otherwise."""
+    check_sha256(data, sha256)
     return parse(data)
 
 

@@ -80,3 +80,38 @@ def test_the_streaming_mean_equals_numpys_mean_of_the_same_updates():
         assert got[name].dtype == np.float32
         np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-6)
     assert float(got["n"]) == pytest.approx(np.average([u["n"] for u in updates], weights=weights))
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "topk"])
+def test_decoded_updates_fold_in_one_pass_to_the_same_mean_and_norm(codec):
+    """Updates straight from the decoder (`protocol.codecs.Decoded`, every float in one vector) take the
+    one-vector paths of RunningMean and l2_norm; the result must equal the per-tensor paths on plain dicts,
+    also when decoded and plain updates are mixed in one round (a restored, clipped update is a plain dict)."""
+    from models.state_norms import l2_norm
+    from protocol.codecs import Decoded, Staging, decode_update, encode_update, layout
+
+    rng = np.random.default_rng(2)
+    shapes = {"conv.weight": (8, 4, 3, 3), "fc.weight": (16, 32), "fc.bias": (16,), "bn.running_var": (8,),
+              "bn.num_batches_tracked": ()}
+    kinds = {k: "i" if k.endswith("tracked") else "f" for k in shapes}
+    model = {k: np.zeros(s, np.int64 if kinds[k] == "i" else np.float32) for k, s in shapes.items()}
+    staging = Staging(*layout(model), codec)
+    fast, slow, plain = RunningMean(), RunningMean(), []
+    for i in range(12):
+        d = {k: (np.array(i, np.int64) if kinds[k] == "i" else rng.normal(size=s).astype(np.float32) * 1e-3)
+             for k, s in shapes.items()}
+        encoded, _ = encode_update(d, codec, 0.2)
+        decoded = decode_update(encoded.data, encoded.sha256, codec, *layout(model), into=staging)
+        assert isinstance(decoded, Decoded) and decoded.flat is staging.flat
+        as_dict = {k: np.array(v) for k, v in decoded.items()}
+        assert l2_norm(decoded) == pytest.approx(l2_norm(as_dict), rel=1e-5)
+        weight, scale = float(i + 1), (0.5 if i % 4 == 0 else 1.0)
+        (fast.add(as_dict, weight, scale) if i == 5 else fast.add(decoded, weight, scale))
+        slow.add(as_dict, weight, scale)
+        plain.append((as_dict, weight * scale))
+    assert fast._flat is not None and fast._layout == staging.layout, "the accumulator takes the decoder's layout"
+    got, want = fast.mean(), slow.mean()
+    for name in shapes:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-9)
+    expected = sum(d["fc.weight"].astype(np.float64) * w for d, w in plain) / fast.weight
+    np.testing.assert_allclose(got["fc.weight"], expected, rtol=1e-4, atol=1e-9)
