@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from scipy.linalg.blas import saxpy
 
 from models.pfm import global_momentum
 from protocol.codecs import Decoded
@@ -65,9 +64,8 @@ class RunningMean:
             self._allocate(delta)
         factor = np.float32(weight * scale)
         if self._flat is not None and isinstance(delta, Decoded) and delta.layout == self._layout:
-            # every float in one BLAS axpy (total += factor * delta, in place): one pass, 7x numpy's two
-            if saxpy(delta.flat, self._flat, a=factor) is not self._flat:
-                raise RuntimeError("BLAS axpy did not update the accumulator in place")
+            np.multiply(delta.flat, factor, out=self._scratch)  # every float in two single-threaded passes
+            self._flat += self._scratch
         else:
             for name in self._layout:
                 scaled = self._scratch[:self.total[name].size].reshape(self.total[name].shape)
