@@ -222,8 +222,9 @@ def main(argv=None) -> int:
         write_results(args.out, "federated_bytes", {}, bytes_rows(state), "Bytes per device per round", command)
     if "aggregation" in args.only:
         write_results(args.out, "federated_aggregation", {}, aggregation_rows(state, args.updates, args.codecs),
-                      "Coordinator aggregation: decode + check + clip + fold into the running mean, per update, "
-                      "MobileNetV2-1.0 backbone, one core", command)
+                      "Coordinator aggregation: sha256 + decode + check + clip + fold into the running mean, per "
+                      "update, MobileNetV2-1.0 backbone, one thread (torch's float16 copy may use a second core)",
+                      command)
         write_results(args.out, "federated_robust_memory", {}, robust_rows(state, args.robust_updates),
                       "Robust rules hold every update (float32) at once: time and peak memory", command)
     if "overhead" in args.only:
