@@ -49,12 +49,6 @@ def check_sha256(data: bytes, sha256: str) -> None:
 def load_checked(data: bytes, sha256: str) -> dict[str, np.ndarray]:
     """The payload's tensors as sent, once its sha256 matches and it parses as safetensors; PayloadError otherwise."""
     check_sha256(data, sha256)
-    return parse(data)
-
-
-def parse(data: bytes) -> dict[str, np.ndarray]:
-    """Safetensors bytes -> tensors as sent, PayloadError when they do not parse. Only for bytes already matched
-    to their signed sha256 (`protocol.chunks.Reassembler` does that for everything that arrives in chunks)."""
     try:
         return load(data)
     except (SafetensorError, ValueError) as exc:
