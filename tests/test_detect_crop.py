@@ -89,3 +89,35 @@ def test_crops_are_cached_so_a_dataset_is_detected_once(faces_dir, tmp_path, mon
     crop_index(index, CropConfig(detector="haar", margin=0.3, fallback_center=True), cache_dir=tmp_path / "cache",
                progress=False)
     assert len(calls) == 6, "other crop settings must not reuse the cached crops"
+
+
+def test_the_crop_cache_follows_contents_so_a_copied_folder_is_not_detected_again(faces_dir, tmp_path, monkeypatch):
+    """A data folder copied (or re-mounted for a new session: new paths, new mtimes) keeps its cached crops; an
+    image whose bytes changed is detected again."""
+    import shutil
+
+    photos = _celeba_photos(faces_dir, 2)
+    first, copy = tmp_path / "first", tmp_path / "copy"
+    for photo in photos:
+        for root in (first, copy):
+            (root / photo.parent.name).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(photo, root / photo.parent.name / photo.name)
+    calls = []
+    real_make = crops_module.make_detector
+
+    def counting_make(name, model=None):  # a spy around the real Haar detector
+        detector = real_make(name, model)
+        real_detect = detector.detect
+        detector.detect = lambda rgb: calls.append(1) or real_detect(rgb)
+        return detector
+
+    monkeypatch.setattr(crops_module, "make_detector", counting_make)
+    config, cache = CropConfig(detector="haar", fallback_center=True), tmp_path / "cache"
+    crop_index(load_index(first), config, cache_dir=cache, progress=False)
+    assert len(calls) == 2
+    crop_index(load_index(copy), config, cache_dir=cache, progress=False)
+    assert len(calls) == 2, "the copy's crops were detected again although its bytes are the same"
+    changed = next(copy.rglob("*.jpg"))
+    changed.write_bytes(changed.read_bytes() + b"\0")  # still a valid JPEG, other bytes
+    crop_index(load_index(copy), config, cache_dir=cache, progress=False)
+    assert len(calls) == 3, "a changed image must be detected again"

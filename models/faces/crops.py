@@ -1,7 +1,8 @@
 """Turn a dataset index into face crops, detecting each image once (crops are cached on disk).
 
-The cache key holds the file's path, size and mtime and the crop settings, so an edited
-image or a different detector is cropped again and everything else is read back.
+The cache key holds the file's contents and the crop settings, so an edited image or a different
+detector is cropped again and everything else is read back, also after the data folder was copied
+or re-mounted (new paths and mtimes, same bytes).
 """
 from __future__ import annotations
 
@@ -110,14 +111,21 @@ class FaceCrops:
 class _CropCache:
     def __init__(self, root: Path | None, config: CropConfig):
         self.root, self.config = root, config
+        self._signature = config.signature().encode() if root is not None else b""
+        self._last: tuple[Path, Path | None] | None = None  # a miss looks a file up twice (get, put): hash once
 
     def _key_path(self, path: Path) -> Path | None:
+        """Content-addressed: hashing a photo's bytes costs far less than decoding and detecting it. None (no
+        caching) when there is no cache or the file cannot be read; reading it then reports why."""
         if self.root is None:
             return None
-        stat = path.stat()
-        key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{self.config.signature()}"
-        digest = hashlib.sha1(key.encode()).hexdigest()
-        return self.root / digest[:2] / f"{digest}.png"
+        if self._last is None or self._last[0] != path:
+            try:
+                digest = hashlib.sha1(path.read_bytes() + b"|" + self._signature).hexdigest()
+                self._last = (path, self.root / digest[:2] / f"{digest}.png")
+            except OSError:
+                self._last = (path, None)
+        return self._last[1]
 
     def get(self, path: Path) -> tuple[np.ndarray, str | None] | bytes | None:
         cached = self._key_path(path)
