@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, required=True, help="an `ffr pretrain` run folder")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--name", default="pretrain", help="results file name (OUT/NAME.md and .json)")
     args = parser.parse_args(argv)
     metrics_file = args.run / "metrics.json"
     if not metrics_file.is_file():
@@ -39,11 +40,12 @@ def main(argv=None) -> int:
     metrics = json.loads(metrics_file.read_text())
     config = metrics["config"]
     command = "python -m bench.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(args.out, "pretrain", {"status": metrics["status"], "images": metrics["images"],
+    write_results(args.out, args.name, {"status": metrics["status"], "images": metrics["images"],
                                          "teacher": metrics["teacher"], "teacher_sha256": metrics["teacher_sha256"],
                                          "precision": metrics["precision"], "config": config},
                   curve(metrics), f"Distillation learning curve ({metrics['images']} unlabelled faces, teacher "
-                  f"{metrics['teacher']}, {config['epochs']} epochs of batch {config['batch_size']})", command.strip())
+                  f"{metrics['teacher']}, {config['epochs']} epochs of batch {config['batch_size']}, from "
+                  f"{config.get('init', 'imagenet')} init at peak lr {config['lr']})", command.strip())
     return 0
 
 
