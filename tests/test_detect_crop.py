@@ -65,21 +65,28 @@ def test_no_face_is_counted_and_center_fallback_is_optional(tmp_path):
         crop_index(index, CropConfig(detector="haar"), use_cache=False, progress=False)
 
 
-def test_crops_are_cached_so_a_dataset_is_detected_once(faces_dir, tmp_path, monkeypatch):
-    root = tmp_path / "subset"
-    for photo in _celeba_photos(faces_dir, 3):
-        (root / photo.parent.name).mkdir(parents=True)
-        (root / photo.parent.name / photo.name).symlink_to(photo)
-    calls = []
+@pytest.fixture
+def detections(monkeypatch) -> list[int]:
+    """Counts the real detectors' calls (a spy around make_detector's detectors)."""
+    calls: list[int] = []
     real_make = crops_module.make_detector
 
-    def counting_make(name, model=None):  # a spy around the real Haar detector
+    def counting_make(name, model=None):
         detector = real_make(name, model)
         real_detect = detector.detect
         detector.detect = lambda rgb: calls.append(1) or real_detect(rgb)
         return detector
 
     monkeypatch.setattr(crops_module, "make_detector", counting_make)
+    return calls
+
+
+def test_crops_are_cached_so_a_dataset_is_detected_once(faces_dir, tmp_path, detections):
+    root = tmp_path / "subset"
+    for photo in _celeba_photos(faces_dir, 3):
+        (root / photo.parent.name).mkdir(parents=True)
+        (root / photo.parent.name / photo.name).symlink_to(photo)
+    calls = detections
     index = load_index(root)
     first = crop_index(index, CropConfig(detector="haar", fallback_center=True), cache_dir=tmp_path / "cache", progress=False)
     assert len(calls) == 3
@@ -91,7 +98,7 @@ def test_crops_are_cached_so_a_dataset_is_detected_once(faces_dir, tmp_path, mon
     assert len(calls) == 6, "other crop settings must not reuse the cached crops"
 
 
-def test_the_crop_cache_follows_contents_so_a_copied_folder_is_not_detected_again(faces_dir, tmp_path, monkeypatch):
+def test_the_crop_cache_follows_contents_so_a_copied_folder_is_not_detected_again(faces_dir, tmp_path, detections):
     """A data folder copied (or re-mounted for a new session: new paths, new mtimes) keeps its cached crops; an
     image whose bytes changed is detected again."""
     import shutil
@@ -102,16 +109,7 @@ def test_the_crop_cache_follows_contents_so_a_copied_folder_is_not_detected_agai
         for root in (first, copy):
             (root / photo.parent.name).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(photo, root / photo.parent.name / photo.name)
-    calls = []
-    real_make = crops_module.make_detector
-
-    def counting_make(name, model=None):  # a spy around the real Haar detector
-        detector = real_make(name, model)
-        real_detect = detector.detect
-        detector.detect = lambda rgb: calls.append(1) or real_detect(rgb)
-        return detector
-
-    monkeypatch.setattr(crops_module, "make_detector", counting_make)
+    calls = detections
     config, cache = CropConfig(detector="haar", fallback_center=True), tmp_path / "cache"
     crop_index(load_index(first), config, cache_dir=cache, progress=False)
     assert len(calls) == 2

@@ -112,23 +112,21 @@ class _CropCache:
     def __init__(self, root: Path | None, config: CropConfig):
         self.root, self.config = root, config
         self._signature = config.signature().encode() if root is not None else b""
-        self._last: tuple[Path, Path | None] | None = None  # a miss looks a file up twice (get, put): hash once
 
-    def _key_path(self, path: Path) -> Path | None:
-        """Content-addressed: hashing a photo's bytes costs far less than decoding and detecting it. None (no
-        caching) when there is no cache or the file cannot be read; reading it then reports why."""
+    def key(self, path: Path) -> Path | None:
+        """Where `path`'s crop is cached, content-addressed: hashing a photo's bytes costs far less than decoding
+        and detecting it. None (no caching) when there is no cache or the file cannot be read; reading it then
+        reports why."""
         if self.root is None:
             return None
-        if self._last is None or self._last[0] != path:
-            try:
-                digest = hashlib.sha1(path.read_bytes() + b"|" + self._signature).hexdigest()
-                self._last = (path, self.root / digest[:2] / f"{digest}.png")
-            except OSError:
-                self._last = (path, None)
-        return self._last[1]
+        try:
+            digest = hashlib.sha1(path.read_bytes() + b"|" + self._signature).hexdigest()
+        except OSError:
+            return None
+        return self.root / digest[:2] / f"{digest}.png"
 
-    def get(self, path: Path) -> tuple[np.ndarray, str | None] | bytes | None:
-        cached = self._key_path(path)
+    @staticmethod
+    def get(cached: Path | None) -> tuple[np.ndarray, str | None] | bytes | None:
         if cached is None or not cached.exists():
             return None
         data = np.fromfile(cached, dtype=np.uint8)
@@ -139,8 +137,8 @@ class _CropCache:
         return None if bgr is None else (cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB),
                                          how.read_text() if how.exists() else None)
 
-    def put(self, path: Path, crop: np.ndarray | None, how: str | None = None) -> None:
-        cached = self._key_path(path)
+    @staticmethod
+    def put(cached: Path | None, crop: np.ndarray | None, how: str | None = None) -> None:
         if cached is None:
             return
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -209,7 +207,8 @@ def crop_index(index: FaceIndex, config: CropConfig | None = None, cache_dir: Pa
     crops, names, paths = [], [], []
     for sample in tqdm(index.samples, desc=f"cropping faces ({config.detector})", unit="img",
                        disable=not progress, leave=False):
-        crop = cache.get(sample.path)
+        key = cache.key(sample.path)
+        crop = cache.get(key)
         if crop is None:
             try:
                 rgb = read_rgb(sample.path)
@@ -219,7 +218,7 @@ def crop_index(index: FaceIndex, config: CropConfig | None = None, cache_dir: Pa
                 continue
             crop, how = crop_face(rgb, detectors, config)
             _count(report, how)
-            cache.put(sample.path, None if how == "center" else crop, how)  # "no face" is what is known
+            cache.put(key, None if how == "center" else crop, how)  # "no face" is what is known
         elif isinstance(crop, bytes):  # cached "no face found"; the centre square if asked for
             crop = center_crop(read_rgb(sample.path), config.size) if config.fallback_center else None
             report.n_center_fallback += int(crop is not None)
