@@ -7,7 +7,8 @@ the held-out 30% (all genuine pairs, impostors sampled), which the shipped weigh
 (they are distilled from unlabelled sets only). Rows:
   - ffr-edge, ImageNet init (what the project shipped before the face weights);
   - ffr-edge, face init as shipped;
-  - ffr-edge, face init fine-tuned with the `ffr train` trainer (CosFace) on the set's other 70%;
+  - ffr-edge, face init fine-tuned with the `ffr train` trainer (CosFace, and its default anchor to the
+    face weights) on the set's other 70%;
   - the teacher, OpenCV's SFace, on the same aligned crops;
   - face_recognition (dlib), when installed (`make bench-device` installs it), on its usual square crops.
 Photo sets are cut two ways for our models: aligned (YuNet five points, the default) and Haar's
@@ -28,6 +29,7 @@ from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.faces.crops import CropConfig, FaceCrops, crop_index
 from models.faces.datasets import load_index
 from models.faces.splits import training_split
+from models.training import TrainConfig
 
 # photos and loose crops need detection (aligned by default, Haar squares for comparison); aligned sets do not,
 # nor does ../shared's Extended Yale B, whose images are 24x24 thumbnails (too small to detect a face in)
@@ -63,15 +65,16 @@ def teacher_scores(crops: FaceCrops, pairs: np.ndarray) -> np.ndarray:
 
 
 def finetune(split, args, run_dir: Path):
-    from models.training import TrainConfig, Trainer
+    from models.training import Trainer
 
     config = TrainConfig(epochs=args.epochs, head="cosface", aug="weak", lr=args.lr, batch_size=32, seed=args.seed,
-                         patience=10, progress=False, max_eval_pairs=args.max_pairs, init="face")
+                         patience=10, progress=False, max_eval_pairs=args.max_pairs, init="face",
+                         anchor_weight=args.anchor_weight)
     trainer = Trainer(config, split, run_dir)
     trainer.fit()
     from models.face_model import load_checkpoint
 
-    return load_checkpoint(run_dir / "best.pt")[0]
+    return load_checkpoint(run_dir / "best.pt")[0], config.anchor_weight
 
 
 def bench_set(name: str, root: Path, args, fr) -> list[dict]:
@@ -101,8 +104,8 @@ def bench_set(name: str, root: Path, args, fr) -> list[dict]:
         add("ffr-edge, face init (shipped)", "Haar square", ours(face, haar_split.holdout, pairs))
     if args.epochs > 0:
         start = time.perf_counter()
-        tuned = finetune(split, args, args.out / "quality_runs" / name / "face-cosface")
-        add(f"ffr-edge, face init + fine-tuned ({args.epochs} ep. CosFace, other 70%)", crop_name,
+        tuned, anchor = finetune(split, args, args.out / "quality_runs" / name / "face-cosface")
+        add(f"ffr-edge, face init + fine-tuned ({args.epochs} ep. CosFace, anchor {anchor:g}, other 70%)", crop_name,
             ours(tuned, held, pairs), time.perf_counter() - start)
     add("teacher: SFace (OpenCV Zoo, int8 folded to fp32)", crop_name, teacher_scores(held, pairs))
     if fr is not None:
@@ -138,6 +141,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--epochs", type=int, default=3, help="fine-tuning epochs (0: skip the fine-tuned row)")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--anchor-weight", type=float, default=None,
+                        help="fine-tuning's anchor to the face weights (default: `ffr train`'s)")
     parser.add_argument("--max-pairs", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -166,7 +171,8 @@ def main(argv=None) -> int:
     command = ("python -m bench.verify_quality " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     if earlier:
         command = f"{earlier}`, then for {', '.join(args.sets)}: `{command}"
-    write_results(args.out, "verify_quality", {"epochs": args.epochs, "lr": args.lr, "weights_sha256": SHIPPED_SHA256},
+    write_results(args.out, "verify_quality", {"epochs": args.epochs, "lr": args.lr, "anchor_weight": TrainConfig(anchor_weight=args.anchor_weight).anchor_weight,
+                                                "weights_sha256": SHIPPED_SHA256},
                   rows, "Verification on held-out people: ImageNet vs face init, fine-tuned, teacher, dlib",
                   command)
     return 0

@@ -16,7 +16,6 @@ about D_g stay on the device (`private_metrics` are never sent).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +31,7 @@ from models.faces.crops import FaceCrops
 from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
 from models.hfmaml import embedding_regulariser, hf_maml_step
 from models.pfm import apply_global_momentum
-from models.training import TrainConfig, as_chw, frozen_features, train_epoch, train_loader
+from models.training import TrainConfig, as_chw, frozen_copy, frozen_features, train_epoch, train_loader
 
 
 @dataclass
@@ -214,15 +213,6 @@ def _pfm_epochs(model: FaceModel, loader, epochs: int, lr: float, beta: float, m
             for _ in range(epochs)]
 
 
-def _frozen_copy(backbone: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
-    net = copy.deepcopy(backbone).eval()
-    if state is not None:
-        net.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items()})
-    for p in net.parameters():
-        p.requires_grad_(False)
-    return net
-
-
 def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torch.Tensor], epochs: int,
                 batch_size: int, lr: float, prox_mu: float = 0.0, seed: int = 0,
                 objective: LocalObjective | None = None, public: PublicSet | None = None,
@@ -258,15 +248,15 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     regulariser = (lambda: prox_mu / 2.0 * proximal_term(model, anchor)) if prox_mu > 0 else None
     extra = None
     if objective.embedding_reg > 0:  # eq. 4 against the round's starting model
-        start_net = _frozen_copy(model.backbone)
+        start_net = frozen_copy(model.backbone)
         extra = lambda emb, x: embedding_regulariser(emb, start_net(x), objective.embedding_reg)  # noqa: E731
     if pfm_beta is not None:
         history = _pfm_epochs(model, loader, epochs, lr, pfm_beta, pfm_momentum or {}, regulariser, extra)
     elif objective.hfmaml:
         history = [_hfmaml_epoch(model, loader, objective, extra) for _ in range(epochs)]
     elif objective.fedfr_loop:
-        global_net = _frozen_copy(model.backbone) if objective.contrastive else None
-        previous_net = _frozen_copy(model.backbone, previous_state) if objective.contrastive else None
+        global_net = frozen_copy(model.backbone) if objective.contrastive else None
+        previous_net = frozen_copy(model.backbone, previous_state) if objective.contrastive else None
         history = [_fedfr_epoch(model, loader, optimiser, objective, negatives, global_net, previous_net, generator,
                                 regulariser) for _ in range(epochs)]
     else:

@@ -34,7 +34,8 @@ def train_centralized(data: FleetData, config: SimConfig, out_dir: Path) -> tupl
     epochs = budget_epochs(config)
     train_config = TrainConfig(epochs=epochs, batch_size=config.batch_size, lr=config.lr, patience=epochs + 1,
                                aug="weak", head="cosface", width_mult=config.width_mult, init=config.init,
-                               seed=config.seed, progress=config.progress, max_eval_pairs=config.max_eval_pairs)
+                               seed=config.seed, progress=config.progress, max_eval_pairs=config.max_eval_pairs,
+                               anchor_weight=0.0)  # the devices' objective (no anchor), so only federation differs
     trainer = Trainer(train_config, centralized_split(data), out_dir)
     if (out_dir / "latest.pt").exists():
         trainer.resume()

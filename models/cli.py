@@ -40,6 +40,13 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cache", action="store_true", help="do not read or write the crop cache")
 
 
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, not {text}")
+    return value
+
+
 def _crops(args, min_images: int = 1, fallback_center: bool = False):
     from models.faces.crops import CropConfig, crop_index
     from models.faces.datasets import load_index
@@ -85,8 +92,8 @@ def cmd_train(args) -> int:
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, patience=args.patience,
                          aug=args.aug, head=args.head, width_mult=args.width_mult, init=args.init,
                          weights_path=str(args.weights) if args.weights else None, dfc=args.dfc,
-                         class_weighted=args.class_weighted, seed=args.seed, progress=not args.quiet,
-                         extra={"data": str(args.data)})
+                         class_weighted=args.class_weighted, anchor_weight=args.anchor_weight, seed=args.seed,
+                         progress=not args.quiet, extra={"data": str(args.data)})
     out.mkdir(parents=True, exist_ok=True)
     tracker = NullTracker() if args.no_mlflow else MlflowTracker(args.mlflow_uri or default_tracking_uri(out))
     trainer = Trainer(config, split, out, tracker)
@@ -233,6 +240,9 @@ def add_commands(sub) -> None:
                         "(ImageNet MobileNetV2), none (random)")
     p.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
     p.add_argument("--weights", type=Path, help="a local torchvision MobileNetV2 weights file to start from")
+    p.add_argument("--anchor-weight", type=_non_negative, metavar="C",
+                   help="pull towards the starting embedder, C * mean(1 - cos(f(x), f_start(x))), so fine-tuning on "
+                        "a few people does not forget everyone else (default 10 with --init face, else 0)")
     p.add_argument("--dfc", action="store_true", help="also train the DFC personalisation branch")
     p.add_argument("--class-weighted", action="store_true", help="inverse-frequency class weights in the loss")
     p.add_argument("--holdout-identities", type=float, default=0.2,
