@@ -74,7 +74,7 @@ def finetune(split, args, run_dir: Path):
     trainer.fit()
     from models.face_model import load_checkpoint
 
-    return load_checkpoint(run_dir / "best.pt")[0], config.anchor_weight
+    return load_checkpoint(run_dir / "best.pt")[0]
 
 
 def bench_set(name: str, root: Path, args, fr) -> list[dict]:
@@ -104,8 +104,8 @@ def bench_set(name: str, root: Path, args, fr) -> list[dict]:
         add("ffr-edge, face init (shipped)", "Haar square", ours(face, haar_split.holdout, pairs))
     if args.epochs > 0:
         start = time.perf_counter()
-        tuned, anchor = finetune(split, args, args.out / "quality_runs" / name / "face-cosface")
-        add(f"ffr-edge, face init + fine-tuned ({args.epochs} ep. CosFace, anchor {anchor:g}, other 70%)", crop_name,
+        tuned = finetune(split, args, args.out / "quality_runs" / name / "face-cosface")
+        add(f"ffr-edge, face init + fine-tuned ({args.epochs} ep. CosFace, anchor {args.anchor_weight:g}, other 70%)", crop_name,
             ours(tuned, held, pairs), time.perf_counter() - start)
     add("teacher: SFace (OpenCV Zoo, int8 folded to fp32)", crop_name, teacher_scores(held, pairs))
     if fr is not None:
@@ -148,6 +148,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peer", action="store_true", help="skip face_recognition even when installed")
     args = parser.parse_args(argv)
+    args.anchor_weight = TrainConfig(init="face", anchor_weight=args.anchor_weight).anchor_weight  # resolved once
     root = faces_dir()
     if root is None:
         print("no face data: set FFR_FACES_DIR to the folder holding orl/, celeba_subset/, ...", file=sys.stderr)
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
     command = ("python -m bench.verify_quality " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     if earlier:
         command = f"{earlier}`, then for {', '.join(args.sets)}: `{command}"
-    write_results(args.out, "verify_quality", {"epochs": args.epochs, "lr": args.lr, "anchor_weight": TrainConfig(anchor_weight=args.anchor_weight).anchor_weight,
+    write_results(args.out, "verify_quality", {"epochs": args.epochs, "lr": args.lr, "anchor_weight": args.anchor_weight,
                                                 "weights_sha256": SHIPPED_SHA256},
                   rows, "Verification on held-out people: ImageNet vs face init, fine-tuned, teacher, dlib",
                   command)
