@@ -31,8 +31,7 @@ from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageError, Registered, RoundAnnouncement,
                                TrainingConfig, UpdateHeader, ValidationRequest, ValidationScore, authenticate, parse,
                                seal)
-from protocol import safetensors_view
-from protocol.codecs import Staging, decode_verified, layout
+from protocol.codecs import Staging, decode_verified, layout, payload_codec
 from protocol.tensors import PayloadError, encode
 
 log = logging.getLogger("coordinator")
@@ -571,8 +570,7 @@ class Engine:
         """A stored (already validated) update, decoded by the codec it was sent with, prepared for combining.
         The file is read once; its header, parsed here for the codec, is parsed again from protocol's cache."""
         data = self.store.update_path(current.round_id, device_id).read_bytes()
-        codec = safetensors_view.read(data).metadata.get("ffr.codec", "fp16")
-        delta, scale = self._prepared(decode_verified(data, codec, *self._layout))
+        delta, scale = self._prepared(decode_verified(data, payload_codec(data), *self._layout))
         return delta if scale == 1.0 else {k: (v * scale if v.dtype.kind == "f" else v) for k, v in delta.items()}
 
     def _combine(self, current: OpenRound, devices: list[str]) -> dict[str, np.ndarray]:

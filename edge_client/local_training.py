@@ -29,7 +29,7 @@ from models.heads import CosineHead, class_centres, imprint
 from models.public_set import PublicSet
 from models.faces.crops import FaceCrops
 from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
-from models.hfmaml import embedding_regulariser, hf_maml_step
+from models.hfmaml import anchored_to, hf_maml_step
 from models.pfm import apply_global_momentum
 from models.training import TrainConfig, as_chw, frozen_copy, frozen_features, train_epoch, train_loader
 
@@ -248,8 +248,7 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     regulariser = (lambda: prox_mu / 2.0 * proximal_term(model, anchor)) if prox_mu > 0 else None
     extra = None
     if objective.embedding_reg > 0:  # eq. 4 against the round's starting model
-        start_net = frozen_copy(model.backbone)
-        extra = lambda emb, x: embedding_regulariser(emb, start_net(x), objective.embedding_reg)  # noqa: E731
+        extra = anchored_to(frozen_copy(model.backbone), objective.embedding_reg)
     if pfm_beta is not None:
         history = _pfm_epochs(model, loader, epochs, lr, pfm_beta, pfm_momentum or {}, regulariser, extra)
     elif objective.hfmaml:

@@ -64,6 +64,12 @@ def embedding_regulariser(local: torch.Tensor, global_: torch.Tensor, weight: fl
     return weight * (1.0 - F.cosine_similarity(local, global_.detach(), dim=1)).mean()
 
 
+def anchored_to(start_net: Callable[[torch.Tensor], torch.Tensor], weight: float
+                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Eq. 4 as a training step's `extra(emb, x)` term, pulling each embedding towards `start_net`'s of the same x."""
+    return lambda emb, x: embedding_regulariser(emb, start_net(x), weight)
+
+
 def _shift(params: Params, vector: Sequence[torch.Tensor], scale: float) -> None:
     with torch.no_grad():
         for p, v in zip(params, vector):

@@ -32,7 +32,7 @@ from models.faces import augment
 from models.faces.crops import FaceCrops
 from models.faces.splits import TrainingSplit
 from models.heads import imprint, inverse_frequency_weights
-from models.hfmaml import embedding_regulariser
+from models.hfmaml import anchored_to
 from models.tracking import NullTracker, Tracker
 
 
@@ -215,10 +215,6 @@ class Trainer:
         features = frozen_features(self.model.backbone, self.split.train.images, seed=self.config.seed)
         imprint(self.model.head, features, torch.from_numpy(self.split.train.labels))
 
-    def _anchor(self, emb: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The step's pull back towards the starting embedder (see the module docstring)."""
-        return embedding_regulariser(emb, self.start_net(x), self.config.anchor_weight)
-
     @property
     def eval_crops(self) -> FaceCrops:
         """Verification is measured on unseen identities when there are any, else on validation images."""
@@ -266,7 +262,7 @@ class Trainer:
     def _run_epoch(self, epoch: int, loader: DataLoader) -> None:
         cfg = self.config
         started = time.perf_counter()
-        anchor = self._anchor if self.start_net is not None else None
+        anchor = anchored_to(self.start_net, cfg.anchor_weight) if self.start_net is not None else None
         row = {"epoch": epoch, **train_epoch(self.model, loader, self.optimiser, f"epoch {epoch}/{cfg.epochs}",
                                              cfg.progress, extra=anchor)}
         row["train_seconds"] = time.perf_counter() - started

@@ -35,6 +35,7 @@ from protocol.safetensors_view import SafetensorsView
 from protocol.tensors import EncodedTensors, PayloadError, check_sha256, sha256_hex
 
 CODECS = ("fp16", "fp32", "int8", "topk")
+CODEC_METADATA = "ffr.codec"  # the payload's safetensors metadata key that names its codec
 LOSSY = ("int8", "topk")
 DENSE_SUFFIXES = ("running_mean", "running_var")  # floating buffers that always travel dense in fp16
 SCALE_SUFFIX = ":scale"
@@ -59,7 +60,7 @@ def encode_update(delta: State, codec: str = "fp16", topk_fraction: float = TOPK
         wire = _int8_tensors(delta)
     else:
         wire = _topk_tensors(delta, topk_fraction)
-    data = save(wire, metadata={"ffr.codec": codec})
+    data = save(wire, metadata={CODEC_METADATA: codec})
     shapes = {k: tuple(np.shape(v)) for k, v in delta.items()}
     kinds = {k: np.asarray(v).dtype.kind for k, v in delta.items()}
     return EncodedTensors(data, sha256_hex(data), codec), _reconstruct(safetensors_view.read(data), codec, shapes, kinds)
@@ -134,6 +135,13 @@ class Decoded(dict):
     def __init__(self, tensors: State, flat: np.ndarray, layout: tuple[str, ...]):
         super().__init__(tensors)
         self.flat, self.layout = flat, layout
+
+
+def payload_codec(data: bytes) -> str:
+    """The codec a payload names in its own metadata (fp16 when it names none): how an update stored after its
+    checks is decoded again, even by a coordinator restarted with another codec. Unknown names are refused when
+    it is decoded."""
+    return safetensors_view.read(data).metadata.get(CODEC_METADATA, "fp16")
 
 
 def decode_update(data: bytes, sha256: str, codec: str, shapes: Shapes, kinds: Kinds,

@@ -7,7 +7,7 @@ from safetensors.numpy import load, save
 
 from edge_client.error_feedback import ErrorFeedback
 from protocol.codecs import (CODECS, SCALE_SUFFIX, TOPK_INDICES, TOPK_MASK, TOPK_VALUES, decode_update, decode_verified,
-                             encode_update, layout,
+                             encode_update, layout, payload_codec,
                              sparse_names)
 from protocol.messages import MessageError, UpdateHeader, parse, seal
 from protocol.auth import Signer
@@ -121,6 +121,18 @@ def test_error_feedback_carries_the_residual_to_the_next_round(tmp_path):
 def _enc(d):
     encoded, _ = encode_update(d, "topk", 0.05)
     return encoded.data, encoded.sha256
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_payload_names_its_codec_and_a_false_name_is_refused_when_decoded(codec):
+    encoded, _ = encode_update(delta(), codec, topk_fraction=0.1)
+    assert payload_codec(encoded.data) == codec
+    tensors = load(encoded.data)
+    assert payload_codec(save(tensors)) == "fp16"  # a payload that names no codec
+    hostile = save(tensors, metadata={"ffr.codec": "gzip"})
+    assert payload_codec(hostile) == "gzip"
+    with pytest.raises(PayloadError, match="unknown codec"):
+        decode_verified(hostile, payload_codec(hostile), SHAPES, KINDS)
 
 
 def _payload(codec: str, mutate, topk_fraction: float = 0.1) -> bytes:
