@@ -139,9 +139,13 @@ class Decoded(dict):
 
 def payload_codec(data: bytes) -> str:
     """The codec a payload names in its own metadata (fp16 when it names none): how an update stored after its
-    checks is decoded again, even by a coordinator restarted with another codec. Unknown names are refused when
-    it is decoded."""
-    return safetensors_view.read(data).metadata.get(CODEC_METADATA, "fp16")
+    checks is decoded again, even by a coordinator restarted with another codec. `decode_verified` refuses a
+    payload sent as any other codec, so a stored update names the codec it was checked as."""
+    return _named_codec(safetensors_view.read(data))
+
+
+def _named_codec(wire: SafetensorsView) -> str:
+    return wire.metadata.get(CODEC_METADATA, "fp16")
 
 
 def decode_update(data: bytes, sha256: str, codec: str, shapes: Shapes, kinds: Kinds,
@@ -162,6 +166,9 @@ def decode_verified(data: bytes, codec: str, shapes: Shapes, kinds: Kinds, into:
         raise PayloadError(f"unknown codec {codec!r}")
     wire = safetensors_view.read(data)
     _check_names(wire, _wire_names(codec, shapes, kinds, TOPK_MASK in wire.entries))
+    named = _named_codec(wire)
+    if named != codec:  # else it passes its checks as one codec and is decoded again later as another
+        raise PayloadError(f"the payload names codec {named[:16]!r} but was sent as {codec!r}")
     return _reconstruct(wire, codec, shapes, kinds, into)
 
 

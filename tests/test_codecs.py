@@ -135,6 +135,20 @@ def test_a_payload_names_its_codec_and_a_false_name_is_refused_when_decoded(code
         decode_verified(hostile, payload_codec(hostile), SHAPES, KINDS)
 
 
+@pytest.mark.parametrize("sent", CODECS)
+def test_a_payload_that_names_another_codec_than_it_was_sent_as_is_refused(sent):
+    """Hostile: the tensors pass as `sent` (fp16 and fp32 even share their names) but the payload names another
+    codec, the one a stored update is decoded by again; accepted, it would decode differently or fail later."""
+    encoded, _ = encode_update(delta(), sent, topk_fraction=0.1)
+    for named in set(CODECS) - {sent}:
+        relabelled = save(load(encoded.data), metadata={"ffr.codec": named})
+        with pytest.raises(PayloadError, match=f"names codec '{named}' but was sent as '{sent}'"):
+            decode_verified(relabelled, sent, SHAPES, KINDS)
+    if sent != "fp16":  # naming none means fp16
+        with pytest.raises(PayloadError, match="names codec 'fp16'"):
+            decode_verified(save(load(encoded.data)), sent, SHAPES, KINDS)
+
+
 def _payload(codec: str, mutate, topk_fraction: float = 0.1) -> bytes:
     """A real payload, mutated; top-k at 10 % sends a mask, at 1 % int32 indices ("topk-indices")."""
     if codec == "topk-indices":
@@ -259,6 +273,26 @@ def test_the_coordinator_refuses_an_update_in_another_codec_than_the_rounds(tmp_
     dev.upload(honest_delta(0), dtype="fp16")  # its header says fp16
     assert "codec fp16; this round takes topk" in h.engine.store.rejections()[-1]["reason"]
     assert "dev1" not in h.engine.current.done
+
+
+def test_the_coordinator_refuses_an_update_whose_payload_names_another_codec(tmp_path):
+    """Hostile: the header and tensors say fp16, the payload's metadata int8. A robust rule decodes stored updates
+    again by the codec they name, so accepting it would fail the round at aggregation; it is refused on arrival."""
+    from test_trust import Dev, Harness, honest_delta
+
+    from protocol.tensors import EncodedTensors, sha256_hex
+
+    h = Harness(tmp_path, min_clients=1, combine="median")
+    dev = Dev(h, "dev1").join()
+    h.open_round()
+    encoded, _ = encode_update(honest_delta(0), "fp16")
+    lie = save(load(encoded.data), metadata={"ffr.codec": "int8"})
+    dev.upload(EncodedTensors(lie, sha256_hex(lie), "fp16"))
+    assert "names codec 'int8' but was sent as 'fp16'" in h.engine.store.rejections()[-1]["reason"]
+    assert "dev1" not in h.engine.current.done
+    dev.upload(honest_delta(0), dtype="fp16")  # the same delta, honestly labelled, is taken and aggregated
+    h.engine.tick()
+    assert h.engine.store.rounds()[0]["status"] == "completed", h.engine.store.rejections()
 
 
 def test_a_topk_round_aggregates_what_the_devices_sent(tmp_path):
