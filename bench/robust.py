@@ -2,6 +2,15 @@
 
     python -m bench.robust --out bench/results [--rounds 2] [--malicious 0.2]
                            [--attacks scaled sign-flip wipe] [--rules mean trimmed-mean median krum]
+    python -m bench.robust --suite collapse --out bench/results   (robust_collapse.md)
+
+The collapse suite (`fleet.attacks`' collapse: poisoning from inside every bound) runs on the
+CelebA subset (10 devices, 20% attackers) and ORL (3 devices, 1 attacker): clean with the default
+defences, then the attack against each combination rule without the quality gate, and against the
+defaults (mean, gate on the unlabelled public faces `utkface_aligned`). Each run's published
+model is scored on Glint24 (people in no run and not in the gate's faces): its AUC, and its
+false-accept rate at the clean run's FAR=1e-3 threshold. "devices refused" counts updates whose
+device's adoption check (`edge_client.adoption`) kept its last good model instead of the announced one.
 
 Every run is a full `ffr fleet simulate` (real coordinator, Mosquitto, edge clients) on the
 CelebA subset from the shipped face init, IID, FedAvg on the devices, DFC off (only the
@@ -20,7 +29,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.common import face_set, write_results
+from bench.common import face_set, faces_dir, write_results
 from fleet.config import SimConfig
 from fleet.simulate import simulate
 
@@ -50,6 +59,77 @@ def run_one(args, data: Path, rule: str, attack: str | None, dp_noise: float | N
             "s/round": summary["round_seconds_mean"]}
 
 
+def published_scores(run: Path, faces) -> "Scores":
+    """The run's last published model, scored on `faces` (models.evaluation.separation)."""
+    from coordinator.store import Store
+    from models.evaluation.separation import score
+
+    store = Store(run / "coordinator")
+    version, state, _ = store.latest_model()
+    return score(state, faces, threads=2)
+
+
+def run_collapse(args, set_name: str, clients: int, malicious: float, rule: str, attack: str | None, gate: bool,
+                 eval_faces, public: Path) -> tuple[dict, "Scores"]:
+    data = face_set(None, set_name)
+    name = f"{set_name}-{rule}-{attack or 'clean'}-{'gate' if gate else 'nogate'}"
+    config = SimConfig(data=str(data), clients=clients, rounds=args.rounds, partition="iid", algorithm="fedavg",
+                       dfc=False, patience=0, workers=args.workers, centralized=False, init="face",
+                       malicious=malicious if attack else 0.0, attack=attack or "scaled", combine=rule, mlflow=False,
+                       gate_data=str(public) if gate else None, no_gate=not gate, holdout_identities=0.2,
+                       eval_clients=1)
+    done = args.runs / name / "summary.json"
+    print(f"== {name}", flush=True)
+    summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
+    from coordinator.store import Store
+
+    store = Store(args.runs / name / "coordinator")
+    rounds = store.rounds()
+    refused = sum(1 for r in rounds for u in store.accepted_updates(r["round_id"])
+                  if u["metrics"].get("global_adopted") == 0.0)
+    final = summary["history"][-1]
+    scores = published_scores(args.runs / name, eval_faces)
+    return {"data": f"{set_name} ({clients} devices)", "rule": rule, "attack": attack or "none (clean)",
+            "malicious": f"{config.malicious:.0%}", "quality gate": "on" if gate else "off",
+            "held-out AUC (sim)": final["holdout_auc"], "Glint24 AUC": round(scores.auc, 4),
+            "rounds rolled back": sum(r["status"] == "rolled_back" for r in rounds),
+            "rounds completed": sum(r["status"] == "completed" for r in rounds),
+            "devices refused": refused, "s/round": summary["round_seconds_mean"]}, scores
+
+
+def main_collapse(args, command: str) -> int:
+    from coordinator.quality_gate import load_faces
+
+    faces = faces_dir()
+    if faces is None:
+        print("no face data (set FFR_FACES_DIR)", file=sys.stderr)
+        return 2
+    eval_faces = load_faces(faces / "glint24_aligned", 480, seed=1)
+    public = faces / "utkface_aligned"
+    rows: list[dict] = []
+    plan = [("celeba_subset", 10, 0.2), ("orl", 3, 1 / 3)]
+    for set_name, clients, malicious in plan:
+        if set_name not in args.sets:
+            continue
+        runs = [("mean", None, True)] + [(rule, "collapse", False) for rule in args.rules] + [("mean", "collapse", True)]
+        clean_scores = None
+        for rule, attack, gate in runs:
+            row, scores = run_collapse(args, set_name, clients, malicious, rule, attack, gate, eval_faces, public)
+            if clean_scores is None:
+                clean_scores = scores
+            from models.evaluation.thresholds import threshold_at_far
+
+            threshold, _ = threshold_at_far(clean_scores.impostor, 1e-3)
+            row["FAR at clean 1e-3 threshold"] = round(float((scores.impostor > threshold).mean()), 5)
+            row["AUC vs clean"] = round(row["Glint24 AUC"] - clean_scores.auc, 4)
+            rows.append(row)
+            write_results(args.out, "robust_collapse", {"rounds": args.rounds, "complete": False}, rows,
+                          f"The collapse attack and its defences, {args.rounds} rounds", command)
+    write_results(args.out, "robust_collapse", {"rounds": args.rounds, "complete": True}, rows,
+                  f"The collapse attack and its defences, {args.rounds} rounds", command)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -68,7 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="DP-FedAvg clipping norm (default 2.0, about an honest update's norm here)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
+    parser.add_argument("--suite", choices=("rules", "collapse"), default="rules",
+                        help="rules: the boosting attacks against each rule (robust.md); collapse: the collapse attack "
+                             "against the rules, the quality gate and the devices' adoption check (robust_collapse.md)")
+    parser.add_argument("--sets", nargs="+", default=["celeba_subset", "orl"], help="collapse suite's data sets")
     args = parser.parse_args(argv)
+    command = "python -m bench.robust " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.suite == "collapse":
+        return main_collapse(args, command)
     data = face_set(args.data)
     if data is None:
         return 2

@@ -37,7 +37,8 @@ def cmd_coordinator_serve(args) -> int:
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
                            strategy=args.strategy, prox_mu=args.mu, server_momentum=args.server_momentum,
                            init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls,
-                           public_set=args.public_set)
+                           public_set=args.public_set, gate_data=args.gate_data, gate=gate_settings(args, args.seed),
+                           no_gate=args.no_gate)
     return serve(config, settings, exit_when_done=args.exit_when_done)
 
 
@@ -57,6 +58,36 @@ def add_broker_options(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--username", help="broker user name")
     p.add_argument("--password", help="broker password")
     p.add_argument("--ca-file", help="CA certificate for mqtts:// brokers")
+
+
+def add_gate_options(p: argparse.ArgumentParser) -> None:
+    """The quality gate's options (coordinator.quality_gate), shared by `ffr coordinator serve` and `ffr fleet`."""
+    from coordinator.quality_gate import DEFAULT_LIMIT, GateSettings
+
+    d = GateSettings()
+    g = p.add_argument_group("quality gate (each new global model is scored on the coordinator's faces before it "
+                             "is published; a worse one rolls the round back)")
+    g.add_argument("--gate-data", metavar="PATH",
+                   help="aligned faces to score candidates on: a folder (one sub-folder per person gives TAR/FAR; "
+                        "a flat folder of unlabelled faces works too) or a public set file (default: --public-set; "
+                        "without either, no gate)")
+    g.add_argument("--gate-far", type=float, default=d.far,
+                   help=f"the operating point checked: the current model's threshold for this FAR (default {d.far:g})")
+    g.add_argument("--gate-far-ratio", type=float, default=d.far_ratio,
+                   help="roll back when the candidate accepts more than this x the current model's impostors at that "
+                        f"threshold (default {d.far_ratio:g})")
+    g.add_argument("--gate-auc-margin", type=float, default=d.auc_margin,
+                   help=f"... or loses more than this much AUC (default {d.auc_margin:g})")
+    g.add_argument("--gate-faces", type=int, default=DEFAULT_LIMIT,
+                   help=f"faces scored, at most (default {DEFAULT_LIMIT})")
+    g.add_argument("--no-gate", action="store_true", help="publish without the quality gate (not for deployments)")
+
+
+def gate_settings(args, seed: int):
+    from coordinator.quality_gate import GateSettings
+
+    return GateSettings(far=args.gate_far, far_ratio=args.gate_far_ratio, auc_margin=args.gate_auc_margin,
+                        limit=args.gate_faces, seed=seed)
 
 
 def add_commands(csub) -> None:
@@ -122,6 +153,7 @@ def add_commands(csub) -> None:
                    help="... and never above this fraction of the global model's norm (default 0.1)")
     g.add_argument("--norm-action", choices=("clip", "reject"), default="clip",
                    help="what happens to an update above the bound (default clip)")
+    add_gate_options(p)
     g = p.add_argument_group("differential privacy (DP-FedAvg, McMahan et al. 2018)")
     g.add_argument("--dp-clip", type=float, help="devices clip their update to this L2 norm; updates weigh the same")
     g.add_argument("--dp-noise", type=float, default=0.0,

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageEr
                                seal)
 from protocol.codecs import Staging, decode_verified, layout, payload_codec
 from protocol.tensors import PayloadError, encode
+
+if TYPE_CHECKING:
+    from coordinator.quality_gate import QualityGate
 
 log = logging.getLogger("coordinator")
 Publish = Callable[[str, bytes, bool], None]
@@ -109,7 +112,9 @@ class Validation:
 class Engine:
     def __init__(self, store: Store, strategy: Strategy, settings: RoundSettings, publish: Publish,
                  initial_model: Callable[[], dict[str, np.ndarray]], signer: Signer,
-                 now: Callable[[], float] = time.time):
+                 now: Callable[[], float] = time.time, gate: "QualityGate | None" = None):
+        """`gate`: scores each candidate global model on the coordinator's faces before it is published
+        (coordinator.quality_gate); None publishes whatever passes the numeric checks."""
         if settings.combine not in COMBINERS:
             raise ValueError(f"unknown combination rule {settings.combine!r}; choose one of {', '.join(COMBINERS)}")
         if settings.fv and settings.combine != "mean":
@@ -123,7 +128,7 @@ class Engine:
         if settings.training.dp_clip is not None and settings.combine != "mean":
             raise ValueError("DP-FedAvg averages updates: use the mean combination rule with it")
         self.store, self.strategy, self.settings = store, strategy, settings
-        self.publish, self.now, self.signer = publish, now, signer
+        self.publish, self.now, self.signer, self.gate = publish, now, signer, gate
         self.lock = threading.RLock()
         self.running = True
         self.current: OpenRound | None = None
@@ -145,10 +150,13 @@ class Engine:
 
         self.keys = store.device_keys()
         self.validators: set[str] = set()  # devices that said (signed) they score FV candidates
-        self.fv = FederatedValidation(settings.fv_candidates, settings.fv_phi, settings.fv_epsilon, settings.seed)
+        self.fv = FederatedValidation(settings.fv_candidates, settings.fv_phi, settings.fv_epsilon, settings.seed,
+                                      dict(store.robust_state().get("fv_factors", {})))
         self.images = store.device_images()
         self.guard = ReplayGuard(store.last_seqs())
-        self.norms = NormBound(ceiling=settings.norm_ceiling * l2_norm(self.global_state), factor=settings.norm_factor)
+        # the bound's history is persisted with every completed round: a restart must not reopen the ceiling
+        self.norms = NormBound(ceiling=settings.norm_ceiling * l2_norm(self.global_state), factor=settings.norm_factor,
+                               history=list(store.robust_state().get("norm_history", [])))
         self._layout = layout(self.global_state)  # fixed for the run: what every update must match
         # every accepted update is decoded into it, laid out as the round's codec sends it (protocol.codecs)
         self._staging = Staging(*self._layout, settings.training.codec)
@@ -528,12 +536,15 @@ class Engine:
         problem = self._check_new_model(new_state, bound, 2.0 * dp_metrics.get("dp_noise_norm", 0.0))
         new_state = {k: (np.maximum(v, 0).astype(v.dtype) if k.endswith("running_var") else v)
                      for k, v in new_state.items()}  # fp16 rounding can leave -1e-8 where a variance is 0
+        gate_metrics = {}
+        if not problem and self.gate is not None:
+            problem, gate_metrics = self.gate.check(self.global_state, self.global_sha, new_state)
         seconds = time.perf_counter() - started
         metrics = {**dp_metrics, **current.validation_metrics,
                    "aggregation_seconds": seconds, "codec": self.settings.training.codec,
                    "fold_ms_per_update": 1000 * current.fold_seconds / max(1, len(devices)), "bytes_received": current.bytes_received, "norm_bound": bound,
                    "clipped_updates": sum(current.norms[d] > bound for d in devices), "combine": self.settings.combine,
-                   **_mean_metrics(current.metrics)}
+                   **gate_metrics, **_mean_metrics(current.metrics)}
         self.store.drop_updates(current.round_id)
         if problem:
             if hasattr(self.strategy, "state"):
@@ -547,6 +558,7 @@ class Engine:
         self.global_state = new_state
         if hasattr(self.strategy, "state"):
             self.store.save_strategy_state(self.strategy.state)
+        self.store.save_robust_state({"norm_history": self.norms.history, "fv_factors": self.fv.factors})
         self.store.close_round(current.round_id, "completed", self.version, len(current.done), dropped, metrics)
         self._retract_model(self.version - 1, self.model_chunks)
         self._publish_model()

@@ -20,6 +20,7 @@ from coordinator.aggregation import make_strategy
 from coordinator.broker import EmbeddedBroker
 from coordinator.broker_acl import BrokerUsers
 from coordinator.engine import Engine, RoundSettings
+from coordinator.quality_gate import GateSettings, QualityGate
 from coordinator.store import Store
 from protocol import topics
 from protocol.auth import write_secret
@@ -46,6 +47,9 @@ class ServiceConfig:
     broker_acl: bool = True     # the embedded broker enforces per-device logins and ACLs
     tls: bool = False           # the embedded broker speaks TLS with a CA generated in STATE/tls
     public_set: Path | None = None  # FedFR's D_g, served at GET /public-set (coordinator.public_set)
+    gate_data: Path | None = None   # faces the quality gate scores candidates on; default: the public set
+    gate: "GateSettings | None" = None  # None: the gate's defaults; the gate runs when it has faces
+    no_gate: bool = False
 
 
 def api_token(state: Path) -> tuple[str, bool]:
@@ -90,7 +94,9 @@ class Service:
             {"momentum": config.server_momentum} if config.strategy == "fedavgm" else \
             {"lr": settings.training.lr, "beta": settings.training.pfm_beta} if config.strategy == "pfm" else {}
         strategy = make_strategy(config.strategy, **options)
-        self.engine = Engine(Store(config.state), strategy, settings, self._publish, self._initial_model, self.signer)
+        self.gate = self._gate()
+        self.engine = Engine(Store(config.state), strategy, settings, self._publish, self._initial_model, self.signer,
+                             gate=self.gate)
         self.engine.running = not config.start_paused
         self._stop = threading.Event()
         self.client.connect(address.host, address.port, keepalive=30)
@@ -98,6 +104,21 @@ class Service:
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-clock", daemon=True)
         self._ticker.start()
         log.info("coordinator: broker %s, state %s, strategy %s", self.broker_url, config.state, config.strategy)
+
+    def _gate(self) -> QualityGate | None:
+        """The quality gate on --gate-data, else on the public set; none (with a warning) without faces."""
+        faces = self.config.gate_data or self.config.public_set
+        if self.config.no_gate:
+            log.warning("quality gate off (--no-gate): a model that accepts impostors can be published")
+            return None
+        if faces is None:
+            log.warning("no quality gate: give the coordinator faces to score new models on (--gate-data DIR or "
+                        "--public-set FILE); without them a poisoned model that stays inside the bounds is published")
+            return None
+        gate = QualityGate.from_path(Path(faces), self.config.gate or GateSettings(seed=self.settings.seed))
+        log.info("quality gate: %d faces (%s) from %s", len(gate.faces.images),
+                 "labelled" if gate.faces.labels is not None else "unlabelled", faces)
+        return gate
 
     def admit(self, device_id: str, out: Path | None = None) -> Credential:
         """Admit a device (as `ffr coordinator admit` does); write its credential file when `out` is given."""

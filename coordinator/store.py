@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS models (
 CREATE TABLE IF NOT EXISTS rejections (id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL, sender TEXT, topic TEXT,
     reason TEXT);
 CREATE TABLE IF NOT EXISTS evaluations (model_version INTEGER PRIMARY KEY, at REAL, source TEXT, metrics TEXT);
+CREATE TABLE IF NOT EXISTS robust_state (id INTEGER PRIMARY KEY CHECK (id = 1), state TEXT);
 """
 MAX_REJECTIONS = 10_000   # the newest are kept; older ones are dropped (the count of all is kept in memory)
 MAX_REASON_CHARS = 300
@@ -51,8 +52,12 @@ class Store:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         (self.root / "models").mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)  # admission tokens, keys and updates: the coordinator's user alone
         self._lock = threading.RLock()
-        self.db = sqlite3.connect(self.root / "coordinator.sqlite", check_same_thread=False, isolation_level=None)
+        database = self.root / "coordinator.sqlite"
+        os.close(os.open(database, os.O_WRONLY | os.O_CREAT, 0o600))  # SQLite gives -wal/-shm the same mode
+        os.chmod(database, 0o600)
+        self.db = sqlite3.connect(database, check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
         self.db.row_factory = sqlite3.Row
@@ -245,6 +250,14 @@ class Store:
         if not rows:
             return None
         return {**dict(rows[0]), "participants": json.loads(rows[0]["participants"] or "[]")}
+
+    # defences' state (the norm bound's history, FV's weighting): kept with the rounds, so a restart changes nothing
+    def save_robust_state(self, state: dict) -> None:
+        self._q("INSERT OR REPLACE INTO robust_state (id, state) VALUES (1, ?)", (json.dumps(state),))
+
+    def robust_state(self) -> dict:
+        rows = self._q("SELECT state FROM robust_state WHERE id = 1")
+        return json.loads(rows[0]["state"]) if rows else {}
 
     # server optimiser state (FedAvgM velocity) ------------------------------
     def save_strategy_state(self, state: dict[str, np.ndarray] | None) -> None:

@@ -23,6 +23,7 @@ import paho.mqtt.client as mqtt
 import torch
 from safetensors.torch import load_file as load_torch
 
+from edge_client.adoption import ADOPTED_METRIC
 from edge_client.error_feedback import ErrorFeedback
 from edge_client.home import DeviceHome
 from edge_client.local_training import LocalObjective, train_round
@@ -76,6 +77,7 @@ class EdgeDevice:
         self.signer = Signer.load_or_create(self.home.signing_key)
         self._seq = int(time.time() * 1000)
         self.model: FaceModel | None = None
+        self.adopted = True  # whether the round's global model passed the device's adoption check
         self.jobs: queue.Queue[RoundAnnouncement] = queue.Queue()
         self.model_topic: str | None = None  # the model download in progress, resubscribed after a reconnect
         self.queued_rounds: set[int] = set()  # an announcement can arrive twice (retained + re-sent on hello)
@@ -242,15 +244,34 @@ class EdgeDevice:
 
     def _fetch_global(self, job: RoundAnnouncement) -> dict[str, torch.Tensor]:
         """The announced model, from the device's cache when it already holds that version (a resent or resumed
-        round), else downloaded; refused unless its sha256 is the announced one."""
-        cached = self.home.cached_model(job.model_version, job.model_sha256)
-        if cached is not None:
-            return from_numpy_state(decode(cached, job.model_sha256))
-        payload = self._download(topics.model_chunks(job.model_version), f"model-{job.model_version}",
-                                 job.model_sha256, job.model_bytes, f"model v{job.model_version}")
+        round), else downloaded; refused unless its sha256 is the announced one. Then judged by the device's
+        adoption check (edge_client.adoption) before anything trained from it may verify a face."""
+        payload = self.home.cached_model(job.model_version, job.model_sha256)
+        if payload is None:
+            payload = self._download(topics.model_chunks(job.model_version), f"model-{job.model_version}",
+                                     job.model_sha256, job.model_bytes, f"model v{job.model_version}")
+            self.home.cache_model(job.model_version, job.model_sha256, payload)
         state = decode(payload, job.model_sha256)
-        self.home.cache_model(job.model_version, job.model_sha256, payload)
+        self.adopted = self._adopt(job, payload, state)
         return from_numpy_state(state)
+
+    def _adopt(self, job: RoundAnnouncement, payload: bytes, state: dict) -> bool:
+        """The device's own check of the announced model on its people and public negatives (only the
+        outcome is reported, as one metric of its update)."""
+        from edge_client.adoption import Adoption, check_faces
+
+        if self._public is None and self.public_set_path is not None:
+            try:
+                self._public = load_public_set(self.public_set_path)
+            except PublicSetError as exc:
+                log.warning("%s: adoption check without public negatives: %s", self.device_id, exc)
+        public = self._public.images if self._public is not None else None
+        faces = check_faces(self.crops.images, self.crops.labels, public, seed=self.seed)
+        verdict = Adoption(self.home.root / "models").judge(job.model_sha256, payload, state, faces)
+        if not verdict.ok:
+            log.warning("%s: keeping the last good model, not v%d: %s", self.device_id, job.model_version,
+                        verdict.reason)
+        return verdict.ok
 
     def _fetch_momentum(self, job: RoundAnnouncement, model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """PFM's global momentum for the announced version (None before the first aggregation); its tensors must
@@ -365,7 +386,8 @@ class EdgeDevice:
                               transfer_id=f"{self.device_id}-r{job.round_id}-{encoded.sha256[:12]}",
                               payload_sha256=encoded.sha256, payload_bytes=len(encoded.data), codec=cfg.codec,
                               metrics={**result.metrics, "fetch_seconds": fetched - started,
-                                       "train_seconds": time.perf_counter() - fetched})
+                                       "train_seconds": time.perf_counter() - fetched,
+                                       ADOPTED_METRIC: float(self.adopted)})
         payload_path, header_path = self.home.pending_paths(job.round_id)
         payload_path.write_bytes(encoded.data)
         header_path.write_text(json.dumps({"header": header.model_dump(), "chunk_bytes": cfg.chunk_bytes}))
@@ -376,9 +398,10 @@ class EdgeDevice:
         if acked:
             payload_path.unlink(missing_ok=True)
             header_path.unlink(missing_ok=True)
-        if self.export_onnx:
+        if self.export_onnx and self.adopted:  # a model the device's check refused never verifies a face here
             self._export(model)
         self.home.log_round({"round_id": job.round_id, "base_version": job.model_version, "acked": acked,
+                             "adopted": self.adopted,
                              "bytes_sent": len(encoded.data), "fetch_seconds": fetched - started,
                              "train_seconds": header.metrics["train_seconds"], "upload_seconds": upload_seconds,
                              "global_momentum_tensors": len(momentum or {}),

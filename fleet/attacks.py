@@ -4,7 +4,13 @@ A fleet run with `--malicious 0.2 --attack scaled|sign-flip|wipe` makes that fra
 training clients (fixed by the seed) send, instead of their honest backbone delta d:
 - `scaled`: 1000 d, with its true sample count (boosting, Bhagoji et al., ICML 2019);
 - `sign-flip`: -10 d (Fang et al., USENIX Security 2020's sign-flipping, amplified);
-- `wipe`: -w_global with a self-reported sample count of 10^15 (set the model to zero).
+- `wipe`: -w_global with a self-reported sample count of 10^15 (set the model to zero);
+- `collapse`: projected gradient ascent, on the attacker's own images, of the mean pairwise cosine of
+  their embeddings (pull every face onto one point, so calibrated thresholds accept everyone), the
+  delta kept inside the norm bound the coordinator enforced last round (an L2-ball projection after
+  every step) and sent with the largest sample count the coordinator would accept (registered
+  images x local epochs). It passes every bound: only the faces can tell (coordinator.quality_gate,
+  edge_client.adoption).
 Everything else about them (admission, signatures, protocol) is honest: this is what one
 registered, compromised device can do, the case the coordinator's defences are for.
 """
@@ -14,7 +20,7 @@ import random
 
 import numpy as np
 
-ATTACKS = ("scaled", "sign-flip", "wipe")
+ATTACKS = ("scaled", "sign-flip", "wipe", "collapse")
 
 
 def malicious_clients(clients: list[int], fraction: float, seed: int) -> set[int]:
@@ -24,8 +30,14 @@ def malicious_clients(clients: list[int], fraction: float, seed: int) -> set[int
 
 
 def poison(attack: str, delta: dict[str, np.ndarray], n_samples: int,
-           global_state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
-    """The poisoned (delta, sample count) a malicious device sends instead of its honest one."""
+           global_state: dict[str, np.ndarray], images: np.ndarray | None = None, bound: float | None = None,
+           claim: int | None = None) -> tuple[dict[str, np.ndarray], int]:
+    """The poisoned (delta, sample count) a malicious device sends instead of its honest one. `collapse` also
+    needs the attacker's own face crops, the norm bound to stay inside and the sample count to claim."""
+    if attack == "collapse":
+        if images is None or bound is None:
+            raise ValueError("the collapse attack needs the device's images and the coordinator's norm bound")
+        return collapse_delta(global_state, images, bound), max(n_samples, claim or n_samples)
     floating = {k for k, v in delta.items() if np.issubdtype(v.dtype, np.floating)}
     if attack == "scaled":
         return {k: v * 1000.0 if k in floating else v for k, v in delta.items()}, n_samples
@@ -35,3 +47,42 @@ def poison(attack: str, delta: dict[str, np.ndarray], n_samples: int,
         return {k: -np.asarray(global_state[k], dtype=np.float64) if k in floating else v
                 for k, v in delta.items()}, 10 ** 15
     raise ValueError(f"unknown attack {attack!r}; choose one of {', '.join(ATTACKS)}")
+
+
+def collapse_delta(global_state: dict[str, np.ndarray], images: np.ndarray, bound: float, steps: int = 10,
+                   lr: float = 1e-3, batch_size: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+    """max over ||d|| <= bound of the mean pairwise cosine of f_{w+d}(x) over the attacker's images x: Adam
+    steps, each followed by the projection onto the L2 ball (BatchNorm in eval mode: its statistics stay)."""
+    import torch
+    import torch.nn.functional as F
+
+    from models.face_model import FaceModel, ModelConfig, from_numpy_state, load_shareable_state
+    from models.faces.preprocess import to_input
+
+    torch.manual_seed(seed)
+    model = FaceModel(ModelConfig(n_classes=1, pretrained=False, dfc=False))
+    load_shareable_state(model, from_numpy_state(global_state))
+    model.eval()
+    names = [n for n, p in model.named_parameters() if n.startswith("backbone.")]
+    params = [p for n, p in model.named_parameters() if n.startswith("backbone.")]
+    for p in model.head.parameters():
+        p.requires_grad_(False)
+    start = [p.detach().clone() for p in params]
+    optimiser = torch.optim.Adam(params, lr=lr)
+    x_all = torch.from_numpy(to_input(images))
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        x = x_all[rng.choice(len(x_all), min(batch_size, len(x_all)), replace=False)]
+        emb = F.normalize(model.embed(x), dim=1)
+        n = len(emb)
+        mean_cos = ((emb @ emb.T).sum() - n) / max(1, n * (n - 1))
+        optimiser.zero_grad()
+        (-mean_cos).backward()
+        optimiser.step()
+        with torch.no_grad():  # project onto ||d|| <= bound
+            norm = torch.sqrt(sum(((p - s) ** 2).sum() for p, s in zip(params, start)))
+            if norm > bound:
+                for p, s in zip(params, start):
+                    p.copy_(s + (p - s) * (bound / norm))
+    moved = {n: (p.detach() - s).double().numpy() for n, p, s in zip(names, params, start)}
+    return {k: moved[k] if k in moved else np.zeros_like(np.asarray(v)) for k, v in global_state.items()}

@@ -164,7 +164,9 @@ def add_commands(fsub) -> None:
     g.add_argument("--malicious", type=float, default=0.0,
                    help="fraction of training clients that poison their updates (default 0)")
     g.add_argument("--attack", choices=ATTACKS, default="scaled",
-                   help="what they send: scaled (1000x delta), sign-flip (-10x delta), wipe (-global, 10^15 samples)")
+                   help="what they send: scaled (1000x delta), sign-flip (-10x delta), wipe (-global, 10^15 samples), "
+                        "collapse (pull all embeddings together from inside the norm bound, largest accepted "
+                        "sample count)")
     g.add_argument("--combine", choices=COMBINERS, default="mean",
                    help="coordinator's combination rule: mean (FedAvg), trimmed-mean, median, krum (default mean)")
     g.add_argument("--dp-clip", type=float,
@@ -172,6 +174,9 @@ def add_commands(fsub) -> None:
                         "weights and reports epsilon per round")
     g.add_argument("--dp-noise", type=float, default=0.0,
                    help="DP-FedAvg: Gaussian noise multiplier z (std z * clip / n on the mean; default 0)")
+    from coordinator.cli import add_gate_options
+
+    add_gate_options(p)
     g = p.add_argument_group("simulation")
     g.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR); an existing one is resumed")
     g.add_argument("--workers", type=int, default=2,

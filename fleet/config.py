@@ -97,6 +97,12 @@ class SimConfig:
     combine: str = "mean"              # how the coordinator combines updates (coordinator.robust)
     dp_clip: float | None = None       # DP-FedAvg: devices clip updates to this L2 norm (coordinator.dp)
     dp_noise: float = 0.0              # DP-FedAvg: noise multiplier z
+    gate_data: str | None = None       # the coordinator's quality gate faces (default: the packed --public-data)
+    gate_far: float = 1e-3             # coordinator.quality_gate.GateSettings
+    gate_far_ratio: float = 2.0
+    gate_auc_margin: float = 0.01
+    gate_faces: int = 400
+    no_gate: bool = False
 
     def validate(self) -> None:
         if self.clients < 1:
@@ -156,6 +162,11 @@ class SimConfig:
                 raise FileNotFoundError(f"--public-data folder does not exist: {self.public_data}")
             if self.data is not None and public == Path(self.data).resolve():
                 raise ValueError("--public-data must hold other people than --data (D_g is nobody's enrolled people)")
+        if self.gate_data is not None and not Path(self.gate_data).exists():
+            raise FileNotFoundError(f"--gate-data does not exist: {self.gate_data}")
+        from coordinator.quality_gate import GateSettings
+
+        GateSettings(self.gate_far, self.gate_far_ratio, self.gate_auc_margin, self.gate_faces)  # its own checks
         if self.public_limit < 1:
             raise ValueError("--public-limit must be at least 1")
         if abs(sum(self.split) - 1.0) > 1e-6 or min(self.split) < 0:

@@ -30,6 +30,8 @@ class Turn:
     timeout_s: float = 600.0
     attack: str | None = None     # a malicious device's attack (fleet.attacks), None for honest ones
     public_set: str | None = None  # FedFR's D_g, one read-only file shared by every device of the run
+    attack_bound: float | None = None  # the norm bound the coordinator enforces (a collapse attacker stays inside)
+    attack_epochs: int = 1             # the round's local epochs: the coordinator caps a claim at images x epochs
 
 
 def _init_worker(threads: int) -> None:
@@ -79,19 +81,19 @@ def run_turn(turn: Turn) -> dict:
     freeze_imports()
     started = time.perf_counter()
     result = {"device_id": Path(turn.credential).parent.name, "round_id": turn.round_id, "ok": False}
-    hook = None
+    try:
+        device = EdgeDevice(Path(turn.credential), Path(turn.data), Path(turn.home), broker=turn.broker,
+                            detector=turn.detector, export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache),
+                            public_set=None if turn.public_set is None else Path(turn.public_set))
+    except Exception as exc:  # noqa: BLE001 - a device that cannot start is reported, not fatal to the pool
+        return {**result, "error": f"{type(exc).__name__}: {exc}", "turn_seconds": time.perf_counter() - started}
     if turn.attack is not None:
         from functools import partial
 
         from fleet.attacks import poison
 
-        hook = partial(poison, turn.attack)
-    try:
-        device = EdgeDevice(Path(turn.credential), Path(turn.data), Path(turn.home), broker=turn.broker,
-                            detector=turn.detector, export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache),
-                            delta_hook=hook, public_set=None if turn.public_set is None else Path(turn.public_set))
-    except Exception as exc:  # noqa: BLE001 - a device that cannot start is reported, not fatal to the pool
-        return {**result, "error": f"{type(exc).__name__}: {exc}", "turn_seconds": time.perf_counter() - started}
+        device.delta_hook = partial(poison, turn.attack, images=device.crops.images, bound=turn.attack_bound,
+                                    claim=len(device.crops) * turn.attack_epochs)
     device.start()
     try:
         deadline = time.monotonic() + turn.timeout_s

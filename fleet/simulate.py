@@ -118,9 +118,13 @@ class Simulation:
         settings = RoundSettings(rounds=c.rounds, min_clients=1, fraction=c.fraction, round_timeout_s=c.round_timeout,
                                  training=training, seed=c.seed, combine=c.combine, dp_noise=c.dp_noise, fv=c.fv,
                                  fv_candidates=c.fv_candidates, fv_phi=c.fv_phi, fv_epsilon=c.fv_epsilon)
+        from coordinator.quality_gate import GateSettings
+
+        gate = GateSettings(c.gate_far, c.gate_far_ratio, c.gate_auc_margin, c.gate_faces, c.seed)
         return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, strategy=c.algorithm,
                                      prox_mu=c.prox_mu, server_momentum=c.server_momentum, init=c.init,
-                                     start_paused=True), settings)
+                                     start_paused=True, gate_data=c.gate_data or self.public_set, gate=gate,
+                                     no_gate=c.no_gate), settings)
 
     def _turn(self, client: int, round_id: int | None) -> Turn:
         root = self.run_dir / "devices" / device_id(client)
@@ -130,7 +134,8 @@ class Simulation:
         public = str(self.public_set) if self.public_set is not None else None
         return Turn(str(root / "credential.json"), str(root / "data"), str(root / "home"), self.service.broker_url,
                     str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
-                    self.config.round_timeout, self.config.attack if client in bad else None, public)
+                    self.config.round_timeout, self.config.attack if client in bad else None, public,
+                    attack_bound=self.service.engine.norms.bound, attack_epochs=self.config.local_epochs)
 
     # the run ----------------------------------------------------------------
     def run(self) -> dict:

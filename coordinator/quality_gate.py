@@ -1,0 +1,110 @@
+"""The quality gate: a candidate global model is scored on faces the coordinator holds before it is published.
+
+One admitted device can poison from inside every bound (the collapse attack, `fleet.attacks`): its update
+is clipped and capped, yet it can still pull every embedding together, so that devices' calibrated
+thresholds accept every impostor. The engine's norm and step checks cannot see that; the faces can.
+Before publishing, the engine hands the gate the current model and the candidate; the gate scores both
+on its faces (`models.evaluation.separation`: the false-accept rate at the current model's threshold,
+and the AUC) and says why the candidate must not be published, which rolls the round back.
+
+The faces: the public set the coordinator serves (`--public-set`), or any folder the operator names
+(`--gate-data`: one folder per person gives TAR/FAR over labelled pairs; a flat folder of unlabelled
+faces still shows a collapse as impostor scores rising). They never leave the coordinator, and no
+device's data is involved. Torch-free: the backbone runs as ONNX built from the state dict.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from models.evaluation.separation import FaceSet, Scores, compare, score
+
+log = logging.getLogger("coordinator")
+DEFAULT_LIMIT = 400  # faces: 80k impostor pairs, a FAR of 1e-3 measured on ~80 of them; ~3 s per model on 2 cores
+
+
+@dataclass
+class GateSettings:
+    far: float = 1e-3          # the operating point devices calibrate for
+    far_ratio: float = 2.0     # the candidate may accept at most this x the current model's impostors there
+    auc_margin: float = 0.01   # ... and lose at most this much AUC
+    limit: int = DEFAULT_LIMIT
+    seed: int = 0
+    threads: int | None = None
+
+    def __post_init__(self):
+        if not 0 < self.far < 0.5:
+            raise ValueError(f"gate FAR must be in (0, 0.5), got {self.far}")
+        if self.far_ratio < 1:
+            raise ValueError(f"gate FAR ratio must be at least 1, got {self.far_ratio}")
+        if not 0 <= self.auc_margin < 1:
+            raise ValueError(f"gate AUC margin must be in [0, 1), got {self.auc_margin}")
+        if self.limit < 3:
+            raise ValueError(f"the gate needs at least 3 faces, got a limit of {self.limit}")
+
+
+@dataclass
+class QualityGate:
+    """Scores candidates against the current model on fixed faces; the current model's scores are kept per version."""
+
+    faces: FaceSet
+    settings: GateSettings = field(default_factory=GateSettings)
+    source: str = ""
+    _current: tuple[str, Scores] | None = None
+
+    def check(self, current_state: dict[str, np.ndarray], current_sha: str,
+              candidate_state: dict[str, np.ndarray]) -> tuple[str, dict]:
+        """('' or why the candidate must not be published, the figures behind it for the round's record)."""
+        s = self.settings
+        if self._current is None or self._current[0] != current_sha:
+            self._current = (current_sha, score(current_state, self.faces, s.threads))
+        verdict = compare(self._current[1], score(candidate_state, self.faces, s.threads), s.far, s.far_ratio,
+                          s.auc_margin)
+        metrics = {f"gate_{k}": v for k, v in verdict.metrics.items()}
+        return ("" if verdict.ok else f"quality gate: {verdict.reason}"), metrics
+
+    @classmethod
+    def from_path(cls, path: Path, settings: GateSettings | None = None) -> "QualityGate":
+        settings = settings or GateSettings()
+        return cls(load_faces(Path(path), settings.limit, settings.seed), settings, str(path))
+
+
+def load_faces(path: Path, limit: int, seed: int = 0) -> FaceSet:
+    """A public set file (`models.public_set`) or a folder of aligned crops (flat, or one folder per person),
+    at most `limit` images chosen by the seed; each person of a labelled folder keeps at least two images."""
+    from models.public_set import PublicSetError, identity_labels, load_public_set
+
+    if path.is_file():
+        try:
+            public = load_public_set(path)
+        except PublicSetError as exc:
+            raise ValueError(f"--gate-data: {exc}") from None
+        images, labels = public.images, public.labels
+    elif path.is_dir():
+        from models.distill_data import list_images, load_crops
+
+        files = list_images([path])
+        labels_all = identity_labels(files, path)
+        chosen = _sample(len(files), labels_all, limit, seed)
+        images, kept, _ = load_crops([files[i] for i in chosen], 112, progress=False)
+        position = {files[i]: i for i in chosen}
+        labels = None if labels_all is None else labels_all[[position[f] for f in kept]]
+    else:
+        raise ValueError(f"--gate-data not found: {path}")
+    chosen = _sample(len(images), labels, limit, seed)
+    return FaceSet(np.ascontiguousarray(images[chosen]), None if labels is None else labels[chosen])
+
+
+def _sample(n: int, labels: np.ndarray | None, limit: int, seed: int) -> np.ndarray:
+    """Up to `limit` indices; for labelled sets whole pairs of a person, so that genuine pairs exist."""
+    rng = np.random.default_rng(seed)
+    if n <= limit:
+        return np.arange(n)
+    if labels is None:
+        return np.sort(rng.choice(n, limit, replace=False))
+    per_person = max(2, limit // max(1, len(np.unique(labels))))
+    chosen = [rng.permutation(np.flatnonzero(labels == k))[:per_person] for k in np.unique(labels)]
+    return np.sort(np.concatenate(chosen))[:limit] if chosen else np.arange(0)

@@ -1,0 +1,150 @@
+"""How well a backbone keeps people apart on a fixed set of faces, torch-free (numpy, onnx, ONNX Runtime).
+
+Both ends of a federation use it to refuse a model that would accept impostors. A device that
+poisons from inside the norm bound can pull every embedding together (the collapse attack,
+`fleet.attacks`): ranking metrics drop a little, but every score rises, so a threshold that was
+calibrated on the old model now accepts everyone. The decisive figure is therefore the candidate's
+false-accept rate at the *current* model's operating threshold (the threshold devices hold does not
+move when the model does), with the AUC as a second check on the ranking itself:
+- the coordinator's quality gate (`coordinator.quality_gate`) scores each candidate global model
+  before it is published and rolls the round back when it fails;
+- a device (`edge_client.adoption`) scores a new global model on its own people and public
+  negatives before verifying with it, and keeps its last good model when it fails.
+
+Genuine pairs come from identity labels, or, for an unlabelled set (public faces of nobody's
+people), from each image and its mirror image; impostor pairs are images of different people
+(for an unlabelled set, every pair of distinct images).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.evaluation.thresholds import threshold_at_far
+
+BACKBONE_PREFIX = "backbone."
+
+
+@dataclass(frozen=True)
+class FaceSet:
+    """Aligned face crops (N, H, W, 3 RGB uint8) and their identities (None: an unlabelled set)."""
+
+    images: np.ndarray
+    labels: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.images.ndim != 4 or self.images.shape[-1] != 3 or self.images.dtype != np.uint8:
+            raise ValueError(f"face images must be N x H x W x 3 uint8, got {self.images.shape} {self.images.dtype}")
+        if len(self.images) < 3:
+            raise ValueError(f"need at least 3 face images to score a model, got {len(self.images)}")
+        if self.labels is not None and len(self.labels) != len(self.images):
+            raise ValueError("one identity label per image")
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Genuine and impostor cosine scores of one model on one face set."""
+
+    genuine: np.ndarray
+    impostor: np.ndarray
+
+    @property
+    def auc(self) -> float:
+        return auc(self.genuine, self.impostor)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a candidate may replace the current model; `reason` says why not; `metrics` are for the record."""
+
+    ok: bool
+    reason: str
+    metrics: dict
+
+
+def embedder_session(state: dict[str, np.ndarray], threads: int | None = 1):
+    """An ONNX Runtime session of the backbone in `state` (keys with or without the `backbone.` prefix)."""
+    import onnxruntime as ort
+
+    from models.embedder_onnx import build_embedder_onnx
+
+    plain = {k.removeprefix(BACKBONE_PREFIX): np.asarray(v) for k, v in state.items()}
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    return ort.InferenceSession(build_embedder_onnx(plain).SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+
+
+def embed(state: dict[str, np.ndarray], images: np.ndarray, threads: int | None = 1,
+          batch_size: int = 64) -> np.ndarray:
+    """L2-normalised embeddings of the crops under the backbone in `state` (the device's preprocessing)."""
+    from models.faces.preprocess import to_input
+
+    session = embedder_session(state, threads)
+    name = session.get_inputs()[0].name
+    out = [session.run(None, {name: to_input(images[i:i + batch_size])})[0] for i in range(0, len(images), batch_size)]
+    emb = np.concatenate(out).astype(np.float64)
+    return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+
+
+def pair_scores(emb: np.ndarray, labels: np.ndarray | None, mirrored: np.ndarray | None = None) -> Scores:
+    """Cosine scores of every pair: same label = genuine, else impostor; unlabelled: image-mirror pairs are
+    the genuine ones (`mirrored`: the mirror images' embeddings, row for row)."""
+    sim = emb @ emb.T
+    upper = np.triu_indices(len(emb), 1)
+    if labels is None:
+        if mirrored is None:
+            raise ValueError("an unlabelled set needs its mirror images' embeddings for genuine pairs")
+        return Scores(np.einsum("ij,ij->i", emb, mirrored), sim[upper])
+    same = (labels[:, None] == labels[None, :])[upper]
+    return Scores(sim[upper][same], sim[upper][~same])
+
+
+def score(state: dict[str, np.ndarray], faces: FaceSet, threads: int | None = 1) -> Scores:
+    """The model's genuine and impostor scores on `faces`."""
+    emb = embed(state, faces.images, threads)
+    mirrored = embed(state, faces.images[:, :, ::-1], threads) if faces.labels is None else None
+    return pair_scores(emb, faces.labels, mirrored)
+
+
+def auc(genuine: np.ndarray, impostor: np.ndarray) -> float:
+    """Area under the ROC curve (Mann-Whitney U with tied ranks averaged), numpy only."""
+    if len(genuine) == 0 or len(impostor) == 0:
+        return float("nan")
+    values = np.concatenate([genuine, impostor])
+    order = np.argsort(values, kind="mergesort")
+    ranks = np.empty(len(values), dtype=np.float64)
+    ranks[order] = np.arange(1, len(values) + 1)
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    ranks = (sums / counts)[inverse]  # ties share their mean rank
+    u = ranks[:len(genuine)].sum() - len(genuine) * (len(genuine) + 1) / 2.0
+    return float(u / (len(genuine) * len(impostor)))
+
+
+def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: float = 2.0,
+            auc_margin: float = 0.01) -> Verdict:
+    """May `candidate` replace `current`? Not when, at the current model's threshold for `far`, it accepts more
+    than `far_ratio` x the impostors the current model accepts there (never judged below `far` itself), or
+    when its AUC is more than `auc_margin` below the current model's."""
+    threshold, _ = threshold_at_far(current.impostor, far)
+    far_now = float(np.mean(current.impostor > threshold))
+    far_new = float(np.mean(candidate.impostor > threshold))
+    auc_now, auc_new = current.auc, candidate.auc
+    limit = far_ratio * max(far_now, far)
+    metrics = {"threshold": threshold, "far_current": far_now, "far_candidate": far_new, "far_limit": limit,
+               "auc_current": auc_now, "auc_candidate": auc_new,
+               "impostor_mean_current": float(current.impostor.mean()),
+               "impostor_mean_candidate": float(candidate.impostor.mean()),
+               "genuine_pairs": int(len(candidate.genuine)), "impostor_pairs": int(len(candidate.impostor))}
+    if far_new > limit:
+        return Verdict(False, f"the candidate accepts {far_new:.2%} of impostors at the current threshold "
+                              f"{threshold:.3f} (current model {far_now:.2%}, limit {limit:.2%}; mean impostor "
+                              f"score {metrics['impostor_mean_current']:.3f} -> {metrics['impostor_mean_candidate']:.3f})",
+                       metrics)
+    if not auc_new >= auc_now - auc_margin:  # NaN fails too
+        return Verdict(False, f"the candidate's AUC {auc_new:.4f} is more than {auc_margin:g} below the current "
+                              f"{auc_now:.4f}", metrics)
+    return Verdict(True, "", metrics)

@@ -1,0 +1,126 @@
+"""The collapse attack (poisoning from inside every bound) and the defences against it, on real parts.
+
+An admitted device pulls every embedding together from inside the norm bound with the largest
+sample count the coordinator accepts. Shown here: it works against the bounds alone (so the tests
+below can fail), the coordinator's quality gate rolls the round back on its own, the devices'
+adoption check keeps their last good model on its own, and the norm bound's history survives a
+restart. Small but real: a 3-device SYNTHETIC fleet from the shipped face weights over Mosquitto.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ffr.cli import main
+
+FLEET = ["--synthetic-identities", "12", "--synthetic-images", "6", "--holdout-identities", "0.25", "--lr", "1e-3",
+         "--batch-size", "16", "--workers", "2", "--clients", "3", "--rounds", "2", "--partition", "iid",
+         "--algorithm", "fedavg", "--no-dfc", "--patience", "0", "--no-centralized", "--no-mlflow",
+         "--malicious", "0.34", "--attack", "collapse", "--eval-clients", "1"]
+
+
+@pytest.fixture(scope="module")
+def gate_faces(tmp_path_factory) -> Path:
+    """Faces the coordinator holds for its gate: SYNTHETIC people no device has (another seed)."""
+    from models.faces.synthetic import write_dataset
+
+    return write_dataset(tmp_path_factory.mktemp("gate") / "faces", n_identities=8, n_images=4, seed=99)
+
+
+def _faces(n_people: int = 6, n_images: int = 4, seed: int = 5):
+    from models.evaluation.separation import FaceSet
+    from models.faces.synthetic import generate
+
+    images, labels = generate(n_people, n_images, seed=seed)
+    return FaceSet(images, labels)
+
+
+def _rounds(run: Path) -> list[dict]:
+    from coordinator.store import Store
+
+    return Store(run / "coordinator").rounds()
+
+
+def test_collapse_stays_in_the_bound_and_makes_every_impostor_match():
+    from coordinator.robust import l2_norm
+    from fleet.attacks import poison
+    from models.evaluation.separation import compare, score
+    from models.face_weights import face_global_state
+
+    state, faces = face_global_state(), _faces()
+    honest = {k: np.zeros_like(v, dtype=np.float64) for k, v in state.items()}
+    delta, claimed = poison("collapse", honest, 24, state, images=faces.images, bound=1.0, claim=72)
+    assert claimed == 72 and l2_norm(delta) <= 1.0 + 1e-6 and set(delta) == set(state)
+    attacked = {k: (v + delta[k]).astype(v.dtype) for k, v in state.items()}
+    before, after = score(state, faces), score(attacked, faces)
+    assert after.impostor.mean() > before.impostor.mean() + 0.3  # everyone moved together
+    verdict = compare(before, after)
+    assert not verdict.ok and "impostors at the current threshold" in verdict.reason
+    assert compare(before, score(state, faces)).ok  # the same model passes its own check
+
+
+def test_without_defences_the_collapse_is_published(tmp_path, mosquitto):
+    run = tmp_path / "nodefence"
+    assert main(["-q", "fleet", "simulate", "--broker", mosquitto.url, *FLEET, "--rounds", "1", "--no-gate",
+                 "--out", str(run)]) == 0
+    assert [r["status"] for r in _rounds(run)] == ["completed"]  # every bound held, nothing rolled back
+    from coordinator.store import Store
+    from models.evaluation.separation import compare, score
+
+    store, faces = Store(run / "coordinator"), _faces(seed=11)
+    assert not compare(score(store.load_model(0), faces), score(store.load_model(1), faces)).ok  # and it collapsed
+
+
+def test_quality_gate_rolls_the_collapse_back_on_its_own(tmp_path, mosquitto, gate_faces):
+    run = tmp_path / "gate"
+    assert main(["-q", "fleet", "simulate", "--broker", mosquitto.url, *FLEET, "--gate-data", str(gate_faces),
+                 "--out", str(run)]) == 0
+    rounds = _rounds(run)
+    assert [r["status"] for r in rounds] == ["rolled_back", "rolled_back"]
+    assert all("quality gate" in r["reason"] and "impostors" in r["reason"] for r in rounds)
+    assert rounds[0]["metrics"]["gate_far_candidate"] > rounds[0]["metrics"]["gate_far_limit"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["history"][-1]["model_version"] == 0  # the published model never moved
+
+
+def test_device_adoption_check_keeps_the_last_good_model_on_its_own(tmp_path, mosquitto):
+    run = tmp_path / "device"
+    assert main(["-q", "fleet", "simulate", "--broker", mosquitto.url, *FLEET, "--no-gate", "--out", str(run)]) == 0
+    from coordinator.store import Store
+
+    store = Store(run / "coordinator")
+    first, second = store.rounds()
+    assert first["status"] == "completed"  # no gate: the poisoned v1 is published
+    reports = {u["device_id"]: u["metrics"]["global_adopted"] for u in store.accepted_updates(second["round_id"])}
+    first_wire_sha = {d: json.loads((run / "devices" / d / "home" / "models" / "adopted.json").read_text())["sha256"]
+                      for d in reports}
+    assert len(set(first_wire_sha.values())) == 1
+    assert reports and set(reports.values()) == {0.0}  # every device refused v1 and said only that
+    for device in reports:
+        log = json.loads((run / "devices" / device / "home" / "rounds.json").read_text())
+        assert [e["adopted"] for e in log] == [True, False]
+        adopted = json.loads((run / "devices" / device / "home" / "models" / "adopted.json").read_text())
+        assert adopted["sha256"] == first_wire_sha[device]  # still v0, the model it adopted in round 1
+    assert store.robust_state()["norm_history"]  # the bound's history was saved with the completed round
+
+
+def test_norm_bound_history_survives_a_restart(tmp_path):
+    from coordinator.aggregation import make_strategy
+    from coordinator.engine import Engine, RoundSettings
+    from coordinator.store import Store
+    from protocol.auth import Signer
+
+    def engine() -> Engine:
+        state = {"w": np.ones(100, np.float32)}
+        return Engine(Store(tmp_path), make_strategy("fedavg"), RoundSettings(), lambda *a: None, lambda: state,
+                      Signer.load_or_create(tmp_path / "key.pem"))
+
+    first = engine()
+    assert first.norms.bound == pytest.approx(1.0)  # the ceiling: 0.1 x ||w||
+    first.norms.record([0.01, 0.02, 0.03])
+    first.store.save_robust_state({"norm_history": first.norms.history, "fv_factors": {"client-1": 0.5}})
+    second = engine()  # a restart, as after kill -9
+    assert second.norms.bound == pytest.approx(0.06) and second.fv.factors == {"client-1": 0.5}
