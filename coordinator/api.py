@@ -45,8 +45,8 @@ def create_app(service) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict:
-        mqtt = service.mqtt_state()
-        return {"status": "ok" if mqtt == "connected" else "degraded", "mqtt": mqtt, **engine.status()}
+        broker = service.broker_health()
+        return {"status": "ok" if broker["mqtt"] == "connected" else "degraded", **broker, **engine.status()}
 
     @app.get("/status", dependencies=auth)
     def status() -> dict:

@@ -3,7 +3,10 @@
 Given the coordinator's state folder, the broker keeps its port and a pid file there, so a
 coordinator restarted after `kill -9` stops the orphaned broker and comes back on the same
 port (devices reconnect by themselves), and it enforces the logins and ACLs that
-`coordinator.broker_acl` writes.
+`coordinator.broker_acl` writes. With logins on, each client's id is its login
+(`use_username_as_clientid`), so no device can take over another's session, the coordinator's
+included; an external broker should be set up the same way (README). Every message is capped just
+above the protocol's largest, and every client's queue is bounded.
 """
 from __future__ import annotations
 
@@ -18,6 +21,11 @@ import time
 from pathlib import Path
 
 MOSQUITTO_PATHS = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024 + 64 * 1024  # the largest chunk frame the protocol allows (TrainingConfig.chunk_bytes)
+PACKET_OVERHEAD = 64 * 1024                       # topic and MQTT headers on top of the payload
+MAX_QUEUED_MESSAGES = 20_000
+MAX_QUEUED_BYTES = 256 * 1024 * 1024
+MAX_INFLIGHT = 100
 
 
 def find_mosquitto() -> str | None:
@@ -52,17 +60,21 @@ class EmbeddedBroker:
 
         # stay the coordinator's user (mosquitto started as root would switch to `mosquitto` and lose the 0600 files)
         lines = [f"listener {self.port} 127.0.0.1", f"user {getpass.getuser()}", "persistence false",
-                 "max_queued_messages 100000", "log_dest stderr", "log_type error"]
+                 # per client: a slow or silent subscriber cannot make the broker hold unbounded data
+                 f"max_queued_messages {MAX_QUEUED_MESSAGES}", f"max_queued_bytes {MAX_QUEUED_BYTES}",
+                 f"max_inflight_messages {MAX_INFLIGHT}", "log_dest stderr", "log_type error"]
         self.tls = tls is not None
         if tls:
             lines += [f"cafile {tls['ca']}", f"certfile {tls['cert']}", f"keyfile {tls['key']}",
                       "tls_version tlsv1.2"]
-        if acl:
-            lines += ["allow_anonymous false", f"password_file {self.dir / 'passwd'}", f"acl_file {self.dir / 'acl'}"]
+        if acl:  # a client's id is its login: no one can take over another's session (the coordinator's included)
+            lines += ["allow_anonymous false", f"password_file {self.dir / 'passwd'}", f"acl_file {self.dir / 'acl'}",
+                      "use_username_as_clientid true"]
         else:
             lines.append("allow_anonymous true")
-        if message_size_limit:
-            lines.append(f"message_size_limit {message_size_limit}")
+        # a packet above the protocol's largest message disconnects its sender before its payload is read
+        limit = message_size_limit or MAX_MESSAGE_BYTES
+        lines += [f"message_size_limit {limit}", f"max_packet_size {limit + PACKET_OVERHEAD}"]
         conf.write_text("\n".join(lines) + "\n")
         self.process = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.pid_file.write_text(str(self.process.pid))

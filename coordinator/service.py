@@ -10,6 +10,7 @@ import json
 import logging
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,7 @@ class Service:
 
     def __init__(self, config: ServiceConfig, settings: RoundSettings):
         self.config, self.settings = config, settings
+        self._stop = threading.Event()
         Path(config.state).mkdir(parents=True, exist_ok=True)
         self.signer = coordinator_signer(config.state)
         self.api_token, self.api_token_created = api_token(config.state)
@@ -87,9 +89,11 @@ class Service:
         address = BrokerAddress.parse(self.broker_url, username, password)
         ca_file = config.ca_file or (str(Path(config.state) / "tls" / "ca.pem") if config.tls and not config.broker
                                      else None)
-        self.client = make_client("ffr-coordinator", address, ca_file)
+        self.client = make_client("ffr-coordinator", address, ca_file)  # with a login its id is the login
         self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
         self.client.on_message = self._on_message
+        self.disconnects, self.last_disconnect = 0, None
         options = {"mu": config.prox_mu} if config.strategy == "fedprox" else \
             {"momentum": config.server_momentum} if config.strategy == "fedavgm" else \
             {"lr": settings.training.lr, "beta": settings.training.pfm_beta} if config.strategy == "pfm" else {}
@@ -98,7 +102,6 @@ class Service:
         self.engine = Engine(Store(config.state), strategy, settings, self._publish, self._initial_model, self.signer,
                              gate=self.gate)
         self.engine.running = not config.start_paused
-        self._stop = threading.Event()
         self.client.connect(address.host, address.port, keepalive=30)
         self.client.loop_start()
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-clock", daemon=True)
@@ -158,7 +161,21 @@ class Service:
         if reason_code.is_failure:
             log.error("broker refused the connection: %s", reason_code)
             return
+        if self.disconnects:
+            log.warning("reconnected to the broker %s", self.broker_url)
         client.subscribe(topics.all_device_messages(), qos=1)
+
+    def _on_disconnect(self, client: mqtt.Client, userdata, flags, reason_code, properties) -> None:
+        """Said in the log and in /health: a coordinator that cannot hear its devices must not be silent."""
+        if self._stop.is_set():
+            return
+        self.disconnects += 1
+        self.last_disconnect = {"at": time.time(), "reason": str(reason_code)}
+        log.error("disconnected from the broker %s (%s); reconnecting", self.broker_url, reason_code)
+
+    def broker_health(self) -> dict:
+        return {"mqtt": self.mqtt_state(), "broker_disconnects": self.disconnects,
+                "last_broker_disconnect": self.last_disconnect}
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(self.config.tick_seconds):

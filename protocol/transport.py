@@ -34,9 +34,10 @@ class BrokerAddress:
 
 
 def make_client(client_id: str | None, address: BrokerAddress, ca_file: str | None = None) -> mqtt.Client:
-    """A client that reconnects by itself, backing off from 1 s to 30 s."""
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"ffr-{uuid.uuid4().hex[:8]}",
-                         clean_session=True)
+    """A client that reconnects by itself, backing off from 1 s to 30 s. With a login its client id is the login:
+    brokers that bind ids to logins (`use_username_as_clientid`) then see the id they assign anyway."""
+    client_id = address.username or client_id or f"ffr-{uuid.uuid4().hex[:8]}"
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True)
     if address.username:
         client.username_pw_set(address.username, address.password)
     if address.tls:

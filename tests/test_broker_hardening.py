@@ -1,0 +1,114 @@
+"""The embedded broker binds client ids to logins and caps messages: attacks by an admitted device, over a real
+Mosquitto with the coordinator's generated logins and ACLs."""
+from __future__ import annotations
+
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+
+from coordinator.engine import RoundSettings
+from protocol import topics
+from protocol.messages import TrainingConfig
+from protocol.transport import BrokerAddress
+
+
+def _service(tmp_path):
+    from coordinator.service import Service, ServiceConfig
+
+    return Service(ServiceConfig(state=tmp_path / "state", init="none"),
+                   RoundSettings(rounds=1, min_clients=5, training=TrainingConfig(width_mult=0.25)))
+
+
+def _raw_client(service, credential, client_id: str) -> tuple[mqtt.Client, threading.Event, list]:
+    """paho with exactly the client id given (make_client would use the login), and its disconnect reasons."""
+    address = BrokerAddress.parse(service.broker_url)
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+    client.username_pw_set(credential.broker_username, credential.broker_password)
+    connected, reasons = threading.Event(), []
+    client.on_connect = lambda c, u, f, rc, p: connected.set() if not rc.is_failure else None
+    client.on_disconnect = lambda c, u, f, rc, p: reasons.append(str(rc))
+    client.connect(address.host, address.port)
+    client.loop_start()
+    return client, connected, reasons
+
+
+def test_a_device_cannot_take_over_the_coordinators_session(tmp_path):
+    service = _service(tmp_path)
+    try:
+        mallory = service.admit("mallory")
+        states, stop = [], time.monotonic() + 6
+        attackers = []
+        while time.monotonic() < stop:  # log in again and again under the coordinator's client ids
+            for client_id in ("coordinator", "ffr-coordinator"):
+                client, connected, _ = _raw_client(service, mallory, client_id)
+                assert connected.wait(5), "the attacker's own login works (the test is not vacuous)"
+                attackers.append(client)
+            for _ in range(5):
+                states.append(service.mqtt_state())
+                time.sleep(0.1)
+        assert set(states) == {"connected"} and service.disconnects == 0
+        assert service.broker_health()["broker_disconnects"] == 0
+        # the coordinator still hears devices: a real device registers after the attack
+        from edge_client.daemon import EdgeDevice
+        from models.faces.synthetic import write_dataset
+
+        credential = tmp_path / "alice.json"
+        service.admit("alice", credential)
+        data = write_dataset(tmp_path / "faces", 2, 2, seed=1)
+        device = EdgeDevice(credential, data, tmp_path / "home", export_onnx=False)
+        device.start()
+        try:
+            assert device.registered.wait(20) and "alice" in service.engine.keys
+        finally:
+            device.stop()
+        for client in attackers:
+            client.loop_stop()
+            client.disconnect()
+    finally:
+        service.close()
+
+
+def test_a_message_above_the_protocols_largest_is_refused_by_the_broker(tmp_path):
+    from coordinator.broker import MAX_MESSAGE_BYTES
+
+    service = _service(tmp_path)
+    try:
+        mallory = service.admit("mallory")
+        client, connected, reasons = _raw_client(service, mallory, "mallory")
+        assert connected.wait(5)
+        handled = service.engine.handled
+        client.publish(topics.device("mallory", "heartbeat"), b"x" * 1024, qos=1).wait_for_publish(5)
+        deadline = time.monotonic() + 5
+        while service.engine.handled == handled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.engine.handled == handled + 1, "a small message gets through (the test is not vacuous)"
+        client.publish(topics.device("mallory", "heartbeat"), b"x" * (MAX_MESSAGE_BYTES + 200_000), qos=1)
+        deadline = time.monotonic() + 10
+        while not reasons and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reasons, "the broker disconnects a client that sends an oversized packet"
+        time.sleep(0.5)
+        assert service.engine.handled == handled + 1 and service.mqtt_state() == "connected"
+        client.loop_stop()
+    finally:
+        service.close()
+
+
+def test_coordinator_disconnect_is_logged_and_shown_in_health(tmp_path, caplog):
+    service = _service(tmp_path)
+    try:
+        deadline = time.monotonic() + 5
+        while service.mqtt_state() != "connected" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        service.broker.process.kill()  # the broker dies under the coordinator
+        service.broker.process.wait(5)
+        deadline = time.monotonic() + 10
+        while service.disconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = service.broker_health()
+        assert health["mqtt"] == "disconnected" and health["broker_disconnects"] >= 1
+        assert health["last_broker_disconnect"]["reason"]
+        assert any("disconnected from the broker" in r.getMessage() for r in caplog.records)
+    finally:
+        service.close()
