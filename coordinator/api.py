@@ -15,6 +15,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from coordinator.dashboard import PAGE, Evaluation, dashboard_data
+from coordinator.http_guard import HttpGuard
 from coordinator.public_set import ROUTE as PUBLIC_SET_ROUTE
 
 MAX_PAGE = 500
@@ -23,11 +24,14 @@ CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline
        "img-src 'self' data:; frame-ancestors 'none'")
 
 
-def create_app(service) -> FastAPI:
-    """`service`: a `coordinator.service.Service` (its engine, its MQTT state, its API token)."""
+def create_app(service, docs: bool = False) -> FastAPI:
+    """`service`: a `coordinator.service.Service` (its engine, its MQTT state, its API token). `docs`: serve
+    /docs and /openapi.json (off by default: they map the API for anyone who can reach the port)."""
     app = FastAPI(title="ffr-edge coordinator", version="2",
                   description="Federated face recognition: fleet status, rounds and the global backbone. "
-                              "Send `Authorization: Bearer TOKEN` (the token is in STATE/api-token).")
+                              "Send `Authorization: Bearer TOKEN` (the token is in STATE/api-token).",
+                  docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None)
+    app.add_middleware(HttpGuard, token=service.api_token)  # the token before any body, bodies capped
     engine, store = service.engine, service.engine.store
     registry = CollectorRegistry()
     gauges = {name: Gauge(f"ffr_{name}", doc, registry=registry) for name, doc in (

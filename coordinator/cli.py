@@ -39,7 +39,7 @@ def cmd_coordinator_serve(args) -> int:
                            init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls,
                            public_set=args.public_set, gate_data=args.gate_data, gate=gate_settings(args, args.seed),
                            no_gate=args.no_gate)
-    return serve(config, settings, exit_when_done=args.exit_when_done)
+    return serve(config, settings, exit_when_done=args.exit_when_done, docs=args.api_docs)
 
 
 def cmd_coordinator_admit(args) -> int:
@@ -97,7 +97,7 @@ def add_commands(csub) -> None:
     p = csub.add_parser("serve", help="run federated rounds over MQTT, with an HTTP API",
                         description="Run rounds: sample devices, announce, collect backbone deltas, aggregate, "
                                     "publish the new global model. State (models, history) lives in --state and "
-                                    "survives restarts. HTTP API docs at http://HOST:PORT/docs.")
+                                    "survives restarts. The dashboard is at http://HOST:PORT/dashboard.")
     add_broker_options(p, None)
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8080)
@@ -133,6 +133,9 @@ def add_commands(csub) -> None:
     p.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
+    p.add_argument("--api-docs", action="store_true",
+                   help="serve the API's interactive docs at /docs and /openapi.json (default off: they map the API "
+                        "for anyone who can reach the port)")
     g = p.add_argument_group("local objective (FedFR's hard negatives need a public set: --public-set here, "
                              "or `ffr edge run --public-set` on each device)")
     add_objective_options(g)

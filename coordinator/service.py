@@ -6,15 +6,20 @@ coordinator's signing key and the HTTP API token are created in `--state` on fir
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import secrets
+import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
+import uvicorn
 
 from coordinator.admission import Credential, admit, broker_file, coordinator_signer
 from coordinator.aggregation import make_strategy
@@ -197,27 +202,67 @@ class Service:
             self.broker.close()
 
 
-def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool = False) -> int:
-    """Run until Ctrl-C (or, with `exit_when_done`, until the last round is aggregated)."""
-    import uvicorn
-
+def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool = False, docs: bool = False) -> int:
+    """Run until Ctrl-C or SIGTERM (or, with `exit_when_done`, until the last round is aggregated); either way the
+    broker is stopped and the state flushed before returning."""
     from coordinator.api import create_app
 
-    service = Service(config, settings)
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host=config.http_host, port=config.http_port,
-                                           log_level="warning"))
-    if exit_when_done:
-        def watch() -> None:
-            while not service.finished:
-                threading.Event().wait(0.5)
-            server.should_exit = True
-        threading.Thread(target=watch, daemon=True).start()
-    print(f"coordinator: broker {service.broker_url}, HTTP http://{config.http_host}:{config.http_port}/docs", flush=True)
-    print(f"coordinator public key (devices pin it): {service.signer.public_hex}", flush=True)
-    if service.api_token_created:
-        print(f"HTTP API token (shown once; kept in {Path(config.state) / 'api-token'}): {service.api_token}", flush=True)
+    os.umask(0o077)  # every file the coordinator writes (models, updates, logs of rounds) is its user's alone
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn takes over: SIGTERM during start-up too
+    service = None
     try:
+        service = Service(config, settings)
+        server = _Server(uvicorn_config(create_app(service, docs), config.http_host, config.http_port))
+        if exit_when_done:
+            def watch() -> None:
+                while not service.finished:
+                    threading.Event().wait(0.5)
+                server.should_exit = True
+            threading.Thread(target=watch, daemon=True).start()
+        _print_start(service, config, docs)
         server.run()
+    except KeyboardInterrupt:
+        pass
     finally:
-        service.close()
+        signal.signal(signal.SIGTERM, previous)
+        if service is not None:
+            service.close()
+            log.info("coordinator stopped: broker stopped, state saved in %s", config.state)
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _print_start(service: Service, config: ServiceConfig, docs: bool) -> None:
+    base = f"http://{config.http_host}:{config.http_port}"
+    print(f"coordinator: broker {service.broker_url}, HTTP {base}, dashboard {base}/dashboard"
+          + (f", API docs {base}/docs" if docs else ""), flush=True)
+    print(f"coordinator public key (devices pin it): {service.signer.public_hex}", flush=True)
+    token_file = Path(config.state) / "api-token"
+    if service.api_token_created and sys.stdout.isatty():  # a terminal, never a log file
+        print(f"HTTP API token (shown once; kept in {token_file}): {service.api_token}", flush=True)
+    else:
+        print(f"HTTP API token: in {token_file} (mode 0600)", flush=True)
+
+
+def uvicorn_config(app, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level="warning")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that ends on SIGINT/SIGTERM without raising the signal again afterwards (uvicorn >= 0.29 does, which
+    killed the process before `serve` stopped the broker, and left mosquitto running)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

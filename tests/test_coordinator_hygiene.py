@@ -1,0 +1,129 @@
+"""The coordinator's HTTP front door and process hygiene, against a real uvicorn and a real `ffr coordinator serve`."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.engine import RoundSettings
+from protocol.messages import TrainingConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def live(tmp_path):
+    import uvicorn
+
+    from coordinator.api import create_app
+    from coordinator.service import Service, ServiceConfig
+
+    port = _free_port()
+    service = Service(ServiceConfig(state=tmp_path / "state", http_port=port, init="none"),
+                      RoundSettings(rounds=1, min_clients=5, training=TrainingConfig(width_mult=0.25)))
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    yield service, port
+    server.should_exit = True
+    service.close()
+
+
+def _raw(port: int, head: str, body: bytes = b"", timeout: float = 3.0) -> str:
+    """Send a request's head (and only `body` of it), then read the status line: the server must answer
+    without waiting for the rest of a body it was promised."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head.encode() + body)
+        return s.recv(4096).decode(errors="replace").split("\r\n")[0]
+
+
+def _status(port: int, path: str, body: bytes | None = None, headers: dict | None = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_token_is_checked_before_a_body_is_read(live):
+    service, port = live
+    head = "POST /evaluations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 200000000\r\n\r\n"
+    assert " 401 " in _raw(port, head)  # answered at once, not after 200 MB
+
+
+def test_bodies_are_capped_even_with_the_token(live):
+    service, port = live
+    auth = f"Authorization: Bearer {service.api_token}\r\n"
+    head = f"POST /evaluations HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: 200000000\r\n\r\n"
+    assert " 413 " in _raw(port, head)
+    chunked = f"POST /evaluations HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    piece = b"x" * 32768
+    body = b"".join(b"%x\r\n" % len(piece) + piece + b"\r\n" for _ in range(4))  # 128 KiB, no length given
+    assert " 413 " in _raw(port, chunked, body)
+    body = json.dumps({"model_version": 0, "metrics": {"auc": 0.9}, "source": "test"}).encode()
+    assert _status(port, "/evaluations", body, {"Authorization": f"Bearer {service.api_token}",
+                                                "Content-Type": "application/json"}) == 200  # small bodies still work
+
+
+def test_api_docs_are_off_unless_asked_for(live):
+    service, port = live
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert _status(port, path) == 404
+    assert _status(port, "/health") == 200
+
+
+def _mosquitto_running(pid: int) -> bool:
+    try:
+        return b"mosquitto" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_stops_cleanly_on_a_signal_and_keeps_its_secrets(tmp_path, sig):
+    state = tmp_path / "state"
+    process = subprocess.Popen([sys.executable, "-m", "ffr.cli", "coordinator", "serve", "--state", str(state),
+                                "--http-port", str(_free_port()), "--init", "none", "--width-mult", "0.25"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 90
+    while not any(line.startswith("HTTP API token") for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # uvicorn is up
+    broker_pid = int((state / "broker" / "mosquitto.pid").read_text())
+    assert _mosquitto_running(broker_pid)
+    process.send_signal(sig)
+    process.wait(30)
+    reader.join(5)
+    out = "".join(lines)
+    assert process.returncode == 0, out
+    assert "Traceback" not in out
+    time.sleep(0.5)
+    assert not _mosquitto_running(broker_pid), "the embedded broker was left running"
+    token = (state / "api-token").read_text().strip()
+    assert token not in out, "the API token was printed into a log"
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    for path in [p for p in state.rglob("*") if p.is_file()]:
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, f"{path} is readable by others"
+    assert (state / "coordinator.sqlite").exists()
