@@ -16,7 +16,7 @@ import cv2
 import numpy as np
 
 from models.faces.detect import FaceDetector, HaarDetector, YuNetDetector, face_crop, find_yunet_model
-from models.faces.imageio import is_image_file
+from models.faces.imageio import MAX_PIXELS, UnreadableImage, is_image_file, read_rgb
 
 
 class SourceError(ValueError):
@@ -44,6 +44,9 @@ def frames(camera: int | None = None, video: Path | None = None, images: Path | 
     try:
         if not capture.isOpened():
             raise SourceError(f"no camera at index {camera}" if camera is not None else f"cannot read video file {video}")
+        width, height = (int(capture.get(p)) for p in (cv2.CAP_PROP_FRAME_WIDTH, cv2.CAP_PROP_FRAME_HEIGHT))
+        if width * height > MAX_PIXELS:  # from the container's header, before a frame is decoded
+            raise SourceError(f"{what}: {width} x {height} frames, above the limit of {MAX_PIXELS:,} pixels")
         n = 0
         while n < max_frames:
             ok, bgr = capture.read()
@@ -65,10 +68,11 @@ def _images(path: Path, max_frames: int) -> Iterator[Frame]:
         raise SourceError(f"no image files in {path}")
     readable = 0
     for file in files[:max_frames]:
-        bgr = cv2.imread(str(file), cv2.IMREAD_COLOR)
-        if bgr is None:
+        try:
+            bgr = cv2.cvtColor(read_rgb(file), cv2.COLOR_RGB2BGR)  # header checked against MAX_PIXELS first
+        except UnreadableImage as exc:
             if len(files) == 1:
-                raise SourceError(f"cannot read image file {file}")
+                raise SourceError(f"cannot read image file {exc}") from None
             continue
         readable += 1
         yield Frame(str(file), bgr)

@@ -448,9 +448,15 @@ class EdgeDevice:
     def _export(self, model: FaceModel) -> None:
         from models.onnx_export import export_onnx
 
+        from edge_client.recognizer import seal_model
+        from edge_client.vault import Vault
+
+        vault = Vault.open(self.home.root / "store")
         export_onnx(model, self.home.generic_onnx, personalised=False, extra={"device": self.device_id})
+        seal_model(self.home, vault, self.home.generic_onnx)  # `ffr device` verifies only with sealed models
         if model.dfc is not None:  # written last: the newest model is the one `ffr device` verifies with
             export_onnx(model, self.home.personalised_onnx, personalised=True, extra={"device": self.device_id})
+            seal_model(self.home, vault, self.home.personalised_onnx)
 
 
 def run(credential: Path, data: Path, home: Path, until_finished: bool = False, **options) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 
 from edge_client.capture import QualityGate, SourceError, check_face, device_detector, frames
 from edge_client.home import DeviceHome
-from edge_client.recognizer import Recognizer, calibrate, file_sha256, install_default_model
+from edge_client.recognizer import Recognizer, calibrate, file_sha256, install_default_model, seal_model
 from edge_client.vault import Vault, VaultError
 
 MATCH, NO_MATCH, ERROR = 0, 1, 2
@@ -222,7 +222,7 @@ def cmd_calibrate(args) -> int:
         embeddings += _folder_embeddings(args, recognizer)
     cal = calibrate(embeddings, args.far, recognizer.model_sha256)
     recognizer.settings.calibration = cal
-    recognizer.settings.save(home)
+    recognizer.settings.save(home, vault)
     note = "" if cal.measurable else (f"; only {cal.impostor_pairs} impostor pairs, too few to measure FAR {args.far:g}:"
                                       " the threshold is the highest impostor score (add people or --data DIR)")
     _out(args, f"threshold {cal.threshold:.3f} for FAR {args.far:g}: expected false-reject rate {cal.expected_frr:.3f} "
@@ -249,8 +249,9 @@ def cmd_install_model(args) -> int:
     home = DeviceHome(args.home)
     if args.default == (args.model is not None):
         raise DeviceError("give exactly one of --model MODEL.onnx or --default")
+    vault = Vault.open(home.root / "store")
     if args.default:
-        return _installed(args, home, install_default_model(home), "generic (shipped face-pretrained)")
+        return _installed(args, home, install_default_model(home, vault), "generic (shipped face-pretrained)")
     if not args.model.is_file():
         raise FileNotFoundError(f"model not found: {args.model}")
     try:
@@ -261,6 +262,7 @@ def cmd_install_model(args) -> int:
     tmp = target.with_suffix(".tmp")
     shutil.copyfile(args.model, tmp)
     tmp.replace(target)
+    seal_model(home, vault, target)
     return _installed(args, home, target, kind)
 
 

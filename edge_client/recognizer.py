@@ -3,19 +3,26 @@
 Only onnxruntime, OpenCV and numpy run here. Templates remember the hash of the model that
 made them; when federated training (or `install-model`) delivers a new model they are
 recomputed from the encrypted crops before anything is compared.
+
+Every file that decides a match is authenticated with the store's key (`edge_client.vault`):
+`device.json` (the threshold and its calibration, and the hash of each model this device
+installed) carries an HMAC that the store's sealed manifest also records, and a model file is
+used only when its sha256 is the one sealed when it was installed. An edited threshold, a
+swapped model or a rolled-back settings file is refused with a clear error, never used.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from edge_client.home import DeviceHome
-from edge_client.vault import Person, Vault, new_person
+from edge_client.vault import Person, Vault, VaultError, new_person
 from models.evaluation.thresholds import threshold_at_far
 from models.runtime import OnnxEmbedder
 
@@ -24,7 +31,7 @@ log = logging.getLogger(__name__)
 DEFAULT_THRESHOLD = 0.5  # cosine; only until `ffr device calibrate` has run
 
 
-def current_model(home: DeviceHome) -> Path:
+def current_model(home: DeviceHome, vault: Vault) -> Path:
     """The most recently delivered model: personalised or generic, whichever is newer.
 
     A home with no model yet gets the shipped face-pretrained embedder (built as ONNX without torch),
@@ -32,11 +39,11 @@ def current_model(home: DeviceHome) -> Path:
     """
     found = [p for p in (home.personalised_onnx, home.generic_onnx) if p.is_file()]
     if not found:
-        return install_default_model(home)
+        return install_default_model(home, vault)
     return max(found, key=lambda p: p.stat().st_mtime_ns)
 
 
-def install_default_model(home: DeviceHome) -> Path:
+def install_default_model(home: DeviceHome, vault: Vault) -> Path:
     from models.face_weights import FaceWeightsError, write_default_onnx
 
     try:
@@ -44,8 +51,17 @@ def install_default_model(home: DeviceHome) -> Path:
     except FaceWeightsError as exc:
         raise FileNotFoundError(f"no model in {home.root} and the default one cannot be built ({exc}): install one "
                                 f"with `ffr device install-model --home {home.root} --model MODEL.onnx`") from None
+    seal_model(home, vault, path)
     log.info("installed the shipped face-pretrained model into %s", path)
     return path
+
+
+def seal_model(home: DeviceHome, vault: Vault, path: Path) -> str:
+    """Record the hash of a model this device just installed in the sealed settings; its sha256."""
+    settings = Settings.load(home, vault)
+    settings.models[path.name] = file_sha256(path)
+    settings.save(home, vault)
+    return settings.models[path.name]
 
 
 def file_sha256(path: Path) -> str:
@@ -69,31 +85,56 @@ class Calibration:
 
 @dataclass
 class Settings:
-    """Non-secret device settings (`device.json` in the home)."""
+    """Non-secret but decisive device settings (`device.json` in the home), sealed with the store's key."""
 
     calibration: Calibration | None = None
+    models: dict[str, str] = field(default_factory=dict)  # model file name -> sha256 when this device installed it
 
     @classmethod
-    def load(cls, home: DeviceHome) -> "Settings":
-        path = home.root / "device.json"
+    def load(cls, home: DeviceHome, vault: Vault) -> "Settings":
+        path, sealed = home.root / "device.json", vault.manifest().get("settings_mac")
         if not path.exists():
+            if sealed is not None:
+                raise VaultError(f"{path} is missing but the store sealed one; refusing to decide without it "
+                                 "(run `ffr device calibrate` and `ffr device install-model` again)")
             return cls()
-        raw = json.loads(path.read_text())
-        return cls(Calibration(**raw["calibration"]) if raw.get("calibration") else None)
+        try:
+            raw = json.loads(path.read_text())
+            mac = raw.pop("mac")
+            body = _canonical(raw)
+            settings = cls(Calibration(**raw["calibration"]) if raw.get("calibration") else None,
+                           {str(k): str(v) for k, v in raw.get("models", {}).items()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise VaultError(f"{path} is damaged or was not written by ffr-edge; refusing to decide with it") from None
+        if not hmac.compare_digest(str(mac), vault.mac(body)) or mac != sealed:
+            raise VaultError(f"{path} was changed outside ffr-edge (its seal does not match); refusing to decide with "
+                             "it (run `ffr device calibrate` again)")
+        return settings
 
-    def save(self, home: DeviceHome) -> None:
+    def save(self, home: DeviceHome, vault: Vault) -> None:
+        raw = asdict(self)
+        mac = vault.mac(_canonical(raw))
         tmp = home.root / "device.json.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.write_text(json.dumps({**raw, "mac": mac}, indent=1))
         tmp.replace(home.root / "device.json")
+        vault.seal_settings(mac)
+
+
+def _canonical(raw: dict) -> bytes:
+    return json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
 
 
 class Recognizer:
     def __init__(self, home: DeviceHome, vault: Vault, threads: int | None = 1):
         self.home, self.vault = home, vault
-        self.model_path = current_model(home)
+        self.model_path = current_model(home, vault)
         self.model_sha256 = file_sha256(self.model_path)
+        self.settings = Settings.load(home, vault)
+        if self.settings.models.get(self.model_path.name) != self.model_sha256:
+            raise VaultError(f"model file {self.model_path} is not the one this device installed (its sha256 does not "
+                             "match the sealed one); refusing to verify with it: install a model again with "
+                             "`ffr device install-model`")
         self.embedder = OnnxEmbedder(self.model_path, threads)
-        self.settings = Settings.load(home)
 
     @property
     def threshold(self) -> float:

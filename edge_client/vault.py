@@ -6,6 +6,15 @@ data, so a file moved onto another person's name fails to decrypt. Writes are at
 (temporary file, fsync, rename): a crash leaves the old record or the new one, never half.
 A key check file tells a wrong key apart from a damaged record; neither is ever used silently.
 
+The store is the device's trust root. A sealed manifest (`people/manifest.sealed`, AES-GCM under the
+same key) lists every record with its sha256 and a generation that only grows: a record file that is
+not listed (a removed person's file copied back) or does not match its hash is refused by name, and
+so is a missing manifest. It also holds the MAC of `device.json` (`mac`), so the decision settings
+there (threshold, the installed models' hashes) cannot be edited, deleted or rolled back either.
+What it cannot tell apart is a consistent roll-back of the whole home (manifest, records and
+settings copied back together): that needs a counter outside the home (a TPM or a rollback-protected
+store), which a Raspberry Pi does not have.
+
 The key is 32 random bytes in `store.key` (mode 0600, created on first use) or, hex or
 base64, in $FFR_STORE_KEY (then nothing secret is written to disk).
 """
@@ -106,6 +115,9 @@ def load_key(root: Path) -> bytes:
     return key
 
 
+MANIFEST = "manifest.sealed"
+
+
 class Vault:
     def __init__(self, root: Path, key: bytes):
         self.root = Path(root)
@@ -113,7 +125,34 @@ class Vault:
         self.people_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
         self._aead, self._key = AESGCM(key), key
+        self._mac_key = hmac.new(key, b"ffr-edge settings seal", hashlib.sha256).digest()
         self._check_key()
+
+    # the sealed manifest ------------------------------------------------------
+    def mac(self, data: bytes) -> str:
+        """HMAC-SHA256 of `data` under a key derived from the store's key (device.json's seal)."""
+        return hmac.new(self._mac_key, data, hashlib.sha256).hexdigest()
+
+    def manifest(self) -> dict:
+        """{"generation": n, "records": {file name: sha256}, "settings_mac": str | None}, authenticated."""
+        path = self.people_dir / MANIFEST
+        if not path.exists():
+            if any(self.people_dir.glob("*.person")):
+                raise VaultError(f"{path} is missing: the records in {self.people_dir} cannot be trusted "
+                                 "(remove them and enrol the people again)")
+            return {"generation": 0, "records": {}, "settings_mac": None}
+        try:
+            return json.loads(self._open(path.read_bytes(), MANIFEST))
+        except (InvalidTag, ValueError):
+            raise VaultError(f"{path} is corrupted or was tampered with; refusing to use the store") from None
+
+    def _save_manifest(self, manifest: dict) -> None:
+        manifest = {**manifest, "generation": manifest["generation"] + 1}
+        _atomic_write(self.people_dir / MANIFEST, self._seal(json.dumps(manifest).encode(), MANIFEST))
+
+    def seal_settings(self, mac: str) -> None:
+        """Record the MAC of the device.json just written: an older or edited copy no longer matches."""
+        self._save_manifest({**self.manifest(), "settings_mac": mac})
 
     @classmethod
     def open(cls, root: Path) -> "Vault":
@@ -148,7 +187,10 @@ class Vault:
 
     def put(self, person: Person) -> None:
         path = self._path(person.name)
-        _atomic_write(path, self._seal(person.to_bytes(), path.name))
+        manifest = self.manifest()
+        blob = self._seal(person.to_bytes(), path.name)
+        _atomic_write(path, blob)
+        self._save_manifest({**manifest, "records": {**manifest["records"], path.name: hashlib.sha256(blob).hexdigest()}})
 
     def get(self, name: str) -> Person:
         path = self._path(name)
@@ -157,9 +199,16 @@ class Vault:
             raise VaultError(f"unknown name {name!r} (enrolled: {known})")
         return self._read(path)
 
-    def _read(self, path: Path) -> Person:
+    def _read(self, path: Path, manifest: dict | None = None) -> Person:
+        listed = (manifest or self.manifest())["records"].get(path.name)
+        blob = path.read_bytes()
+        if listed is None:
+            raise VaultError(f"store file {path} is not in the store's sealed manifest (a removed person's file copied "
+                             "back?); refusing to use it: delete it")
+        if hashlib.sha256(blob).hexdigest() != listed:
+            raise VaultError(f"store file {path} is not the one the store sealed (an older copy?); refusing to use it")
         try:
-            return Person.from_bytes(self._open(path.read_bytes(), path.name))
+            return Person.from_bytes(self._open(blob, path.name))
         except InvalidTag:
             raise VaultError(f"store file {path} is corrupted or was tampered with; refusing to use it "
                              "(remove it and enrol the person again)") from None
@@ -167,7 +216,8 @@ class Vault:
             raise VaultError(f"store file {path} is damaged: {exc}") from None
 
     def people(self) -> list[Person]:
-        return sorted((self._read(p) for p in self.people_dir.glob("*.person")), key=lambda p: p.name)
+        manifest = self.manifest()
+        return sorted((self._read(p, manifest) for p in self.people_dir.glob("*.person")), key=lambda p: p.name)
 
     def names(self) -> list[str]:
         return [p.name for p in self.people()]
@@ -177,6 +227,8 @@ class Vault:
         path = self._path(name)
         if not path.exists():
             raise VaultError(f"unknown name {name!r}")
+        manifest = self.manifest()
+        self._save_manifest({**manifest, "records": {k: v for k, v in manifest["records"].items() if k != path.name}})
         size = path.stat().st_size
         with open(path, "r+b") as fh:
             fh.write(os.urandom(size))

@@ -14,6 +14,7 @@ from conftest import device_datasets
 from coordinator.engine import RoundSettings
 from coordinator.service import Service, ServiceConfig
 from edge_client.daemon import EdgeDevice
+from edge_client.vault import Vault
 from models.evaluation.metrics import verification_report
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
@@ -121,7 +122,7 @@ def test_each_device_personalised_model_verifies_its_own_people(fleet):
         model = device.home.personalised_onnx
         from edge_client.recognizer import current_model
 
-        assert current_model(device.home) == model, "`ffr device verify/calibrate` use the personalised model"
+        assert current_model(device.home, Vault.open(device.home.root / "store")) == model, "`ffr device verify/calibrate` use the personalised model"
         embedder = OnnxEmbedder(model)
         assert embedder.info.kind == "personalised"
         crops = crop_index(load_index(data), CropConfig(detector="none"), use_cache=False, progress=False)

@@ -1,14 +1,20 @@
 """Read face images of any common format as RGB uint8 arrays.
 
 One unreadable file must never end a run, so readers raise `UnreadableImage` and the
-callers that walk datasets turn it into a warning that names the file.
+callers that walk datasets turn it into a warning that names the file. An image is a file an
+attacker may have written: its dimensions are read from its header and it is refused above
+`MAX_PIXELS` before anything is decoded (a 243 KB PNG can declare 9 GB of pixels); OpenCV's own
+limit is lowered to the same figure (in `models/__init__`) for the formats the header reader does not know.
 """
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import cv2
 import numpy as np
+
+from models import MAX_IMAGE_PIXELS as MAX_PIXELS  # 40 megapixels: any camera photo, at most 120 MB decoded
 
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".pgm", ".ppm", ".pbm", ".pnm", ".gif", ".bmp", ".tif", ".tiff", ".webp"}
@@ -23,6 +29,62 @@ def is_image_file(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
 
 
+def header_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a PNG, JPEG, GIF, BMP, PNM or WebP header, without decoding; None for other formats."""
+    try:
+        if data[:8] == b"\x89PNG\r\n\x1a\n":
+            return struct.unpack(">II", data[16:24])
+        if data[:6] in (b"GIF87a", b"GIF89a"):
+            return struct.unpack("<HH", data[6:10])
+        if data[:2] == b"BM":
+            width, height = struct.unpack("<ii", data[18:26])
+            return abs(width), abs(height)
+        if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+            kind = data[12:16]
+            if kind == b"VP8X":
+                return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+            if kind == b"VP8L":
+                bits = int.from_bytes(data[21:25], "little")
+                return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+            if kind == b"VP8 ":
+                width, height = struct.unpack("<HH", data[26:30])
+                return width & 0x3FFF, height & 0x3FFF
+        if data[:1] == b"P" and data[1:2] in b"123456":
+            fields = data[2:256].split(b"#")[0].split()
+            return int(fields[0]), int(fields[1])
+        if data[:2] == b"\xff\xd8":
+            return _jpeg_size(data)
+    except (struct.error, ValueError, IndexError):
+        return (0, 0)  # a header too short or garbled to read: nothing decodable either
+    return None
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int]:
+    i = 2
+    while i + 9 < len(data):
+        if data[i] != 0xFF:
+            i += 1
+            continue
+        marker = data[i + 1]
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            i += 2
+            continue
+        length = struct.unpack(">H", data[i + 2:i + 4])[0]
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start-of-frame segment
+            height, width = struct.unpack(">HH", data[i + 5:i + 9])
+            return width, height
+        i += 2 + length
+    return (0, 0)
+
+
+def check_dimensions(data: bytes, name: str) -> None:
+    """Refuse an image whose header declares more than MAX_PIXELS, before it is decoded."""
+    size = header_size(data)
+    if size is not None and size[0] * size[1] > MAX_PIXELS:
+        raise UnreadableImage(f"{name}: {size[0]} x {size[1]} pixels declared, above the limit of {MAX_PIXELS:,} "
+                              "(refused before decoding)")
+
+
 def read_rgb(path: str | Path) -> np.ndarray:
     """Decode `path` to an HxWx3 RGB uint8 array; grey images are replicated to 3 channels."""
     path = Path(path)
@@ -30,6 +92,7 @@ def read_rgb(path: str | Path) -> np.ndarray:
         data = np.fromfile(path, dtype=np.uint8)  # fromfile + imdecode copes with non-ASCII paths
     except OSError as exc:
         raise UnreadableImage(f"{path}: {exc.strerror or exc}") from exc
+    check_dimensions(data[:65536].tobytes(), str(path))
     image = cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
     if image is None and path.suffix.lower() == ".gif":
         image = _first_gif_frame(path)

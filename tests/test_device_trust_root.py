@@ -1,0 +1,139 @@
+"""The device's own files are its trust root: a local tamperer gets a clear refusal and exit 2, never a match.
+
+Through the real `ffr device` CLI (torch cannot be imported), on SYNTHETIC faces the tests make.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.faces.imageio import write_image
+
+
+def ffr(*args: str) -> tuple[int, str, str]:
+    code = "import sys; sys.modules['torch'] = None; from ffr.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def people(tmp_path_factory) -> dict[str, Path]:
+    """Three SYNTHETIC people, a folder of face photos each (rendered at the detector-free crop size)."""
+    from models.faces.synthetic import generate
+
+    root = tmp_path_factory.mktemp("people")
+    images, labels = generate(3, 4, seed=21)
+    out = {}
+    for k in range(3):
+        folder = root / f"person{k}"
+        folder.mkdir()
+        for i, image in enumerate(images[labels == k]):
+            write_image(folder / f"{i}.png", image)
+        out[f"person{k}"] = folder
+    return out
+
+
+@pytest.fixture
+def home(tmp_path, people) -> Path:
+    home = tmp_path / "home"
+    for name, folder in people.items():
+        rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", name, "--images", str(folder),
+                           "--detector", "haar", "--min-face", "1", "--min-sharpness", "0")
+        assert rc == 0, err
+    rc, out, err = ffr("device", "calibrate", "--home", str(home), "--far", "0.1", "--detector", "haar")
+    assert rc == 0, err
+    return home
+
+
+def _verify(home: Path, people: dict, claimed: str, probe: str) -> tuple[int, str, str]:
+    return ffr("device", "verify", "--home", str(home), "--name", claimed, "--images", str(people[probe]),
+               "--detector", "haar", "--min-face", "1", "--min-sharpness", "0", "--frames", "2")
+
+
+def test_an_untouched_home_still_decides(home, people):
+    rc, out, err = _verify(home, people, "person0", "person0")
+    assert rc in (0, 1) and ("MATCH" in out), err  # a decision, not an error
+
+
+def test_an_edited_threshold_is_refused_never_a_match(home, people):
+    settings = json.loads((home / "device.json").read_text())
+    settings["calibration"]["threshold"] = -1.0
+    (home / "device.json").write_text(json.dumps(settings))
+    rc, out, err = _verify(home, people, "person0", "person1")
+    assert rc == 2 and "MATCH" not in out
+    assert "device.json" in err and "seal" in err
+
+
+def test_a_deleted_settings_file_is_refused(home, people):
+    (home / "device.json").unlink()
+    rc, out, err = _verify(home, people, "person0", "person1")
+    assert rc == 2 and "device.json is missing" in err
+
+
+def test_a_swapped_model_file_is_refused(home, people, tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = home / "models" / "generic.onnx"
+    constant = helper.make_graph(  # every face -> the same embedding: every impostor would score 1.0
+        [helper.make_node("Constant", [], ["embedding"],
+                          value=helper.make_tensor("c", TensorProto.FLOAT, [1, 128], [1.0] + [0.0] * 127))],
+        "constant", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 128, 128])],
+        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, [1, 128])])
+    forged = onnx.load(str(model))
+    forged.graph.CopyFrom(constant)
+    onnx.save(forged, str(model))
+    rc, out, err = _verify(home, people, "person0", "person1")
+    assert rc == 2 and "MATCH" not in out
+    assert "generic.onnx" in err and "sha256" in err
+
+
+def test_a_removed_person_cannot_be_restored_from_an_old_file(home, people, tmp_path):
+    backup = tmp_path / "backup"
+    shutil.copytree(home / "store" / "people", backup)
+    rc, out, err = ffr("device", "remove", "--home", str(home), "--name", "person2")
+    assert rc == 0, err
+    for record in backup.glob("*.person"):
+        if not (home / "store" / "people" / record.name).exists():
+            shutil.copy2(record, home / "store" / "people" / record.name)  # the removed person's file is back
+    rc, out, err = _verify(home, people, "person2", "person2")
+    assert rc == 2 and "MATCH" not in out
+    assert "not in the store's sealed manifest" in err
+
+
+def _png_bomb(path: Path, width: int, height: int) -> Path:
+    """A valid PNG header declaring width x height pixels, with a tiny (truncated) body."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    body = zlib.compress(b"\x00" * 65536, 9)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", body) + chunk(b"IEND", b""))
+    return path
+
+
+def test_a_decompression_bomb_is_refused_before_decoding(home, people, tmp_path):
+    bomb = _png_bomb(tmp_path / "bomb.png", 60000, 50000)  # 3 Gpixels declared, 9 GB decoded
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 31, 1 << 31)); "
+            "sys.modules['torch'] = None; from ffr.cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "device", "verify", "--home", str(home), "--name", "person0",
+                           "--images", str(bomb), "--detector", "haar"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "MATCH" not in proc.stdout
+    assert "60000 x 50000" in proc.stderr and "refused before decoding" in proc.stderr
+    from models.faces.imageio import UnreadableImage, read_rgb
+
+    with pytest.raises(UnreadableImage, match="above the limit"):
+        read_rgb(bomb)
+    small = tmp_path / "ok.png"
+    write_image(small, np.zeros((40, 30, 3), np.uint8))
+    assert read_rgb(small).shape == (40, 30, 3)  # ordinary images still read
