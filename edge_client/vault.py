@@ -206,7 +206,8 @@ class Vault:
             raise VaultError(f"store file {path} is not in the store's sealed manifest (a removed person's file copied "
                              "back?); refusing to use it: delete it")
         if hashlib.sha256(blob).hexdigest() != listed:
-            raise VaultError(f"store file {path} is not the one the store sealed (an older copy?); refusing to use it")
+            raise VaultError(f"store file {path} is corrupted or was tampered with (it is not the one the store "
+                             "sealed: damaged, or an older copy?); refusing to use it")
         try:
             return Person.from_bytes(self._open(blob, path.name))
         except InvalidTag:

@@ -24,6 +24,7 @@ import numpy as np
 from models.evaluation.thresholds import threshold_at_far
 
 BACKBONE_PREFIX = "backbone."
+DEGENERATE_THRESHOLD = 0.98  # a current model whose FAR threshold is this high maps every face to about one point
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,9 @@ def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: fl
             auc_margin: float = 0.01) -> Verdict:
     """May `candidate` replace `current`? Not when, at the current model's threshold for `far`, it accepts more
     than `far_ratio` x the impostors the current model accepts there (never judged below `far` itself), or
-    when its AUC is more than `auc_margin` below the current model's."""
+    when its AUC is more than `auc_margin` below the current model's. A current model that separates nobody
+    (its threshold at or above DEGENERATE_THRESHOLD, e.g. a random initialisation) is not judged: any model
+    may replace it, and the figures say so (`skipped`)."""
     threshold, _ = threshold_at_far(current.impostor, far)
     far_now = float(np.mean(current.impostor > threshold))
     far_new = float(np.mean(candidate.impostor > threshold))
@@ -139,6 +142,9 @@ def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: fl
                "impostor_mean_current": float(current.impostor.mean()),
                "impostor_mean_candidate": float(candidate.impostor.mean()),
                "genuine_pairs": int(len(candidate.genuine)), "impostor_pairs": int(len(candidate.impostor))}
+    if threshold >= DEGENERATE_THRESHOLD:  # nothing to protect: no device can hold a working threshold for it
+        metrics["skipped"] = 1.0
+        return Verdict(True, "", metrics)
     if far_new > limit:
         return Verdict(False, f"the candidate accepts {far_new:.2%} of impostors at the current threshold "
                               f"{threshold:.3f} (current model {far_now:.2%}, limit {limit:.2%}; mean impostor "
