@@ -215,23 +215,56 @@ def cmd_remove(args) -> int:
     return MATCH
 
 
+MAX_CALIBRATION_FAR = 0.5
+MAX_EXPECTED_FRR = 0.2
+
+
 def cmd_calibrate(args) -> int:
+    if not 0 < args.far <= MAX_CALIBRATION_FAR:
+        raise DeviceError(f"--far must be in (0, {MAX_CALIBRATION_FAR:g}], got {args.far:g}: it is the share of "
+                          "impostors the device will accept")
     home, vault, recognizer = _open(args)
-    embeddings = [recognizer.embed(p.crops) for p in recognizer.people()]
+    people = recognizer.people()
+    embeddings, names = [recognizer.embed(p.crops) for p in people], [p.name for p in people]
     if args.data is not None:
-        embeddings += _folder_embeddings(args, recognizer)
+        more = _folder_embeddings(args, recognizer)
+        embeddings, names = embeddings + [e for _, e in more], names + [n for n, _ in more]
     cal = calibrate(embeddings, args.far, recognizer.model_sha256)
-    recognizer.settings.calibration = cal
-    recognizer.settings.save(home, vault)
+    problems = calibration_problems(cal, embeddings, names)
     note = "" if cal.measurable else (f"; only {cal.impostor_pairs} impostor pairs, too few to measure FAR {args.far:g}:"
                                       " the threshold is the highest impostor score (add people or --data DIR)")
-    _out(args, f"threshold {cal.threshold:.3f} for FAR {args.far:g}: expected false-reject rate {cal.expected_frr:.3f} "
-               f"({cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor pairs){note}", cal.__dict__)
+    line = (f"threshold {cal.threshold:.3f} for FAR {args.far:g}: expected false-reject rate {cal.expected_frr:.3f} "
+            f"({cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor pairs){note}")
+    if problems and not args.force:
+        raise DeviceError(f"calibration not applied: {'; '.join(problems)} ({line}); fix the calibration faces, "
+                          "or apply it anyway with --force")
+    if not args.dry_run:
+        recognizer.settings.calibration = cal
+        recognizer.settings.save(home, vault)
+    applied = "not applied (--dry-run)" if args.dry_run else "applied"
+    _out(args, f"{line}; {applied}" + (f"; forced despite: {'; '.join(problems)}" if problems else ""),
+         {**cal.__dict__, "applied": not args.dry_run, "problems": problems})
     return MATCH
 
 
-def _folder_embeddings(args, recognizer: Recognizer) -> list[np.ndarray]:
-    """Faces of more people (one folder each) on the device, through the same quality gate."""
+def calibration_problems(cal, embeddings: list[np.ndarray], names: list[str]) -> list[str]:
+    """Why a calibration would make the device worse: too many genuine faces refused, or 'impostors' that are
+    the same person under two names (their mean cross score as high as their own genuine scores)."""
+    problems = []
+    if cal.expected_frr > MAX_EXPECTED_FRR:
+        problems.append(f"it would refuse {cal.expected_frr:.0%} of genuine faces (above {MAX_EXPECTED_FRR:.0%})")
+    own = [float(np.mean((e @ e.T)[np.triu_indices(len(e), 1)])) if len(e) >= 2 else None for e in embeddings]
+    twins = [f"{names[i]} / {names[j]}" for i in range(len(embeddings)) for j in range(i + 1, len(embeddings))
+             if own[i] is not None and own[j] is not None
+             and float(np.mean(embeddings[i] @ embeddings[j].T)) >= 0.9 * min(own[i], own[j])]
+    if twins:
+        problems.append(f"{len(twins)} pair(s) of people look like one person under two names "
+                        f"({', '.join(twins[:3])}{', ...' if len(twins) > 3 else ''})")
+    return problems
+
+
+def _folder_embeddings(args, recognizer: Recognizer) -> list[tuple[str, np.ndarray]]:
+    """Faces of more people (one folder each) on the device, through the same quality gate: (name, embeddings)."""
     if not args.data.is_dir():
         raise SourceError(f"--data folder not found: {args.data}")
     detector, gate, out = device_detector(args.detector, args.yunet_model), _gate(args), []
@@ -239,7 +272,7 @@ def _folder_embeddings(args, recognizer: Recognizer) -> list[np.ndarray]:
         crops = [c.crop for f in frames(images=folder, max_frames=10_000)
                  if (c := check_face(f.bgr, detector, gate)).crop is not None]
         if crops:
-            out.append(recognizer.embed(np.stack(crops)))
+            out.append((folder.name, recognizer.embed(np.stack(crops))))
     return out
 
 
@@ -335,8 +368,13 @@ def add_commands(dsub) -> None:
                         description="Genuine and impostor scores of the enrolled people (and --data DIR, one folder "
                                     "per person) under the current model give the threshold for --far and the "
                                     "false-reject rate to expect there.")
-    p.add_argument("--far", type=float, default=1e-3, help="target false-accept rate (default 1e-3)")
+    p.add_argument("--far", type=float, default=1e-3,
+                   help=f"target false-accept rate, in (0, {MAX_CALIBRATION_FAR:g}] (default 1e-3)")
     p.add_argument("--data", type=Path, help="more of the device's people: one folder of face photos each")
+    p.add_argument("--dry-run", action="store_true", help="say what the threshold would be; change nothing")
+    p.add_argument("--force", action="store_true",
+                   help=f"apply a threshold that would refuse more than {MAX_EXPECTED_FRR:.0%} of genuine faces, or "
+                        "whose impostors look like enrolled people")
     _common(p)
     p.add_argument("--detector", choices=("auto", "yunet", "haar"), default="auto")
     p.add_argument("--yunet-model", type=Path)

@@ -137,3 +137,29 @@ def test_a_decompression_bomb_is_refused_before_decoding(home, people, tmp_path)
     small = tmp_path / "ok.png"
     write_image(small, np.zeros((40, 30, 3), np.uint8))
     assert read_rgb(small).shape == (40, 30, 3)  # ordinary images still read
+
+
+@pytest.mark.parametrize("far", ["2", "0", "-1", "0.6"])
+def test_calibration_far_outside_its_range_is_one_line_and_changes_nothing(home, far):
+    before = (home / "device.json").read_bytes()
+    rc, out, err = ffr("device", "calibrate", "--home", str(home), "--far", far)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("ffr device calibrate: error: --far must be in (0, 0.5]")
+    assert (home / "device.json").read_bytes() == before
+
+
+def test_calibration_with_enrolled_people_under_other_names_is_not_applied(home, people, tmp_path):
+    twins = tmp_path / "cal"
+    twins.mkdir()
+    for name, folder in people.items():  # the same people, renamed: their "impostor" pairs are genuine
+        shutil.copytree(folder, twins / f"other-{name}")
+    before = (home / "device.json").read_bytes()
+    args = ["device", "calibrate", "--home", str(home), "--far", "0.1", "--data", str(twins), "--detector", "haar",
+            "--min-face", "1", "--min-sharpness", "0"]
+    rc, out, err = ffr(*args)
+    assert rc == 2 and "calibration not applied" in err and "look like one person" in err
+    assert (home / "device.json").read_bytes() == before
+    rc, out, err = ffr(*args, "--dry-run", "--force")
+    assert rc == 0 and "not applied (--dry-run)" in out and (home / "device.json").read_bytes() == before
+    rc, out, err = ffr(*args, "--force")
+    assert rc == 0 and "forced despite" in out and (home / "device.json").read_bytes() != before
