@@ -111,7 +111,8 @@ def main_collapse(args, command: str) -> int:
     for set_name, clients, malicious in plan:
         if set_name not in args.sets:
             continue
-        runs = [("mean", None, True)] + [(rule, "collapse", False) for rule in args.rules] + [("mean", "collapse", True)]
+        # the defaults first (clean, then attacked), then the attack against each rule without the gate
+        runs = [("mean", None, True), ("mean", "collapse", True)] + [(rule, "collapse", False) for rule in args.rules]
         clean_scores = None
         for rule, attack, gate in runs:
             row, scores = run_collapse(args, set_name, clients, malicious, rule, attack, gate, eval_faces, public)
