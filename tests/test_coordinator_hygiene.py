@@ -13,16 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.broker import free_port
 from coordinator.engine import RoundSettings
 from protocol.messages import TrainingConfig
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -32,7 +27,7 @@ def live(tmp_path):
     from coordinator.api import create_app
     from coordinator.service import Service, ServiceConfig
 
-    port = _free_port()
+    port = free_port()
     service = Service(ServiceConfig(state=tmp_path / "state", http_port=port, init="none"),
                       RoundSettings(rounds=1, min_clients=5, training=TrainingConfig(width_mult=0.25)))
     server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
@@ -102,7 +97,7 @@ def _mosquitto_running(pid: int) -> bool:
 def test_serve_stops_cleanly_on_a_signal_and_keeps_its_secrets(tmp_path, sig):
     state = tmp_path / "state"
     process = subprocess.Popen([sys.executable, "-m", "ffr.cli", "coordinator", "serve", "--state", str(state),
-                                "--http-port", str(_free_port()), "--init", "none", "--width-mult", "0.25"],
+                                "--http-port", str(free_port()), "--init", "none", "--width-mult", "0.25"],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
