@@ -59,6 +59,7 @@ bench-fuzz: $(STAMP)
 
 bench-robust: $(STAMP)
 	$(PY) -m bench.robust --out bench/results
+	$(PY) -m bench.robust --suite collapse --out bench/results
 
 bench-quality: $(STAMP)
 	$(PY) -m bench.verify_quality --out bench/results
