@@ -516,6 +516,7 @@ class Engine:
         dp_clip = self.settings.training.dp_clip
         bound = self._bound()
         devices = sorted(current.done)
+        fresh_mean = mean_delta is None  # FV's blend of weightings is not re-formed without some devices
         mean_delta = self._combine(current, devices) if mean_delta is None else mean_delta
         dp_metrics = {}
         if dp_clip is not None:
@@ -534,11 +535,13 @@ class Engine:
         server_state = getattr(self.strategy, "state", None)
         new_state = self.strategy.aggregate(self.global_state, mean_delta)
         problem = self._check_new_model(new_state, bound, 2.0 * dp_metrics.get("dp_noise_norm", 0.0))
-        new_state = {k: (np.maximum(v, 0).astype(v.dtype) if k.endswith("running_var") else v)
-                     for k, v in new_state.items()}  # fp16 rounding can leave -1e-8 where a variance is 0
+        new_state = _non_negative_variances(new_state)
         gate_metrics = {}
         if not problem and self.gate is not None:
             problem, gate_metrics = self.gate.check(self.global_state, self.global_sha, new_state)
+            if problem and fresh_mean and dp_clip is None:  # the round may still be saved without its poisoners
+                new_state, problem, gate_metrics = self._without_failing_updates(current, devices, bound, problem,
+                                                                                gate_metrics, server_state)
         seconds = time.perf_counter() - started
         metrics = {**dp_metrics, **current.validation_metrics,
                    "aggregation_seconds": seconds, "codec": self.settings.training.codec,
@@ -565,6 +568,39 @@ class Engine:
         log.info("round %d: aggregated %d updates (%d dropped) into model v%d", current.round_id, len(current.done),
                  dropped, self.version)
 
+    def _without_failing_updates(self, current: OpenRound, devices: list[str], bound: float, problem: str,
+                                 metrics: dict, server_state) -> tuple[dict[str, np.ndarray], str, dict]:
+        """The gate refused the round's model: leave out, one at a time, the update without which the round's model
+        accepts the fewest impostors, until the model passes, for at most half of the round's updates.
+        Returns (model, '' or why not, the gate's figures); when no such subset passes, the round rolls back."""
+        kept, left_out, first_problem = list(devices), [], problem
+        while problem and len(left_out) < len(devices) // 2:
+            trials = []
+            for device in kept:
+                state = self._model_of(current, [d for d in kept if d != device], server_state)
+                why, figures = self.gate.check(self.global_state, self.global_sha, state)
+                why = self._check_new_model(state, bound) or why
+                trials.append((figures.get("gate_far_candidate", 1.0), -figures.get("gate_auc_candidate", 0.0),
+                               device, state, why, figures))
+            _, _, device, state, problem, figures = min(trials, key=lambda t: t[:3])
+            kept.remove(device)
+            left_out.append(device)
+            metrics = {**metrics, **figures}
+        metrics.update(gate_excluded=len(left_out), gate_excluded_devices=sorted(left_out))
+        if problem:
+            return self.global_state, first_problem, metrics
+        if hasattr(self.strategy, "state"):  # the kept model's momentum step, taken once
+            self._model_of(current, kept, server_state)
+        log.warning("round %d: quality gate left out %d update(s): %s", current.round_id, len(left_out),
+                    ", ".join(sorted(left_out)))
+        return state, "", metrics
+
+    def _model_of(self, current: OpenRound, devices: list[str], server_state) -> dict[str, np.ndarray]:
+        """The round's model from `devices`' updates alone (the server's state as it was before the round)."""
+        if hasattr(self.strategy, "state"):
+            self.strategy.state = server_state
+        return _non_negative_variances(self.strategy.aggregate(self.global_state, self._combine(current, devices)))
+
     def _bound(self) -> float:
         """The norm every update is clipped to; fixed for the length of a round (recorded only at aggregation)."""
         return self.norms.bound if self.settings.training.dp_clip is None else self.settings.training.dp_clip
@@ -590,6 +626,11 @@ class Engine:
         the round's median caps are read again. Robust rules need every update at once (O(n x model))."""
         raw = [current.weights[d] for d in devices]
         weights = capped_weights(raw, self.settings.weight_factor)
+        if self.settings.combine == "mean" and set(devices) != current.done:  # a subset: folded again from disk
+            mean = RunningMean()
+            for device, weight in zip(devices, weights):
+                mean.add(self._load_delta(current, device), weight)
+            return mean.mean()
         if self.settings.combine == "mean":
             for device, old, new in zip(devices, raw, weights):
                 if new != old:
@@ -707,6 +748,11 @@ def capped_weights(weights: list[float], factor: float) -> list[float]:
     outweigh the round (its registered size is its own claim)."""
     cap = factor * float(np.median(weights))
     return [min(w, cap) for w in weights]
+
+
+def _non_negative_variances(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """fp16 rounding can leave -1e-8 where a BatchNorm variance is 0 (checked before: real negatives roll back)."""
+    return {k: (np.maximum(v, 0).astype(v.dtype) if k.endswith("running_var") else v) for k, v in state.items()}
 
 
 def _finite_or_none(value: float) -> float | None:

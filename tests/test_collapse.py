@@ -27,7 +27,7 @@ def gate_faces(tmp_path_factory) -> Path:
     """Faces the coordinator holds for its gate: SYNTHETIC people no device has (another seed)."""
     from models.faces.synthetic import write_dataset
 
-    return write_dataset(tmp_path_factory.mktemp("gate") / "faces", n_identities=8, n_images=4, seed=99)
+    return write_dataset(tmp_path_factory.mktemp("gate") / "faces", n_identities=24, n_images=4, seed=99)
 
 
 def _faces(n_people: int = 6, n_images: int = 4, seed: int = 5):
@@ -74,13 +74,33 @@ def test_without_defences_the_collapse_is_published(tmp_path, mosquitto):
     assert not compare(score(store.load_model(0), faces), score(store.load_model(1), faces)).ok  # and it collapsed
 
 
-def test_quality_gate_rolls_the_collapse_back_on_its_own(tmp_path, mosquitto, gate_faces):
+def test_quality_gate_keeps_the_collapse_out_on_its_own(tmp_path, mosquitto, gate_faces):
     run = tmp_path / "gate"
     assert main(["-q", "fleet", "simulate", "--broker", mosquitto.url, *FLEET, "--gate-data", str(gate_faces),
                  "--out", str(run)]) == 0
+    from coordinator.store import Store
+    from fleet.attacks import malicious_clients
+    from models.evaluation.separation import compare, score
+
+    store = Store(run / "coordinator")
+    rounds = store.rounds()
+    attacker = {f"client-{k:03d}" for k in malicious_clients([0, 1, 2], 0.34, 0)}
+    assert len(attacker) == 1
+    for r in rounds:  # the round's model failed the gate; the update that fails on its own was left out
+        assert r["status"] == "completed", r["reason"]
+        assert r["metrics"]["gate_excluded_devices"] == sorted(attacker) and r["n_updates"] == 3
+    faces = _faces(seed=11)
+    assert compare(score(store.load_model(0), faces), score(store.load_model(2), faces)).ok  # nothing collapsed
+
+
+def test_quality_gate_rolls_a_round_back_when_no_update_passes(tmp_path, mosquitto, gate_faces):
+    run = tmp_path / "gate1"
+    assert main(["-q", "fleet", "simulate", "--broker", mosquitto.url, *FLEET, "--rounds", "1", "--clients", "1",
+                 "--malicious", "0.9",
+                 "--gate-data", str(gate_faces), "--out", str(run)]) == 0
     rounds = _rounds(run)
-    assert [r["status"] for r in rounds] == ["rolled_back", "rolled_back"]
-    assert all("quality gate" in r["reason"] and "impostors" in r["reason"] for r in rounds)
+    assert [r["status"] for r in rounds] == ["rolled_back"]
+    assert "quality gate" in rounds[0]["reason"] and "impostors" in rounds[0]["reason"]
     assert rounds[0]["metrics"]["gate_far_candidate"] > rounds[0]["metrics"]["gate_far_limit"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["history"][-1]["model_version"] == 0  # the published model never moved
