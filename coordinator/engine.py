@@ -70,6 +70,21 @@ class RoundSettings:
     fv_epsilon: float = 1e-3       # eq. 8, and the margin a candidate must win by
     fv_timeout_s: float = 120.0    # how long validators have to score a round's candidates
 
+    def __post_init__(self):
+        """Settings that cannot work are refused here, named as `ffr coordinator serve` spells them."""
+        checks = [(self.rounds >= 1, f"--rounds must be at least 1 (got {self.rounds})"),
+                  (self.min_clients >= 1, f"--min-clients must be at least 1 (got {self.min_clients})"),
+                  (0 < self.fraction <= 1, f"--fraction must be in (0, 1] (got {self.fraction:g})"),
+                  (self.round_timeout_s > 0, f"--round-timeout must be positive (got {self.round_timeout_s:g})"),
+                  (0 <= self.trim < 0.5, f"--trim must be in [0, 0.5) (got {self.trim:g})"),
+                  (self.norm_factor > 0 and self.norm_ceiling > 0, "--norm-factor and --norm-ceiling must be positive"),
+                  (self.dp_noise >= 0, f"--dp-noise must not be negative (got {self.dp_noise:g})"),
+                  (self.fv_timeout_s > 0 and self.fv_candidates >= 2, "--fv-timeout must be positive and "
+                                                                       "--fv-candidates at least 2")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
 
 @dataclass
 class OpenRound:

@@ -50,8 +50,19 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (DatasetError, FileNotFoundError, ValueError) as exc:
         sub = getattr(args, f"{args.command}_command", None)
-        print(f"ffr {args.command}{' ' + sub if sub else ''}: error: {exc}", file=sys.stderr)
+        print(f"ffr {args.command}{' ' + sub if sub else ''}: error: {one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def one_line(exc: Exception) -> str:
+    """An error as one line; a settings schema's refusal names the option (`--lr`) instead of a pydantic dump."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":
+        first = errors()[0]
+        field = str(first["loc"][-1]) if first.get("loc") else "value"
+        more = f" (and {len(errors()) - 1} more)" if len(errors()) > 1 else ""
+        return f"--{field.replace('_', '-')}: {first['msg'].lower()}, got {first.get('input')!r}{more}"
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

@@ -122,3 +122,16 @@ def test_serve_stops_cleanly_on_a_signal_and_keeps_its_secrets(tmp_path, sig):
     for path in [p for p in state.rglob("*") if p.is_file()]:
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, f"{path} is readable by others"
     assert (state / "coordinator.sqlite").exists()
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--min-clients", "0", "--min-clients must be at least 1"), ("--fraction", "2", "--fraction must be in (0, 1]"),
+    ("--rounds", "0", "--rounds must be at least 1"), ("--lr", "-1", "--lr: input should be greater than 0"),
+    ("--round-timeout", "0", "--round-timeout must be positive")])
+def test_serve_refuses_settings_that_cannot_work_in_one_line(tmp_path, option, value, says):
+    process = subprocess.run([sys.executable, "-m", "ffr.cli", "coordinator", "serve", "--state", str(tmp_path / "s"),
+                              "--http-port", str(free_port()), option, value],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert process.returncode == 2 and process.stdout == ""
+    assert process.stderr.startswith(f"ffr coordinator serve: error: {says}") and process.stderr.count("\n") == 1
+    assert not (tmp_path / "s" / "coordinator.sqlite").exists()  # refused before anything was started or stored
