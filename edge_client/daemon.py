@@ -460,6 +460,7 @@ class EdgeDevice:
 
 
 def run(credential: Path, data: Path, home: Path, until_finished: bool = False, **options) -> int:
+    DeviceHome(home).lock()  # one daemon per home: two would replay each other's sequence numbers forever
     device = EdgeDevice(credential, data, home, **options)
     device.start()
     print(f"edge device {device.device_id}: {len(device.crops)} face images of {len(device.crops.identities)} people; "

@@ -36,8 +36,11 @@ def _out(args, text: str, data: dict) -> None:
     print(json.dumps(data, indent=2) if args.json else text, flush=True)
 
 
-def _open(args) -> tuple[DeviceHome, Vault, Recognizer]:
-    home = DeviceHome(args.home)
+def _open(args, writes: bool = False) -> tuple[DeviceHome, Vault, Recognizer]:
+    """The home (held for this process when the command `writes`; refused when missing unless it does)."""
+    home = DeviceHome(args.home, create=writes)
+    if writes:
+        home.lock()
     vault = Vault.open(home.root / "store")
     return home, vault, Recognizer(home, vault, args.threads)
 
@@ -118,7 +121,7 @@ def _no_face_error(refused: Counter, n: int) -> DeviceError:
 
 
 def cmd_enroll(args) -> int:
-    home, vault, recognizer = _open(args)
+    home, vault, recognizer = _open(args, writes=True)
     if args.name in vault.names() and not args.replace:
         raise DeviceError(f"{args.name!r} is already enrolled; use --replace to enrol again")
     viewer = Viewer(args.show)
@@ -209,7 +212,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_remove(args) -> int:
-    vault = Vault.open(DeviceHome(args.home).root / "store")
+    vault = Vault.open(DeviceHome(args.home, create=False).lock().root / "store")
     vault.remove(args.name)
     _out(args, f"removed {args.name}: face crops and template deleted", {"removed": args.name})
     return MATCH
@@ -223,7 +226,7 @@ def cmd_calibrate(args) -> int:
     if not 0 < args.far <= MAX_CALIBRATION_FAR:
         raise DeviceError(f"--far must be in (0, {MAX_CALIBRATION_FAR:g}], got {args.far:g}: it is the share of "
                           "impostors the device will accept")
-    home, vault, recognizer = _open(args)
+    home, vault, recognizer = _open(args, writes=not args.dry_run)
     people = recognizer.people()
     embeddings, names = [recognizer.embed(p.crops) for p in people], [p.name for p in people]
     if args.data is not None:
@@ -279,7 +282,7 @@ def _folder_embeddings(args, recognizer: Recognizer) -> list[tuple[str, np.ndarr
 def cmd_install_model(args) -> int:
     from models.runtime import OnnxEmbedder
 
-    home = DeviceHome(args.home)
+    home = DeviceHome(args.home).lock()
     if args.default == (args.model is not None):
         raise DeviceError("give exactly one of --model MODEL.onnx or --default")
     vault = Vault.open(home.root / "store")

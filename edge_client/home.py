@@ -10,12 +10,39 @@ import os
 from pathlib import Path
 
 
+class HomeInUse(ValueError):
+    """Another process holds the home (two `ffr edge run` on one home replay each other's sequence numbers)."""
+
+
 class DeviceHome:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, create: bool = True):
+        """`create=False`: commands that only read a home refuse a missing one instead of making an empty one (a
+        mistyped --home would otherwise look like a device that lost its people)."""
         self.root = Path(root)
+        if not create and not (self.root / "store").is_dir():
+            raise FileNotFoundError(f"no device home at {self.root}: nobody was enrolled there (check --home)")
         for sub in ("private", "pending", "models", "crops"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
+        self._lock_fd: int | None = None
+
+    def lock(self) -> "DeviceHome":
+        """Hold the home for this process (released when it exits); refused, naming the holder, while another has it."""
+        import fcntl
+
+        path = self.root / "home.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise HomeInUse(f"home {self.root} is in use by process {holder} (an `ffr edge run` or `ffr device` "
+                            "command); stop it first, or give another --home") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+        return self
 
     @property
     def signing_key(self) -> Path:

@@ -163,3 +163,34 @@ def test_calibration_with_enrolled_people_under_other_names_is_not_applied(home,
     assert rc == 0 and "not applied (--dry-run)" in out and (home / "device.json").read_bytes() == before
     rc, out, err = ffr(*args, "--force")
     assert rc == 0 and "forced despite" in out and (home / "device.json").read_bytes() != before
+
+
+def test_read_only_commands_never_create_a_home(tmp_path):
+    typo = tmp_path / "typo"
+    for command in (["list"], ["verify", "--name", "x", "--images", str(tmp_path)], ["remove", "--name", "x"]):
+        rc, out, err = ffr("device", *command, "--home", str(typo))
+        assert rc == 2 and err.startswith("ffr device") and f"no device home at {typo}" in err, err
+        assert not typo.exists()
+
+
+def test_a_home_is_held_by_one_process(home, people):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from edge_client.home import DeviceHome; "
+                               f"DeviceHome({str(home)!r}).lock(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", "late", "--images",
+                           str(people["person0"]), "--detector", "haar", "--min-face", "1", "--min-sharpness", "0")
+        assert rc == 2 and f"is in use by process {holder.pid}" in err and err.count("\n") == 1
+        rc, out, err = _verify(home, people, "person0", "person0")
+        assert rc in (0, 1), err  # reading needs no lock
+        proc = subprocess.run([sys.executable, "-m", "ffr.cli", "edge", "run", "--credential", str(home / "none.json"),
+                               "--data", str(people["person0"]), "--home", str(home)], capture_output=True, text=True,
+                              timeout=120)  # a second daemon on the same home
+        assert proc.returncode == 2 and f"is in use by process {holder.pid}" in proc.stderr, proc.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", "late", "--images", str(people["person0"]),
+                       "--detector", "haar", "--min-face", "1", "--min-sharpness", "0")
+    assert rc == 0, err  # released with its process
