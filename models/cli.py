@@ -103,13 +103,21 @@ def cmd_train(args) -> int:
     try:
         metrics = trainer.fit()
     except KeyboardInterrupt:
-        print(f"\ninterrupted: resume with  ffr train --data {args.data} --out {out} --resume", file=sys.stderr)
+        print(f"\ninterrupted: resume with  {resume_command(args)}", file=sys.stderr)
         return 130
     final = metrics.get("final", {})
     print(json.dumps({"status": metrics["status"], "best_epoch": metrics["best_epoch"], "out": str(out),
                       "data_kind": metrics["data_kind"], "evaluated_on": metrics["evaluated_on"],
                       **{k: final.get(k) for k in ("auc", "eer", "tar_at_far")}}, indent=2))
     return 0
+
+
+def resume_command(args) -> str:
+    """The command the user ran, every option kept, with --resume (and without --force, which would start over)."""
+    import shlex
+
+    argv = [a for a in getattr(args, "argv", []) if a not in ("--force", "-q", "--quiet")]
+    return shlex.join(["ffr", *argv, *([] if "--resume" in argv else ["--resume"])])
 
 
 def cmd_pretrain(args) -> int:
@@ -138,7 +146,7 @@ def cmd_pretrain(args) -> int:
         metrics = trainer.fit()
     except KeyboardInterrupt:
         trainer.write_metrics("interrupted")
-        print(f"\ninterrupted at step {trainer.step}: resume with the same command and --resume", file=sys.stderr)
+        print(f"\ninterrupted at step {trainer.step}: resume with  {resume_command(args)}", file=sys.stderr)
         return 130
     last = metrics["history"][-1] if metrics["history"] else {}
     print(json.dumps({"status": metrics["status"], "out": str(out), "samples": metrics["samples"],

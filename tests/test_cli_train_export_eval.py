@@ -59,7 +59,7 @@ def test_existing_run_needs_resume_or_force(trained_run, synthetic_dir):
         main(["-q", "train", "--data", str(synthetic_dir), "--out", str(trained_run), "--no-mlflow"])
 
 
-def test_interrupted_training_resumes_where_it_stopped(tmp_path, synthetic_dir, monkeypatch):
+def test_interrupted_training_resumes_where_it_stopped(tmp_path, synthetic_dir, monkeypatch, capsys):
     import models.training as training
 
     out = tmp_path / "run"
@@ -76,8 +76,12 @@ def test_interrupted_training_resumes_where_it_stopped(tmp_path, synthetic_dir, 
     assert main(base) == 130
     stopped = json.loads((out / "metrics.json").read_text())
     assert stopped["status"] == "interrupted" and stopped["epochs_run"] == 2
+    import shlex
+
+    hint = shlex.split(capsys.readouterr().err.split("resume with")[1].strip())
+    assert hint == ["ffr", *base[1:], "--resume"]  # every option the user gave, kept
     monkeypatch.setattr(training.NullTracker, "log_metrics", real_log)
-    assert main(base + ["--resume"]) == 0
+    assert main(hint[1:]) == 0  # following the hint as printed
     done = json.loads((out / "metrics.json").read_text())
     assert done["status"] == "completed" and [h["epoch"] for h in done["history"]] == [1, 2, 3]
     assert done["history"][:2] == stopped["history"]
