@@ -121,11 +121,17 @@ def _no_face_error(refused: Counter, n: int) -> DeviceError:
 
 
 def cmd_enroll(args) -> int:
+    if args.best < 1:
+        raise DeviceError(f"--best must be at least 1 (got {args.best})")
+    if args.max_frames < 1:
+        raise DeviceError(f"--max-frames must be at least 1 (got {args.max_frames})")
     home, vault, recognizer = _open(args, writes=True)
     if args.name in vault.names() and not args.replace:
         raise DeviceError(f"{args.name!r} is already enrolled; use --replace to enrol again")
     viewer = Viewer(args.show)
-    wanted = args.best * 3 if args.images is None else args.max_frames  # from a stream, choose among more
+    # from a camera, stop once there is a fair choice; a video or images are read up to --max-frames, so the
+    # sharpest faces of the whole clip are kept, not those of its first second
+    wanted = args.best * 3 if args.camera is not None else args.max_frames
     accepted, refused, n = collect_faces(args, wanted, viewer)
     if not accepted:
         raise _no_face_error(refused, n)

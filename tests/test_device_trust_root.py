@@ -194,3 +194,26 @@ def test_a_home_is_held_by_one_process(home, people):
     rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", "late", "--images", str(people["person0"]),
                        "--detector", "haar", "--min-face", "1", "--min-sharpness", "0")
     assert rc == 0, err  # released with its process
+
+
+def test_video_enrolment_reads_the_whole_clip_up_to_max_frames(tmp_path, people):
+    import cv2
+
+    from models.faces.imageio import read_rgb
+
+    photos = [read_rgb(p) for p in sorted(people["person1"].glob("*.png"))]
+    video = tmp_path / "clip.avi"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"MJPG"), 10, photos[0].shape[1::-1])
+    for i in range(30):
+        writer.write(cv2.cvtColor(photos[i % len(photos)], cv2.COLOR_RGB2BGR))
+    writer.release()
+    common = ["device", "enroll", "--home", str(tmp_path / "home"), "--name", "p1", "--video", str(video),
+              "--detector", "haar", "--min-face", "1", "--min-sharpness", "0", "--json"]
+    rc, out, err = ffr(*common, "--best", "3")
+    assert rc == 0, err
+    assert json.loads(out)["frames_read"] == 30 and json.loads(out)["faces_kept"] == 3  # not stopped at 9 faces
+    rc, out, err = ffr(*common, "--best", "2", "--max-frames", "12", "--replace")
+    assert rc == 0 and json.loads(out)["frames_read"] == 12, err
+    for best in ("0", "-3"):
+        rc, out, err = ffr(*common[:-1], "--best", best, "--replace")
+        assert rc == 2 and err.strip() == f"ffr device enroll: error: --best must be at least 1 (got {best})"
