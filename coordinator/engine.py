@@ -28,7 +28,8 @@ from coordinator.store import Store
 from protocol import topics
 from protocol.auth import Signer, proof_matches
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
-from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageError, Registered, RoundAnnouncement,
+from protocol.messages import (Ack, Envelope, Error, Heartbeat, Hello, MessageError, ModelRelease, Registered,
+                               RoundAnnouncement,
                                TrainingConfig, UpdateHeader, ValidationRequest, ValidationScore, authenticate, parse,
                                seal)
 from protocol.codecs import Staging, decode_verified, layout, payload_codec
@@ -177,6 +178,7 @@ class Engine:
         self._staging = Staging(*self._layout, settings.training.codec)
         self._publish_model()
         self._resume_open_round()
+        self._release_if_finished()  # a coordinator restarted after its last round releases the final model again
 
     # outgoing ---------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -329,6 +331,8 @@ class Engine:
     def _announce_to_late_joiner(self, device_id: str) -> None:
         if self.current is not None and device_id in self.current.participants:
             self._send(topics.round_announcements(), self._announcement(self.current), retain=True)
+        elif self.finished:  # a device that comes back after the last round gets the final model
+            self._send(topics.round_announcements(), self._release(), retain=True)
 
     def _on_update_header(self, device_id: str, header: UpdateHeader) -> None:
         current = self.current
@@ -523,6 +527,22 @@ class Engine:
             log.warning("round %d failed: only %d updates by the deadline", current.round_id, len(current.done))
         self.current = None
         self._send(topics.round_announcements(), Ack(of=f"round-{current.round_id}-closed"), retain=True)
+        self._release_if_finished()
+
+    @property
+    def finished(self) -> bool:
+        return self.current is None and self.store.finished_rounds() >= self.settings.rounds
+
+    def _release_if_finished(self) -> None:
+        """After the last round: the final model, retained, so devices that took part and those that connect later
+        all fetch it (its chunks stay published)."""
+        if self.finished:
+            self._send(topics.round_announcements(), self._release(), retain=True)
+            log.info("finished: model v%d released to every device", self.version)
+
+    def _release(self) -> ModelRelease:
+        return ModelRelease(model_version=self.version, model_sha256=self.wire_sha, model_bytes=self.model_size,
+                            model_chunks=self.model_chunks, config=self.settings.training)
 
     def _aggregate(self, current: OpenRound, dropped: int, mean_delta: dict[str, np.ndarray] | None = None) -> None:
         """Bound each update's norm, combine them by the run's rule, check the result, then publish it;
@@ -745,7 +765,9 @@ class Engine:
             status = {"model_version": self.version, "model_sha256": self.global_sha,
                       "completed_rounds": self.store.completed_rounds(), "target_rounds": self.settings.rounds,
                       "finished_rounds": self.store.finished_rounds(),
-                      "training": self.running, "messages_handled": self.handled, "messages_rejected": self.rejected,
+                      "training": self.running and not self.finished,
+                      "state": "finished" if self.finished else "running" if self.running else "stopped",
+                      "messages_handled": self.handled, "messages_rejected": self.rejected,
                       "handler_errors": self.handler_errors, "combine": self.settings.combine,
                       "open_round": None}
             if self.current is not None:

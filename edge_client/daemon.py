@@ -29,7 +29,8 @@ from edge_client.home import DeviceHome
 from edge_client.local_training import LocalObjective, train_round
 from edge_client.public_set import fetch_public_set
 from models.public_set import PublicSet, PublicSetError, load_public_set
-from models.face_model import FaceModel, ModelConfig, from_numpy_state, private_state, shareable_state
+from models.face_model import (FaceModel, ModelConfig, from_numpy_state, load_shareable_state, private_state,
+                               shareable_state)
 from models.faces.crops import CropConfig, FaceCrops, decoded_crops
 from models.state_norms import clip_to_norm, without_running_stats
 from models.faces.datasets import load_index
@@ -37,7 +38,8 @@ from protocol import topics
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.auth import Signer, token_proof
 from protocol.credential import Credential
-from protocol.messages import (Ack, Error, Hello, MessageError, Registered, RoundAnnouncement, TrainingConfig,
+from protocol.messages import (Ack, Error, Hello, MessageError, ModelRelease, Registered, RoundAnnouncement,
+                               TrainingConfig,
                                UpdateHeader, ValidationRequest, ValidationScore,
                                open_envelope, seal)
 from protocol.tensors import PayloadError, decode
@@ -81,6 +83,7 @@ class EdgeDevice:
         self.jobs: queue.Queue[RoundAnnouncement] = queue.Queue()
         self.model_topic: str | None = None  # the model download in progress, resubscribed after a reconnect
         self.queued_rounds: set[int] = set()  # an announcement can arrive twice (retained + re-sent on hello)
+        self.released: int | None = None  # the final model version being (or already) taken
         self.registered = threading.Event()
         if self.home.registered_with() == (self.coordinator_key, self.credential.token):
             self.registered.set()
@@ -180,6 +183,10 @@ class EdgeDevice:
                 self._resend_pending()
         elif isinstance(body, ValidationRequest) and self.validation_crops is not None:
             self.validations.put(body)
+        elif isinstance(body, ModelRelease):
+            if body.model_version != self.released:
+                self.released = body.model_version
+                self.jobs.put(body)
         elif isinstance(body, RoundAnnouncement):
             self.last_config = body.config
             fresh = body.round_id not in self.done_rounds and body.round_id not in self.queued_rounds
@@ -201,6 +208,9 @@ class EdgeDevice:
             job = self.jobs.get()
             if job is None or self.stop_event.is_set():
                 return
+            if isinstance(job, ModelRelease):
+                self._adopt_release(job)
+                continue
             if job.round_id in self.done_rounds or time.time() > job.deadline_unix:
                 continue
             try:
@@ -357,6 +367,23 @@ class EdgeDevice:
                     self.model.load_state_dict(saved, strict=False)
         return self.model
 
+    def _adopt_release(self, release: ModelRelease) -> None:
+        """The federation's final model: fetched, checked like every global model, and (if it passes) what this
+        device verifies with from now on (its own DFC branch on top). One log line says which."""
+        try:
+            global_state = self._fetch_global(release)
+            if self.adopted and self.export_onnx:
+                model = self._ensure_model(release)
+                load_shareable_state(model, global_state)
+                self._export(model)
+            log.info("%s: final model v%d %s", self.device_id, release.model_version,
+                     "adopted" if self.adopted else "refused by this device's check; keeping the last good model")
+        except Exception as exc:  # noqa: BLE001 - a failed fetch must not kill the daemon; the release is retained
+            self.released = None
+            log.error("%s: could not take the final model v%d: %s", self.device_id, release.model_version, exc)
+            return
+        self.finished.set()
+
     def _run_round(self, job: RoundAnnouncement) -> None:
         if not self.registered.wait(30):
             raise RuntimeError("not registered with the coordinator")
@@ -407,8 +434,6 @@ class EdgeDevice:
                              "global_momentum_tensors": len(momentum or {}),
                              **result.metrics, **result.private_metrics})
         self.done_rounds.add(job.round_id)  # last: whoever waits on it finds the round logged
-        if job.round_id >= job.total_rounds:
-            self.finished.set()
 
     def _await_ack(self, job: RoundAnnouncement, header: UpdateHeader, data: bytes, resend_s: float = 8.0) -> bool:
         """Wait for the coordinator's ack, sending the update again every `resend_s` (the coordinator

@@ -134,6 +134,18 @@ class RoundAnnouncement(_Body):
         return _together(self, "momentum_sha256", "momentum_bytes", "momentum_chunks")
 
 
+class ModelRelease(_Body):
+    """The federation's final model, after its last round (retained on the announcements topic): every device
+    fetches it like a round's model, checks it (edge_client.adoption) and verifies with it from then on."""
+
+    type: Literal["release"] = "release"
+    model_version: Count
+    model_sha256: Hex64
+    model_bytes: int = Field(ge=1, le=1 << 31)
+    model_chunks: int = Field(ge=1, le=1 << 20)
+    config: TrainingConfig
+
+
 class UpdateHeader(_Body):
     """Announces an update whose tensors follow as chunks of transfer `transfer_id`."""
 
@@ -182,8 +194,8 @@ class Error(_Body):
     resume_seq: int | None = Field(None, ge=-1, le=MAX_SEQ)  # a refused counter: number from here
 
 
-Body = Annotated[Union[Hello, Registered, Heartbeat, RoundAnnouncement, UpdateHeader, ValidationRequest,
-                       ValidationScore, Ack, Error],
+Body = Annotated[Union[Hello, Registered, Heartbeat, RoundAnnouncement, ModelRelease, UpdateHeader,
+                       ValidationRequest, ValidationScore, Ack, Error],
                  Field(discriminator="type")]
 
 

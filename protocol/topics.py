@@ -7,7 +7,7 @@
 | `ffr/v1/devices/{device}/update` | device | signed `UpdateHeader` |
 | `ffr/v1/devices/{device}/update/chunks` | device | chunk frames of the update's safetensors |
 | `ffr/v1/devices/{device}/inbox` | coordinator | `Ack` / `Error` for that device |
-| `ffr/v1/rounds/announce` | coordinator | `RoundAnnouncement` (retained) |
+| `ffr/v1/rounds/announce` | coordinator | `RoundAnnouncement` (retained); after the last round, `ModelRelease` |
 | `ffr/v1/models/{version}/chunks` | coordinator | chunk frames of a global backbone |
 | `ffr/v1/models/{version}/momentum` | coordinator | chunk frames of PFM's global momentum for that version |
 | `ffr/v1/models/candidate-{round}-{t}/chunks` | coordinator | a candidate model FV validators score |

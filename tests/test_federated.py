@@ -116,6 +116,15 @@ def test_rounds_advance_the_global_model(fleet):
         assert device.home.signing_key.stat().st_mode & 0o077 == 0
 
 
+def test_every_device_gets_the_final_model_and_the_coordinator_says_finished(fleet):
+    service, devices, _, _ = fleet
+    status = service.engine.status()
+    assert status["state"] == "finished" and status["training"] is False and status["model_version"] == 2
+    for device in devices:  # the model of the last round, not the one each device trained on in it (v1)
+        adopted = json.loads((device.home.root / "models" / "adopted.json").read_text())
+        assert adopted["sha256"] == service.engine.wire_sha and device.released == 2
+
+
 def test_each_device_personalised_model_verifies_its_own_people(fleet):
     _, devices, datasets, _ = fleet
     for device, data in zip(devices, datasets):
@@ -130,7 +139,7 @@ def test_each_device_personalised_model_verifies_its_own_people(fleet):
         assert report["auc"] > 0.6, (device.device_id, report)
 
 
-ALLOWED_BODY_TYPES = {"hello", "registered", "heartbeat", "round", "update", "ack", "error"}
+ALLOWED_BODY_TYPES = {"hello", "registered", "heartbeat", "round", "release", "update", "ack", "error"}
 
 
 def test_traffic_audit_only_backbone_tensors_leave_devices(fleet):
