@@ -103,8 +103,11 @@ class EdgeDevice:
                                       self.credential.broker_password)
         self.client = make_client(f"ffr-edge-{self.device_id}", address, ca_file)
         self.client.on_connect = self._on_connect
+        self.client.on_connect_fail = self._on_connect_fail
+        self.client.on_disconnect = self._on_disconnect
         self.client.on_message = self._on_message
         self.address = address
+        self.broker_failures = 0
 
     # connection -------------------------------------------------------------
     def start(self) -> None:
@@ -142,10 +145,25 @@ class EdgeDevice:
         return Hello(n_identities=len(self.crops.identities), n_images=len(self.crops),
                      public_key=self.signer.public_hex, token_proof=proof, validator=self.validation_crops is not None)
 
+    def _on_connect_fail(self, client: mqtt.Client, userdata) -> None:
+        """The broker cannot be reached: said once per try, with paho's back-off (1 s doubling to 30 s) named."""
+        self.broker_failures += 1
+        delay = min(30, 2 ** (self.broker_failures - 1))
+        log.warning("%s: waiting for the broker at %s (try %d failed; next in about %d s)", self.device_id,
+                    self.address, self.broker_failures, delay)
+
+    def _on_disconnect(self, client: mqtt.Client, userdata, flags, reason_code, properties) -> None:
+        if not self.stop_event.is_set():
+            log.warning("%s: lost the broker at %s (%s); reconnecting", self.device_id, self.address, reason_code)
+
     def _on_connect(self, client: mqtt.Client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             log.error("%s: broker refused the connection: %s", self.device_id, reason_code)
             return
+        if self.broker_failures:
+            log.info("%s: connected to the broker at %s after %d failed tries", self.device_id, self.address,
+                     self.broker_failures)
+            self.broker_failures = 0
         client.subscribe([(topics.device(self.device_id, "inbox"), 1), (topics.round_announcements(), 1)])
         if self.model_topic is not None:  # a download the broker's restart cut short: its chunks are retained
             client.subscribe(self.model_topic, qos=1)
@@ -433,6 +451,11 @@ class EdgeDevice:
                              "train_seconds": header.metrics["train_seconds"], "upload_seconds": upload_seconds,
                              "global_momentum_tensors": len(momentum or {}),
                              **result.metrics, **result.private_metrics})
+        log.info("%s: round %d: picked; model v%d fetched in %.1f s; trained %d samples in %.1f s (loss %.3f); "
+                 "sent %.2f MB; %s; %s", self.device_id, job.round_id, job.model_version, fetched - started,
+                 n_samples, header.metrics["train_seconds"], result.metrics.get("train_loss", float("nan")),
+                 len(encoded.data) / 1e6, "acked" if acked else "not acked (kept to resend)",
+                 "adopted" if self.adopted else "kept the last good model (this device's check refused it)")
         self.done_rounds.add(job.round_id)  # last: whoever waits on it finds the round logged
 
     def _await_ack(self, job: RoundAnnouncement, header: UpdateHeader, data: bytes, resend_s: float = 8.0) -> bool:

@@ -332,6 +332,9 @@ def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
                          coordinator, edges)
         for edge in edges:
             assert edge.wait(180) == 0, "".join(edge.lines[-40:])
+            said = "".join(edge.lines)  # a device says what it is doing: a line per round, the broker, the end
+            assert "round 2: picked; model v1 fetched" in said and "; acked; adopted" in said, said[-2000:]
+            assert "lost the broker" in said and "final model v2 adopted" in said, said[-2000:]
         assert (tmp_path / "home0" / "models" / "personalised.onnx").exists()
         from coordinator.store import Store
         from models.face_weights import face_global_state
@@ -383,3 +386,25 @@ def test_device_refuses_a_model_whose_hash_is_not_the_announced_one(tmp_path):
     assert not device.downloaded.is_set(), "a chunk with another hash must not be assembled"
     device._on_model_chunk(to_bytes(split("model-3", real)[0]))
     assert device.downloaded.is_set() and device.model_payload == real
+
+
+def test_a_device_says_it_is_waiting_for_a_broker_that_is_down(tmp_path):
+    from coordinator.admission import admit
+    from coordinator.broker import free_port
+    from models.faces.synthetic import write_dataset
+
+    credential = tmp_path / "dev.json"
+    admit(tmp_path / "state", "dev0", f"mqtt://127.0.0.1:{free_port()}").save(credential)  # nothing listens there
+    data = write_dataset(tmp_path / "faces", 2, 2, seed=1)
+    edge = _drained(subprocess.Popen([sys.executable, "-m", "ffr", "edge", "run", "--credential", str(credential),
+                                      "--data", str(data), "--home", str(tmp_path / "home")],
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        deadline = time.monotonic() + 60
+        while sum("waiting for the broker" in line for line in edge.lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        waits = [line for line in edge.lines if "waiting for the broker" in line]
+        assert len(waits) >= 2 and "try 1 failed" in waits[0] and "try 2 failed" in waits[1], "".join(edge.lines)
+    finally:
+        edge.send_signal(signal.SIGINT)
+        edge.wait(30)

@@ -126,13 +126,15 @@ def auc(genuine: np.ndarray, impostor: np.ndarray) -> float:
 
 
 def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: float = 2.0,
-            auc_margin: float = 0.01) -> Verdict:
+            auc_margin: float = 0.01, mean_margin: float = 0.15) -> Verdict:
     """May `candidate` replace `current`? Not when, at the current model's threshold for `far`, it accepts more
     than `far_ratio` x the impostors the current model accepts there (never judged below `far` itself), or
     when its AUC is more than `auc_margin` below the current model's. A current model that separates nobody
     (its threshold at or above DEGENERATE_THRESHOLD, e.g. a random initialisation) is not judged: any model
-    may replace it, and the figures say so (`skipped`)."""
-    threshold, _ = threshold_at_far(current.impostor, far)
+    may replace it, and the figures say so (`skipped`). With too few impostor pairs to measure `far` (a device
+    with a handful of people), the false-accept test becomes one on the mean impostor score, which a collapse
+    drives towards 1: it may rise by at most `mean_margin`."""
+    threshold, measurable = threshold_at_far(current.impostor, far)
     far_now = float(np.mean(current.impostor > threshold))
     far_new = float(np.mean(candidate.impostor > threshold))
     auc_now, auc_new = current.auc, candidate.auc
@@ -145,12 +147,20 @@ def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: fl
     if threshold >= DEGENERATE_THRESHOLD:  # nothing to protect: no device can hold a working threshold for it
         metrics["skipped"] = 1.0
         return Verdict(True, "", metrics)
-    if far_new > limit:
+    rise = metrics["impostor_mean_candidate"] - metrics["impostor_mean_current"]
+    if not measurable and rise > mean_margin:
+        return Verdict(False, f"the candidate's mean impostor score rose by {rise:.3f} (from "
+                              f"{metrics['impostor_mean_current']:.3f}; {len(current.impostor)} impostor pairs, too few "
+                              f"to measure FAR {far:g})", metrics)
+    if measurable and far_new > limit:
         return Verdict(False, f"the candidate accepts {far_new:.2%} of impostors at the current threshold "
                               f"{threshold:.3f} (current model {far_now:.2%}, limit {limit:.2%}; mean impostor "
                               f"score {metrics['impostor_mean_current']:.3f} -> {metrics['impostor_mean_candidate']:.3f})",
                        metrics)
-    if not auc_new >= auc_now - auc_margin:  # NaN fails too
-        return Verdict(False, f"the candidate's AUC {auc_new:.4f} is more than {auc_margin:g} below the current "
+    # one genuine pair (or impostor pair) moving past every pair of the other kind moves the AUC by 1/n: a margin
+    # below that is noise a device with a few people cannot resolve
+    margin = max(auc_margin, 1.0 / max(1, min(len(candidate.genuine), len(candidate.impostor))))
+    if not auc_new >= auc_now - margin:  # NaN fails too
+        return Verdict(False, f"the candidate's AUC {auc_new:.4f} is more than {margin:.3g} below the current "
                               f"{auc_now:.4f}", metrics)
     return Verdict(True, "", metrics)
