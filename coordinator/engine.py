@@ -615,7 +615,8 @@ class Engine:
                 state = self._model_of(current, [d for d in kept if d != device], server_state)
                 why, figures = self.gate.check(self.global_state, self.global_sha, state)
                 why = self._check_new_model(state, bound) or why
-                trials.append((figures.get("gate_far_candidate", 1.0), -figures.get("gate_auc_candidate", 0.0),
+                # FAR saturates at 1 while another poisoner remains: the mean impostor score still ranks them
+                trials.append((figures.get("gate_far_candidate", 1.0), figures.get("gate_impostor_mean_candidate", 1.0),
                                device, state, why, figures))
             _, _, device, state, problem, figures = min(trials, key=lambda t: t[:3])
             kept.remove(device)
