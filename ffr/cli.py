@@ -50,9 +50,46 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (DatasetError, FileNotFoundError, ValueError) as exc:
-        sub = getattr(args, f"{args.command}_command", None)
-        print(f"ffr {args.command}{' ' + sub if sub else ''}: error: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return _fail(args, one_line(exc))
+    except KeyboardInterrupt:
+        _end_progress_bars()
+        print(f"{_name(args)}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a bug is one line too; -v shows where
+        if args.verbose:
+            raise
+        return _fail(args, f"unexpected {type(exc).__name__}: {one_line(exc)} (run with -v for the traceback)")
+
+
+def _name(args) -> str:
+    sub = getattr(args, f"{args.command}_command", None)
+    return f"ffr {args.command}{' ' + sub if sub else ''}"
+
+
+def _fail(args, message: str) -> int:
+    """The one error convention: `ffr COMMAND: error: ...` on its own line on stderr, exit 2; with --json, also a
+    JSON object with an `error` field on stdout."""
+    _end_progress_bars()
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps({"error": message, "command": _name(args)}), flush=True)
+    print(f"{_name(args)}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _end_progress_bars() -> None:
+    """A progress bar left open by the error would otherwise share its line with the message."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    bars = list(getattr(tqdm, "_instances", []))
+    for bar in bars:
+        bar.close()
+    if bars:
+        sys.stderr.write("\n")  # a bar that is not kept ends with a carriage return, not a new line
+    sys.stderr.flush()
 
 
 def one_line(exc: Exception) -> str:

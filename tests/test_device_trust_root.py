@@ -217,3 +217,18 @@ def test_video_enrolment_reads_the_whole_clip_up_to_max_frames(tmp_path, people)
     for best in ("0", "-3"):
         rc, out, err = ffr(*common[:-1], "--best", best, "--replace")
         assert rc == 2 and err.strip() == f"ffr device enroll: error: --best must be at least 1 (got {best})"
+
+
+def test_errors_are_one_line_on_their_own_and_json_on_stdout_with_json(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.jpg").write_text("not an image")
+    (bad / "b.png").write_text("nor this")
+    rc, out, err = ffr("device", "enroll", "--home", str(tmp_path / "home"), "--name", "x", "--images", str(bad))
+    assert rc == 2 and "Traceback" not in err
+    last = err.rstrip("\n").split("\n")[-1]  # after the progress bar's line, never glued to it
+    assert last == f"ffr device enroll: error: none of the image files in {bad} could be read"
+    rc, out, err = ffr("device", "list", "--home", str(tmp_path / "typo"), "--json")
+    assert rc == 2 and json.loads(out) == {"error": f"no device home at {tmp_path / 'typo'}: nobody was enrolled "
+                                                    "there (check --home)", "command": "ffr device list"}
+    assert err.count("\n") == 1 and err.startswith("ffr device list: error: no device home")
