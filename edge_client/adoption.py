@@ -22,7 +22,8 @@ import numpy as np
 from models.evaluation.separation import FaceSet, Verdict, compare, score
 
 log = logging.getLogger("edge_client")
-ADOPTED_METRIC = "global_adopted"  # 1: the announced model passed the device's check, 0: the device kept its last
+ADOPTED_METRIC = "global_adopted"
+ADOPTED_FILE = "adopted.safetensors"  # its hash is kept in the device's sealed settings  # 1: the announced model passed the device's check, 0: the device kept its last
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,12 @@ def check_faces(images: np.ndarray, labels: np.ndarray, public: np.ndarray | Non
 
 
 class Adoption:
-    """The last model this device adopted (weights and hash in `folder`), and the check against it."""
+    """The last model this device adopted (weights and hash in `folder`), and the check against it. `sealed`: the
+    hash the device's sealed settings hold for it (edge_client.recognizer.Settings), so that a file swapped on
+    disk cannot become the reference a poisoned model is judged against."""
 
-    def __init__(self, folder: Path, settings: AdoptionSettings = AdoptionSettings()):
-        self.folder, self.settings = Path(folder), settings
+    def __init__(self, folder: Path, settings: AdoptionSettings = AdoptionSettings(), sealed: str | None = None):
+        self.folder, self.settings, self.sealed = Path(folder), settings, sealed
         self.weights, self.record = self.folder / "adopted.safetensors", self.folder / "adopted.json"
 
     def last(self) -> tuple[str, dict[str, np.ndarray]] | None:
@@ -87,6 +90,9 @@ class Adoption:
     def judge(self, sha: str, payload: bytes, state: dict[str, np.ndarray], faces: FaceSet | None) -> Verdict:
         """Adopt the announced model (and remember it) unless it is clearly worse on `faces` than the last one."""
         last = self.last()
+        if self.sealed is not None and (last is None or last[0] != self.sealed):
+            return Verdict(False, f"the last adopted model in {self.folder} is not the one this device sealed "
+                                  "(changed outside ffr-edge); adopting nothing until it is restored", {})
         if last is not None and last[0] == sha:
             return Verdict(True, "", {})
         if last is not None and faces is not None:

@@ -286,7 +286,9 @@ class EdgeDevice:
     def _adopt(self, job: RoundAnnouncement, payload: bytes, state: dict) -> bool:
         """The device's own check of the announced model on its people and public negatives (only the
         outcome is reported, as one metric of its update)."""
-        from edge_client.adoption import Adoption, check_faces
+        from edge_client.adoption import ADOPTED_FILE, Adoption, check_faces
+        from edge_client.recognizer import Settings
+        from edge_client.vault import Vault
 
         if self._public is None and self.public_set_path is not None:
             try:
@@ -295,7 +297,13 @@ class EdgeDevice:
                 log.warning("%s: adoption check without public negatives: %s", self.device_id, exc)
         public = self._public.images if self._public is not None else None
         faces = check_faces(self.crops.images, self.crops.labels, public, seed=self.seed)
-        verdict = Adoption(self.home.root / "models").judge(job.model_sha256, payload, state, faces)
+        vault = Vault.open(self.home.root / "store")
+        settings = Settings.load(self.home, vault)
+        verdict = Adoption(self.home.root / "models", sealed=settings.models.get(ADOPTED_FILE)).judge(
+            job.model_sha256, payload, state, faces)
+        if verdict.ok and settings.models.get(ADOPTED_FILE) != job.model_sha256:
+            settings.models[ADOPTED_FILE] = job.model_sha256  # the reference the next model is judged against
+            settings.save(self.home, vault)
         if not verdict.ok:
             log.warning("%s: keeping the last good model, not v%d: %s", self.device_id, job.model_version,
                         verdict.reason)

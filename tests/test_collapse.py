@@ -146,3 +146,20 @@ def test_norm_bound_history_survives_a_restart(tmp_path):
     first.store.save_robust_state({"norm_history": first.norms.history, "fv_factors": {"client-1": 0.5}})
     second = engine()  # a restart, as after kill -9
     assert second.norms.bound == pytest.approx(0.06) and second.fv.factors == {"client-1": 0.5}
+
+
+def test_a_swapped_adoption_reference_adopts_nothing(tmp_path):
+    from edge_client.adoption import Adoption
+    from models.face_weights import face_global_state
+    from protocol.tensors import encode
+
+    state = face_global_state()
+    wire = encode(state, "fp16")
+    adoption = Adoption(tmp_path)
+    assert adoption.judge(wire.sha256, wire.data, state, None).ok  # the first model: remembered
+    poisoned = {k: (v * 0.5).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in state.items()}
+    forged = encode(poisoned, "fp16")
+    (tmp_path / "adopted.safetensors").write_bytes(forged.data)  # a local tamperer swaps the reference...
+    (tmp_path / "adopted.json").write_text(json.dumps({"sha256": forged.sha256}))  # ... and its record
+    verdict = Adoption(tmp_path, sealed=wire.sha256).judge(forged.sha256, forged.data, poisoned, _faces())
+    assert not verdict.ok and "not the one this device sealed" in verdict.reason
