@@ -585,3 +585,37 @@ def test_dp_leaves_batchnorm_statistics_alone():
     delta = {"bn.running_var": np.zeros(1000), "bn.weight": np.zeros(1000)}
     noisy = dp.add_noise(delta, 2, 1.0, 1.0, np.random.default_rng(0))
     assert np.all(noisy["bn.running_var"] == 0) and noisy["bn.weight"].std() > 0.1
+
+
+def test_device_takes_a_final_model_release_only_from_the_pinned_coordinator(tmp_path, mosquitto):
+    from edge_client.daemon import EdgeDevice
+    from protocol.credential import Credential
+    from protocol.messages import ModelRelease
+    from protocol.transport import BrokerAddress, make_client
+
+    coordinator, attacker = Signer.generate(), Signer.generate()
+    credential = Credential(device_id="dev1", token="0" * 64, coordinator_public_key=coordinator.public_hex,
+                            broker=mosquitto.url)
+    device = EdgeDevice(credential, device_datasets(tmp_path / "data", 1, 2, 3)[0], tmp_path / "home",
+                        export_onnx=False)
+    device.start()
+    client = make_client("attacker", BrokerAddress.parse(mosquitto.url))
+    client.connect("127.0.0.1", mosquitto.port)
+    client.loop_start()
+    release = ModelRelease(model_version=7, model_sha256="0" * 64, model_bytes=10, model_chunks=1,
+                           config=TrainingConfig())
+    try:
+        time.sleep(1.0)
+        forged = seal("coordinator", 1, release, attacker)  # a release of a model the attacker chose
+        malformed = seal("coordinator", 2, release, coordinator).replace(b'"model_chunks":1', b'"model_chunks":0')
+        for payload in (forged, malformed):
+            client.publish(topics.round_announcements(), payload, qos=1).wait_for_publish(5)
+        deadline = time.monotonic() + 10
+        while device.dropped_messages < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert device.dropped_messages >= 2 and device.released is None and device.jobs.empty()
+        assert not device.finished.is_set()
+    finally:
+        client.publish(topics.round_announcements(), b"", qos=1, retain=True)
+        client.loop_stop()
+        device.stop()

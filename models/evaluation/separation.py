@@ -78,12 +78,14 @@ def embedder_session(state: dict[str, np.ndarray], threads: int | None = 1):
                                 providers=["CPUExecutionProvider"])
 
 
-def embed(state: dict[str, np.ndarray], images: np.ndarray, threads: int | None = 1,
-          batch_size: int = 64) -> np.ndarray:
+def embed(state: dict[str, np.ndarray], images: np.ndarray, threads: int | None = 1) -> np.ndarray:
     """L2-normalised embeddings of the crops under the backbone in `state` (the device's preprocessing)."""
+    return _embed(embedder_session(state, threads), images)
+
+
+def _embed(session, images: np.ndarray, batch_size: int = 64) -> np.ndarray:
     from models.faces.preprocess import to_input
 
-    session = embedder_session(state, threads)
     name = session.get_inputs()[0].name
     out = [session.run(None, {name: to_input(images[i:i + batch_size])})[0] for i in range(0, len(images), batch_size)]
     emb = np.concatenate(out).astype(np.float64)
@@ -105,8 +107,9 @@ def pair_scores(emb: np.ndarray, labels: np.ndarray | None, mirrored: np.ndarray
 
 def score(state: dict[str, np.ndarray], faces: FaceSet, threads: int | None = 1) -> Scores:
     """The model's genuine and impostor scores on `faces`."""
-    emb = embed(state, faces.images, threads)
-    mirrored = embed(state, faces.images[:, :, ::-1], threads) if faces.labels is None else None
+    session = embedder_session(state, threads)  # built once for the images and their mirror images
+    emb = _embed(session, faces.images)
+    mirrored = _embed(session, faces.images[:, :, ::-1]) if faces.labels is None else None
     return pair_scores(emb, faces.labels, mirrored)
 
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from models.faces.datasets import DatasetError, FaceIndex
 from models.faces.detect import FACE_SELECT, center_crop, face_crop, find_yunet_model, make_detector, select_face
-from models.faces.imageio import UnreadableImage, read_rgb
+from models.faces.imageio import UnreadableImage, check_dimensions, read_rgb
 
 log = logging.getLogger(__name__)
 _NO_FACE = b"no-face"
@@ -132,6 +132,10 @@ class _CropCache:
         data = np.fromfile(cached, dtype=np.uint8)
         if data.tobytes() == _NO_FACE:
             return _NO_FACE
+        try:  # a cache file is read back from disk: its header is checked like any image's before decoding
+            check_dimensions(data[:65536].tobytes(), str(cached))
+        except UnreadableImage:
+            return None
         bgr = cv2.imdecode(data, cv2.IMREAD_COLOR)
         how = cached.with_suffix(".how")
         return None if bgr is None else (cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB),
