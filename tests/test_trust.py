@@ -375,7 +375,8 @@ def test_an_acknowledged_update_survives_a_crash_and_the_round_resumes(tmp_path)
 
 # over Mosquitto: the device's pinned key, the broker's ACLs -------------------------------------------------------
 
-def test_device_drops_coordinator_messages_not_signed_by_the_pinned_key(tmp_path, mosquitto):
+def _pinned_device(tmp_path, mosquitto):
+    """A real device pinned to a coordinator key, and a broker client that can publish anything to it."""
     from edge_client.daemon import EdgeDevice
     from protocol.credential import Credential
     from protocol.transport import BrokerAddress, make_client
@@ -389,6 +390,11 @@ def test_device_drops_coordinator_messages_not_signed_by_the_pinned_key(tmp_path
     client = make_client("attacker", BrokerAddress.parse(mosquitto.url))
     client.connect("127.0.0.1", mosquitto.port)
     client.loop_start()
+    return coordinator, attacker, device, client
+
+
+def test_device_drops_coordinator_messages_not_signed_by_the_pinned_key(tmp_path, mosquitto):
+    coordinator, attacker, device, client = _pinned_device(tmp_path, mosquitto)
     try:
         def announce(round_id: int, signer: Signer) -> bytes:
             return seal("coordinator", round_id, RoundAnnouncement(
@@ -588,20 +594,9 @@ def test_dp_leaves_batchnorm_statistics_alone():
 
 
 def test_device_takes_a_final_model_release_only_from_the_pinned_coordinator(tmp_path, mosquitto):
-    from edge_client.daemon import EdgeDevice
-    from protocol.credential import Credential
     from protocol.messages import ModelRelease
-    from protocol.transport import BrokerAddress, make_client
 
-    coordinator, attacker = Signer.generate(), Signer.generate()
-    credential = Credential(device_id="dev1", token="0" * 64, coordinator_public_key=coordinator.public_hex,
-                            broker=mosquitto.url)
-    device = EdgeDevice(credential, device_datasets(tmp_path / "data", 1, 2, 3)[0], tmp_path / "home",
-                        export_onnx=False)
-    device.start()
-    client = make_client("attacker", BrokerAddress.parse(mosquitto.url))
-    client.connect("127.0.0.1", mosquitto.port)
-    client.loop_start()
+    coordinator, attacker, device, client = _pinned_device(tmp_path, mosquitto)
     release = ModelRelease(model_version=7, model_sha256="0" * 64, model_bytes=10, model_chunks=1,
                            config=TrainingConfig())
     try:
