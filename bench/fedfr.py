@@ -40,7 +40,7 @@ def _partition(name: str) -> dict:
 def run_one(args, data: Path, partition: str, row: tuple) -> dict:
     label, method, hn, con, dfc = row
     name = f"{partition}-{label.replace(' ', '').replace('+', '_').replace('(', '').replace(')', '')}"
-    config = SimConfig(data=str(data), clients=args.clients, rounds=args.rounds, **_partition(partition),
+    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds, **_partition(partition),
                        method=method, algorithm="fedavg", hard_negatives=hn, contrastive=con, dfc=dfc, patience=0,
                        workers=args.workers, centralized=args.centralized and method == "fedavg", init="face", mlflow=False,
                        public_data=str(args.public_data) if method == "fedfr" else None,
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="which runs of the ablation (default all; the first must be fedavg for the "
                              "pretrained and centralised rows)")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--no-centralized", dest="centralized", action="store_false",
+    parser.add_argument("--no-centralised", dest="centralized", action="store_false",
                         help="skip the centralised bound (it does not depend on the partition)")
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     parser.add_argument("--name", default="fedfr", help="results file name (default fedfr: NAME.json/.md/.png)")

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for scheme, alpha in (SETTINGS[p] for p in args.partitions):
         for algorithm in args.algorithms:
             name = f"{algorithm}-{scheme}" + (f"{alpha}" if alpha else "")
-            config = SimConfig(data=str(data), clients=args.clients, rounds=args.rounds, partition=scheme,
+            config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds, partition=scheme,
                                alpha=alpha or 0.5, algorithm=algorithm, dfc=True, patience=0, workers=args.workers,
                                centralized=central is None, init=args.init)
             print(f"== {name}", flush=True)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants:
         label, change = VARIANTS[variant]
         name = f"fedavg-iid-{variant}"
-        config = SimConfig(data=str(data), clients=args.clients, rounds=args.rounds, partition="iid", alpha=0.5,
+        config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds, partition="iid", alpha=0.5,
                            algorithm="fedavg", dfc=True, patience=0, workers=args.workers, centralized=False,
                            init=args.init, **change)
         print(f"== {name}", flush=True)

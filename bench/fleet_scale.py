@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                "--holdout-identities", "0.1", "--partition", "equal", "--rounds", str(args.rounds),
                "--fraction", str(args.fraction), "--batch-size", "8", "--lr", "1e-3", "--patience", "0",
                "--backend", args.backend, "--workers", str(args.workers), "--codec", args.codec,
-               "--no-centralized", "--no-mlflow", "--eval-clients", "50", "--impostor-images", "50",
+               "--no-centralised", "--no-mlflow", "--eval-clients", "50", "--impostor-images", "50",
                "--out", str(run_dir)]
         started = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -37,7 +37,7 @@ def _run(args, data: Path, name: str, **options) -> dict:
     done = args.runs / name / "summary.json"
     if args.reuse and done.exists():
         return json.loads(done.read_text())
-    config = SimConfig(data=str(data), clients=args.clients, rounds=args.rounds, dfc=False, patience=0,
+    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds, dfc=False, patience=0,
                        workers=args.workers, init=args.init, fraction=args.fraction, **options)
     print(f"== {name}", flush=True)
     return simulate(config, args.runs / name)

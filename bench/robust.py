@@ -36,7 +36,7 @@ from fleet.simulate import simulate
 
 def run_one(args, data: Path, rule: str, attack: str | None, dp_noise: float | None = None) -> dict:
     name = f"{rule}-{attack or 'clean'}" + (f"-dp{dp_noise:g}" if dp_noise is not None else "")
-    config = SimConfig(data=str(data), clients=args.clients, rounds=args.rounds, partition="iid",
+    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds, partition="iid",
                        algorithm="fedavg", dfc=False, patience=0, workers=args.workers, centralized=False,
                        init="face", malicious=args.malicious if attack else 0.0, attack=attack or "scaled",
                        combine=rule, mlflow=False, dp_clip=args.dp_clip if dp_noise is not None else None,

@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from models.objective_cli import add_codec_options, add_objective_options
+from coordinator.engine import ROUND_TIMEOUT_S
+
+from models.cli_common import add_init_option
+from models.objective_cli import add_codec_options, add_method_options, add_objective_options
 
 
 def cmd_coordinator_serve(args) -> int:
@@ -13,7 +16,7 @@ def cmd_coordinator_serve(args) -> int:
     from models.objective_cli import aggregation_algorithm, objective_settings
     from protocol.messages import TrainingConfig
 
-    args.strategy = aggregation_algorithm(args.method, args.strategy)
+    args.strategy = aggregation_algorithm(args.method)
     public = {}
     if args.public_set is not None:
         from coordinator.public_set import announce_public_set, public_set_url
@@ -22,9 +25,9 @@ def cmd_coordinator_serve(args) -> int:
     elif objective_settings(args)["hard_negatives"]:
         print("hard negatives are on but this coordinator serves no public set (--public-set): each device needs "
               "its own (`ffr edge run --public-set FILE`)", flush=True)
-    training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=not args.no_dfc,
+    training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
                               codec=args.codec, topk_fraction=args.topk_fraction, chunk_bytes=args.chunk_kib * 1024, width_mult=args.width_mult,
-                              algorithm=args.strategy, prox_mu=args.mu, dp_clip=args.dp_clip,
+                              algorithm=args.strategy, prox_mu=args.prox_mu, dp_clip=args.dp_clip,
                               **objective_settings(args), **public)
     settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
                              round_timeout_s=args.round_timeout, training=training, seed=args.seed,
@@ -35,7 +38,7 @@ def cmd_coordinator_serve(args) -> int:
                              fv_phi=args.fv_phi, fv_epsilon=args.fv_epsilon, fv_timeout_s=args.fv_timeout)
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
-                           strategy=args.strategy, prox_mu=args.mu, server_momentum=args.server_momentum,
+                           strategy=args.strategy, prox_mu=args.prox_mu, server_momentum=args.server_momentum,
                            init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls,
                            public_set=args.public_set, gate_data=args.gate_data, gate=gate_settings(args, args.seed),
                            no_gate=args.no_gate)
@@ -99,22 +102,21 @@ def add_commands(csub) -> None:
                                     "publish the new global model. State (models, history) lives in --state and "
                                     "survives restarts. The dashboard is at http://HOST:PORT/dashboard.")
     add_broker_options(p, None)
-    p.add_argument("--http-host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8080)
-    p.add_argument("--rounds", type=int, default=10, help="rounds to run (default 10)")
+    p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API and dashboard listen on")
+    p.add_argument("--http-port", type=int, default=8080, help="port of the HTTP API and dashboard")
+    p.add_argument("--rounds", type=int, default=10, help="rounds to run")
     p.add_argument("--min-clients", type=int, default=2, help="devices needed to start a round and to aggregate it")
     p.add_argument("--fraction", type=float, default=1.0, help="fraction of registered devices sampled per round")
-    p.add_argument("--strategy", choices=("fedavg", "fedprox", "fedavgm", "pfm"), default="fedavg",
-                   help="aggregation: fedavg, fedprox, fedavgm (server momentum) or pfm (FedFace's partially "
-                        "federated momentum: devices apply the global momentum with plain SGD at --lr; default fedavg)")
-    p.add_argument("--mu", type=float, default=0.01, help="FedProx proximal weight (default 0.01)")
-    p.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum")
-    p.add_argument("--state", type=Path, default=Path("coordinator_state"), help="state folder")
-    p.add_argument("--round-timeout", type=float, default=600.0, help="seconds a round waits for updates")
-    p.add_argument("--local-epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--no-dfc", action="store_true", help="devices train without the DFC branch")
+    g = p.add_argument_group("federated method")
+    add_method_options(g, public_flag="--public-set", old_spelling="--strategy")
+    p.add_argument("--state", type=Path, default=Path("coordinator_state"),
+                   help="state folder (models, history, keys); kept across restarts")
+    p.add_argument("--round-timeout", type=float, default=ROUND_TIMEOUT_S, help="seconds a round waits for updates")
+    p.add_argument("--local-epochs", type=int, default=1, help="epochs each device trains per round")
+    p.add_argument("--batch-size", type=int, default=32, help="devices' training batch size")
+    p.add_argument("--lr", type=float, default=1e-4, help="devices' Adam learning rate")
+    p.add_argument("--dfc", action=argparse.BooleanOptionalAction, default=True,
+                   help="devices train the DFC personalisation branch")
     p.add_argument("--dfc-weight", type=float, default=None,
                    help="alpha_3: weight of the DFC loss on devices (default 1; 10 with --method fedfr)")
     add_codec_options(p)
@@ -126,12 +128,9 @@ def add_commands(csub) -> None:
     p.add_argument("--fv-epsilon", type=float, default=1e-3, help="eq. 8's epsilon (default 1e-3)")
     p.add_argument("--fv-timeout", type=float, default=120.0, help="seconds validators have per round (default 120)")
     p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
-    p.add_argument("--width-mult", type=float, default=1.0)
-    p.add_argument("--init", choices=("face", "imagenet", "none"), default="face",
-                   help="round 0's model: face (the shipped face-pretrained embedder, default), imagenet "
-                        "(ImageNet MobileNetV2), none (random)")
-    p.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier")
+    add_init_option(p, "round 0's model")
+    p.add_argument("--seed", type=int, default=0, help="seed of device sampling and of round 0's model")
     p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
     p.add_argument("--api-docs", action="store_true",
                    help="serve the API's interactive docs at /docs and /openapi.json (default off: they map the API "

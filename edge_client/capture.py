@@ -15,7 +15,8 @@ from typing import Iterator
 import cv2
 import numpy as np
 
-from models.faces.detect import FaceDetector, HaarDetector, YuNetDetector, face_crop, find_yunet_model
+from models.faces.detect import (Box, FaceDetector, HaarDetector, YuNetDetector, center_crop, face_crop,
+                                 find_yunet_model)
 from models.faces.imageio import MAX_PIXELS, UnreadableImage, is_image_file, read_rgb
 
 
@@ -115,12 +116,26 @@ def check_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> Fa
         return FaceCheck(None, f"{len(others) + 1} faces in the frame; only one person may be in view", box)
     if side < gate.min_face_px:
         return FaceCheck(None, f"face too small ({side:.0f} px < {gate.min_face_px} px); come closer", box)
-    crop = face_crop(rgb, face, gate.size, gate.margin)  # aligned on the five landmarks when YuNet found it
+    if detector.name == "none":  # the image is already an aligned crop: take it whole
+        crop = center_crop(rgb, gate.size)
+    else:
+        crop = face_crop(rgb, face, gate.size, gate.margin)  # aligned on the five landmarks when YuNet found it
     sharp = sharpness(crop)
     if sharp < gate.min_sharpness:
         return FaceCheck(None, f"face too blurred (sharpness {sharp:.0f} < {gate.min_sharpness:.0f}); hold still",
                          box, sharp)
     return FaceCheck(crop, None, box, sharp, face.landmarks is not None)
+
+
+class AlignedCrops:
+    """`--detector none`: every image is already one aligned face crop (as `ffr train` and `ffr eval` read them)."""
+
+    name = "none"
+
+    def detect(self, rgb: np.ndarray) -> list[Box]:
+        h, w = rgb.shape[:2]
+        side = min(h, w)
+        return [Box((w - side) / 2.0, (h - side) / 2.0, side, side)]
 
 
 def device_detector(name: str = "auto", yunet_model: Path | None = None, max_side: int = 320) -> FaceDetector:
@@ -129,6 +144,8 @@ def device_detector(name: str = "auto", yunet_model: Path | None = None, max_sid
     Frames are shrunk to `max_side` before detection: faces at arm's length stay well above
     the minimum size and detection costs a quarter of what it does at 640 px.
     """
+    if name == "none":
+        return AlignedCrops()
     model = yunet_model or (find_yunet_model() if name in ("auto", "yunet") else None)
     if name == "yunet" and model is None:
         raise SourceError("--detector yunet needs its .onnx file (--yunet-model PATH or $FFR_YUNET_MODEL)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models.faces.detect import DETECTORS
+from models.cli_common import add_detector_option
 
 
 def cmd_edge_run(args) -> int:
@@ -36,9 +36,9 @@ def add_commands(esub) -> None:
     p.add_argument("--home", required=True, type=Path, help="the device's private state folder")
     p.add_argument("--broker", help="override the broker URL in the credential")
     p.add_argument("--ca-file", help="CA certificate for mqtts:// brokers (default: the one in the credential)")
-    p.add_argument("--detector", choices=DETECTORS, help="face detector for the enrolled images")
+    add_detector_option(p)
     p.add_argument("--no-export", action="store_true", help="do not export ONNX models after each round")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of local training")
     p.add_argument("--exit-when-done", action="store_true", help="exit after the coordinator's last round")
     p.add_argument("--public-set", type=Path,
                    help="FedFR's public face set D_g (a file from `ffr edge public-set`): hard negatives are sampled "
@@ -55,5 +55,5 @@ def add_commands(esub) -> None:
     p.add_argument("--data", required=True, type=Path, help="folder of aligned face crops")
     p.add_argument("--out", required=True, type=Path, help="the file to write (.safetensors)")
     p.add_argument("--limit", type=int, default=2000, help="at most this many images (default 2000)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sample")
     p.set_defaults(func=cmd_edge_public_set)

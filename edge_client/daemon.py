@@ -67,7 +67,8 @@ class EdgeDevice:
         self.coordinator_key = self.credential.coordinator_public_key
         self.export_onnx, self.seed = export_onnx, seed
         index = load_index(data)
-        config = CropConfig(detector=detector or ("none" if index.synthetic else "auto"), fallback_center=True)
+        detector = detector or "auto"
+        config = CropConfig(detector="none" if detector == "auto" and index.synthetic else detector, fallback_center=True)
         self.crops = decoded_crops(index, config, crop_cache or self.home.root / "crops", self.home.root / "crops")
         self.validation_crops = validation if isinstance(validation, FaceCrops) or validation is None else \
             decoded_crops(load_index(validation), config, crop_cache or self.home.root / "crops",

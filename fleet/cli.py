@@ -8,6 +8,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from models.cli_common import HOLDOUT_IDENTITIES, add_init_option, deprecated_alias
 from models.faces.datasets import LAYOUTS
 
 PARTITIONS = ("iid", "dirichlet", "lognormal", "equal", "attribute")
@@ -18,26 +19,34 @@ def _partition_options(p: argparse.ArgumentParser, data_required: bool) -> None:
     g.add_argument("--data", required=data_required, type=str,
                    help="face dataset (folder per identity, LFW, or CelebA)"
                         + ("" if data_required else "; default: SYNTHETIC identities generated into RUN_DIR"))
-    g.add_argument("--layout", choices=LAYOUTS, default="auto")
+    g.add_argument("--layout", choices=LAYOUTS, default="auto", help="dataset layout (default: guessed)")
     g.add_argument("--clients", type=int, default=10, help="number of simulated devices (default 10)")
     g.add_argument("--partition", choices=PARTITIONS, default="iid",
                    help="how identities are spread over devices (default iid)")
     g.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
     g.add_argument("--alpha-x100", action="store_true",
                    help="multiply alpha by 100, as the design document's code does")
-    g.add_argument("--mu", dest="lognormal_mu", type=float, default=3.0, metavar="MU", help="lognormal mu (default 3)")
-    g.add_argument("--sigma", dest="lognormal_sigma", type=float, default=3.0, metavar="SIGMA", help="lognormal sigma (default 3)")
+    mu = g.add_argument("--lognormal-mu", type=float, default=3.0, metavar="MU", help="lognormal partition's mu")
+    deprecated_alias(g, "--mu", mu, note=" (the lognormal partition's; FedProx's weight is --prox-mu)")
+    sigma = g.add_argument("--lognormal-sigma", type=float, default=3.0, metavar="SIGMA",
+                           help="lognormal partition's sigma")
+    deprecated_alias(g, "--sigma", sigma)
     g.add_argument("--rules", type=Path,
                    help='attribute rules, JSON: [{"where": {"Male": 1}}, {"where": {"Male": -1}}]')
-    g.add_argument("--holdout-identities", type=float, default=0.1,
-                   help="fraction of identities kept off every device, for evaluation on unseen people (default 0.1)")
-    g.add_argument("--heldout-clients", type=int, default=0, help="clients kept out of training entirely")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--holdout-identities", type=float, default=HOLDOUT_IDENTITIES,
+                   help="fraction of identities kept off every device, for evaluation on unseen people")
+    held = g.add_argument("--holdout-clients", dest="heldout_clients", type=int, default=0,
+                          help="clients kept out of training entirely")
+    deprecated_alias(g, "--heldout-clients", held)
+    g.add_argument("--seed", type=int, default=0, help="seed of the partition, sampling and training")
 
 
+from coordinator.engine import ROUND_TIMEOUT_S  # noqa: E402
 from coordinator.robust import COMBINERS  # noqa: E402 - numpy only
 from fleet.attacks import ATTACKS  # noqa: E402
-from models.objective_cli import add_codec_options, add_objective_options, aggregation_algorithm  # noqa: E402
+from models.cli_common import add_detector_option  # noqa: E402
+from models.objective_cli import (add_codec_options, add_method_options, add_objective_options,  # noqa: E402
+                                  aggregation_algorithm)
 
 
 def _config(args):
@@ -45,8 +54,10 @@ def _config(args):
 
     values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}
     values["rules"] = json.loads(args.rules.read_text()) if args.rules else None
-    if "algorithm" in values:  # --method names the local objective and implies the aggregation
-        values["algorithm"] = aggregation_algorithm(values.get("method"), values["algorithm"])
+    if getattr(args, "cache_dir", None) is not None:
+        values["crop_cache"] = str(args.cache_dir)
+    if "method" in values:  # --method names the local objective and implies the aggregation
+        values["algorithm"] = aggregation_algorithm(values["method"])
     if values.get("method") == "fedface":
         values["fv"] = True
     return SimConfig(**values)
@@ -120,7 +131,7 @@ def add_commands(fsub) -> None:
                                     "(largest/smallest client by images). Nothing is trained.")
     _partition_options(p, data_required=True)
     p.add_argument("--out", type=Path, help="save the partition as JSON (to repeat a run exactly)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the partition summary as JSON")
     p.set_defaults(func=cmd_partition)
 
     p = fsub.add_parser(
@@ -133,27 +144,20 @@ def add_commands(fsub) -> None:
     _partition_options(p, data_required=False)
     g = p.add_argument_group("federated training")
     g.add_argument("--rounds", type=int, default=10, help="federated rounds (default 10)")
-    g.add_argument("--algorithm", choices=("fedavg", "fedprox", "fedavgm", "pfm"), default="fedprox",
-                   help="aggregation / local objective (default fedprox, as in the design; pfm: FedFace's partially "
-                        "federated momentum, devices on plain SGD at --lr, e.g. --lr 0.01)")
-    g.add_argument("--prox-mu", type=float, default=0.01, help="FedProx proximal weight (default 0.01)")
-    g.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (default 0.9)")
+    add_method_options(g, public_flag="--public-data", old_spelling="--algorithm")
     g.add_argument("--dfc", action=argparse.BooleanOptionalAction, default=True,
                    help="train the DFC personalisation branch on devices (default on)")
     g.add_argument("--dfc-weight", type=float, default=None,
                    help="alpha_3: weight of the DFC loss (default 1; 10 with --method fedfr)")
     g.add_argument("--local-epochs", type=int, default=1, help="epochs per device per round (default 1)")
-    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--batch-size", type=int, default=32, help="devices' training batch size")
     g.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate on devices (default 1e-4)")
     g.add_argument("--fraction", type=float, default=1.0, help="fraction of devices sampled per round (default 1)")
     g.add_argument("--patience", type=int, default=5,
                    help="stop after this many rounds without a better validation AUC (0: never; default 5)")
     g.add_argument("--min-delta", type=float, default=1e-3, help="smallest AUC gain that counts as better")
     g.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier")
-    g.add_argument("--init", choices=("face", "imagenet", "none"), default="face",
-                   help="starting model: face (the shipped face-pretrained embedder, default), imagenet "
-                        "(ImageNet MobileNetV2), none (random)")
-    g.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
+    add_init_option(g, "round 0's model")
     add_codec_options(g)
     g = p.add_argument_group("local objective (FedFR and its ablations)")
     add_objective_options(g)
@@ -193,21 +197,22 @@ def add_commands(fsub) -> None:
     g.add_argument("--cpus-per-device", type=float, default=1.0, help="CPUs Ray reserves per device turn (default 1)")
     g.add_argument("--gpus-per-device", type=float, default=0.0, help="GPUs Ray reserves per device turn (default 0)")
     g.add_argument("--broker", help="use this MQTT broker (mqtt://HOST:PORT) instead of an embedded mosquitto")
-    g.add_argument("--detector", choices=("auto", "yunet", "haar", "none"), default="auto",
-                   help="face detector (auto: none for SYNTHETIC data, else YuNet with five-point alignment, "
-                        "Haar where YuNet finds nothing, the centre square where neither does)")
+    add_detector_option(g)
     g.add_argument("--synthetic-identities", type=int, default=60, help="without --data: SYNTHETIC identities")
     g.add_argument("--synthetic-images", type=int, default=10, help="without --data: images per identity")
-    g.add_argument("--crop-cache", help="folder of cached face crops (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)")
-    g.add_argument("--round-timeout", type=float, default=3600.0, help="seconds a round waits for its devices")
-    g.add_argument("--no-centralized", dest="centralized", action="store_false",
-                   help="skip the centralised upper bound")
+    cache = g.add_argument("--cache-dir", type=Path,
+                           help="where cropped faces are cached (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)")
+    deprecated_alias(g, "--crop-cache", cache)
+    g.add_argument("--round-timeout", type=float, default=ROUND_TIMEOUT_S, help="seconds a round waits for updates")
+    central = g.add_argument("--no-centralised", dest="centralized", action="store_false",
+                             help="skip the centralised upper bound")
+    deprecated_alias(g, "--no-centralized", central)
     g.add_argument("--impostor-images", type=int, default=300,
                    help="other clients' test images each client's verifier is tried against (default 300)")
     g.add_argument("--fv", action="store_true",
                    help="FedFace's Federated Validation: the first --fv-validators held-out clients score candidate "
                         "aggregation weightings on their own images every round (needs --heldout-clients)")
-    g.add_argument("--fv-validators", type=int, default=1)
+    g.add_argument("--fv-validators", type=int, default=1, help="held-out clients that validate")
     g.add_argument("--fv-candidates", type=int, default=3, help="T: candidate weightings per round (default 3)")
     g.add_argument("--fv-phi", type=float, default=0.01, help="eq. 13's smoothing rate phi (default 0.01, the paper's)")
     g.add_argument("--fv-epsilon", type=float, default=1e-3, help="epsilon of eq. 8 (default 1e-3, the paper's)")
@@ -223,5 +228,5 @@ def add_commands(fsub) -> None:
                         description="One Markdown table (or JSON) with a row per RUN_DIR's summary.json.")
     p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     p.add_argument("--out", type=Path, help="also write the table to this Markdown file")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_report)

@@ -35,7 +35,7 @@ class SimConfig:
     lognormal_mu: float = 3.0
     lognormal_sigma: float = 3.0
     rules: list | None = None
-    holdout_identities: float = 0.1
+    holdout_identities: float = 0.2  # models.cli_common.HOLDOUT_IDENTITIES (the benchmarks pin their own)
     heldout_clients: int = 0
     split: tuple[float, float, float] = (0.7, 0.1, 0.2)
     algorithm: str = "fedprox"
@@ -43,7 +43,7 @@ class SimConfig:
     server_momentum: float = 0.9
     dfc: bool = True
     dfc_weight: float | None = None    # alpha_3; None: 1, or 10 with method fedfr (models.objective_cli)
-    method: str | None = None          # fedavg | fedprox | fedfr | hfmaml; None: --algorithm decides
+    method: str | None = None          # the CLI's --method (models.objective_cli.METHODS); None: `algorithm` alone
     hard_negatives: bool | None = None  # None: on with method fedfr
     contrastive: bool | None = None     # None: on with method fedfr
     t_hn: float = 0.4
@@ -110,7 +110,7 @@ class SimConfig:
         if self.rounds < 1:
             raise ValueError("--rounds must be at least 1")
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown --algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+            raise ValueError(f"unknown aggregation {self.algorithm!r} (--method); choose one of {', '.join(ALGORITHMS)}")
         if not 0 < self.fraction <= 1:
             raise ValueError("--fraction must be in (0, 1]")
         if self.backend not in ("pool", "ray"):
@@ -141,7 +141,7 @@ class SimConfig:
         if self.method is not None and self.method not in METHODS:
             raise ValueError(f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.fv and (self.fv_validators < 1 or self.heldout_clients < self.fv_validators):
-            raise ValueError("--fv needs --heldout-clients of at least --fv-validators (validators are clients kept "
+            raise ValueError("--fv needs --holdout-clients of at least --fv-validators (validators are clients kept "
                              "out of training, scoring on their own images)")
         if self.fv and self.combine != "mean":
             raise ValueError("--fv weighs a mean: use --combine mean with it")

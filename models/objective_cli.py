@@ -8,20 +8,35 @@ from __future__ import annotations
 
 import argparse
 
+from models.cli_common import deprecated_alias
 from protocol.codecs import CODECS, TOPK_FRACTION
 
-METHODS = ("fedavg", "fedprox", "fedfr", "hfmaml", "fedface")
+STRATEGIES = ("fedavg", "fedprox", "fedavgm", "pfm")  # how the coordinator aggregates
+METHODS = (*STRATEGIES, "fedfr", "hfmaml", "fedface")  # the one --method choice: aggregation + local objective
+DEFAULT_METHOD = "fedprox"  # the design document's choice, in every command
 SERVER_FEDAVG = ("fedfr", "hfmaml")  # local objectives whose rounds the coordinator aggregates with FedAvg
 FEDFR_DFC_WEIGHT = 10.0  # alpha_3 of eq. 7
 DFC_WEIGHT = 1.0         # this project's default beside FedAvg/FedProx
 
 
+def add_method_options(group, public_flag: str, old_spelling: str) -> None:
+    """--method (one choice: aggregation and local objective), --prox-mu and --server-momentum; `old_spelling` is the
+    command's former name for the aggregation choice (--strategy or --algorithm), kept as a deprecated alias."""
+    method = group.add_argument(
+        "--method", choices=METHODS, default=DEFAULT_METHOD,
+        help="fedavg | fedprox (FedAvg with FedProx's proximal term, --prox-mu) | fedavgm (server momentum, "
+             "--server-momentum) | pfm (FedFace's partially federated momentum: devices on plain SGD at --lr, e.g. "
+             f"--lr 0.01) | fedfr (FedAvg aggregation with hard negatives from {public_flag}, the contrastive term "
+             "and DFC, at the paper's weights) | hfmaml (Hessian-free MAML local steps, FedAvg aggregation; add "
+             "--embedding-reg C for eq. 4) | fedface (pfm + Federated Validation)")
+    deprecated_alias(group, old_spelling, method)
+    prox = group.add_argument("--prox-mu", type=float, default=0.01, help="FedProx proximal weight mu")
+    if old_spelling == "--strategy":  # `ffr coordinator serve --mu` meant FedProx's mu
+        deprecated_alias(group, "--mu", prox)
+    group.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM's server momentum")
+
+
 def add_objective_options(group) -> None:
-    group.add_argument("--method", choices=METHODS,
-                       help="fedavg | fedprox | fedfr (FedAvg aggregation with hard negatives from --public-data / "
-                            "--public-set, the contrastive term and DFC, at the paper's weights) | hfmaml (Hessian-free "
-                            "MAML local steps, FedAvg aggregation; add --embedding-reg C for eq. 4) | fedface (PFM + Federated "
-                            "Validation)")
     group.add_argument("--hard-negatives", action=argparse.BooleanOptionalAction, default=None,
                        help="sample hard negatives from the device's public set (default: on with --method fedfr)")
     group.add_argument("--t-hn", type=float, default=0.4, help="hard-negative cosine threshold t_HN (default 0.4)")
@@ -59,22 +74,20 @@ def objective_settings(args) -> dict:
             "maml_delta": args.maml_delta}
 
 
-def aggregation_algorithm(method: str | None, fallback: str) -> str:
-    """The server-side strategy a method implies (FedFR aggregates with FedAvg)."""
+def aggregation_algorithm(method: str) -> str:
+    """The server-side strategy a method implies (FedFR and HF-MAML aggregate with FedAvg)."""
     if method == "fedface":  # FedFace = PFM + Federated Validation (the caller turns FV on)
         return "pfm"
-    return fallback if method is None else ("fedavg" if method in SERVER_FEDAVG else method)
-
-
+    return "fedavg" if method in SERVER_FEDAVG else method
 
 
 def add_codec_options(group) -> None:
     """How devices compress their updates; named in the round configuration and in each signed update header."""
-    group.add_argument("--codec", choices=CODECS, default="fp16",
+    codec = group.add_argument("--codec", choices=CODECS, default="fp16",
                        help="update codec: fp16 (default, 1/2 of fp32's bytes), fp32, int8 (per-channel, 1/4) or "
                             "topk (the --topk-fraction largest coordinates; 15%% is about 1/8.8); int8 and topk keep "
                             "what they could not send on the device and add it to the next update (error feedback)")
-    group.add_argument("--wire-dtype", dest="codec", choices=("fp16", "fp32"), help="older spelling of --codec fp16|fp32")
+    deprecated_alias(group, "--wire-dtype", codec)
     group.add_argument("--topk-fraction", type=float, default=TOPK_FRACTION,
                        help=f"fraction of coordinates the topk codec sends (default {TOPK_FRACTION}: with their "
                             "bitmask, about 1/8.8 of fp32's bytes)")

@@ -72,7 +72,7 @@ def test_interrupted_training_resumes_where_it_stopped(tmp_path, synthetic_dir, 
 
     monkeypatch.setattr(training.NullTracker, "log_metrics", interrupt_after_epoch_2)
     base = ["-q", "train", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "3", "--lr", "1e-3",
-            "--no-mlflow", "--width-mult", "0.35", "--no-pretrained", "--batch-size", "16"]
+            "--no-mlflow", "--width-mult", "0.35", "--init", "none", "--batch-size", "16"]
     assert main(base) == 130
     stopped = json.loads((out / "metrics.json").read_text())
     assert stopped["status"] == "interrupted" and stopped["epochs_run"] == 2
@@ -90,7 +90,7 @@ def test_interrupted_training_resumes_where_it_stopped(tmp_path, synthetic_dir, 
 def test_early_stopping(tmp_path, synthetic_dir):
     out = tmp_path / "run"
     assert main(["-q", "train", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "10", "--lr", "1e-9",
-                 "--patience", "1", "--no-mlflow", "--width-mult", "0.35", "--no-pretrained"]) == 0
+                 "--patience", "1", "--no-mlflow", "--width-mult", "0.35", "--init", "none"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "early_stopped" and metrics["epochs_run"] < 10
 
@@ -98,7 +98,7 @@ def test_early_stopping(tmp_path, synthetic_dir):
 def test_mlflow_tracking_in_sqlite(tmp_path, synthetic_dir):
     out = tmp_path / "run"
     assert main(["-q", "train", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "1",
-                 "--width-mult", "0.35", "--no-pretrained", "--head", "arcface", "--aug", "strong"]) == 0
+                 "--width-mult", "0.35", "--init", "none", "--head", "arcface", "--aug", "strong"]) == 0
     import mlflow
 
     client = mlflow.tracking.MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
@@ -113,7 +113,7 @@ def exported(trained_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx")
     assert main(["-q", "export", "--model", str(trained_run / "best.pt"), "--out", str(out / "generic.onnx")]) == 0
     assert main(["-q", "export", "--model", str(trained_run / "best.pt"), "--out", str(out / "pers.onnx"),
-                 "--personalized"]) == 0
+                 "--personalised"]) == 0
     return out
 
 
@@ -174,7 +174,7 @@ def test_eval_json_from_checkpoint_and_onnx_agree(capsys, trained_run, exported,
         assert set(report["tar_at_far"]) == {"0.1", "0.01", "0.001"}
         assert report["data_kind"] == "synthetic"
     assert from_pt["auc"] == pytest.approx(from_onnx["auc"], abs=1e-3)
-    pers = _eval_json(capsys, ["--model", str(trained_run / "best.pt"), "--data", str(synthetic_dir), "--personalized"])
+    pers = _eval_json(capsys, ["--model", str(trained_run / "best.pt"), "--data", str(synthetic_dir), "--personalised"])
     assert pers["auc"] > 0.5
 
 

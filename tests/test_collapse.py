@@ -18,7 +18,7 @@ from ffr.cli import main
 
 FLEET = ["--synthetic-identities", "12", "--synthetic-images", "6", "--holdout-identities", "0.25", "--lr", "1e-3",
          "--batch-size", "16", "--workers", "2", "--clients", "3", "--rounds", "2", "--partition", "iid",
-         "--algorithm", "fedavg", "--no-dfc", "--patience", "0", "--no-centralized", "--no-mlflow",
+         "--method", "fedavg", "--no-dfc", "--patience", "0", "--no-centralised", "--no-mlflow",
          "--malicious", "0.34", "--attack", "collapse", "--eval-clients", "1"]
 
 

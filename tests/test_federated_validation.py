@@ -109,10 +109,10 @@ def test_fedface_over_mosquitto_the_validator_sends_only_scores(tmp_path, mosqui
 
     recorder = Recorder(mosquitto.url)
     out = tmp_path / "run"
-    rc = main(["-q", "fleet", "simulate", "--clients", "4", "--heldout-clients", "1", "--rounds", "2",
+    rc = main(["-q", "fleet", "simulate", "--clients", "4", "--holdout-clients", "1", "--rounds", "2",
                "--method", "fedface", "--fv-phi", "0.5", "--lr", "0.01", "--synthetic-identities", "12",
-               "--synthetic-images", "8", "--holdout-identities", "0.2", "--width-mult", "0.35", "--no-pretrained",
-               "--batch-size", "8", "--broker", mosquitto.url, "--no-centralized", "--out", str(out)])
+               "--synthetic-images", "8", "--holdout-identities", "0.2", "--width-mult", "0.35", "--init", "none",
+               "--batch-size", "8", "--broker", mosquitto.url, "--no-centralised", "--out", str(out)])
     time.sleep(0.5)
     recorder.close()
     assert rc == 0

@@ -22,13 +22,13 @@ from ffr.cli import main
 
 # small but real: 12 SYNTHETIC people x 10 images, a narrow MobileNetV2, 3 devices
 TINY = ["--synthetic-identities", "12", "--synthetic-images", "10", "--holdout-identities", "0.25",
-        "--width-mult", "0.35", "--no-pretrained", "--lr", "1e-3", "--batch-size", "16", "--workers", "2"]
+        "--width-mult", "0.35", "--init", "none", "--lr", "1e-3", "--batch-size", "16", "--workers", "2"]
 
 
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory, mosquitto) -> Path:
     out = tmp_path_factory.mktemp("fleet") / "run"
-    rc = main(["-q", "fleet", "simulate", "--clients", "3", "--rounds", "2", "--partition", "iid", "--algorithm",
+    rc = main(["-q", "fleet", "simulate", "--clients", "3", "--rounds", "2", "--partition", "iid", "--method",
                "fedprox", "--dfc", "--broker", mosquitto.url, "--patience", "0", *TINY, "--out", str(out)])
     assert rc == 0
     return out
@@ -110,7 +110,7 @@ def _history(run: Path) -> list[dict]:
 def test_ctrl_c_leaves_a_resumable_run(tmp_path, mosquitto):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "ffr", "-q", "fleet", "simulate", "--clients", "3", "--rounds", "3",
-           "--no-centralized", "--no-mlflow", "--patience", "0", "--broker", mosquitto.url, *TINY, "--out", str(out)]
+           "--no-centralised", "--no-mlflow", "--patience", "0", "--broker", mosquitto.url, *TINY, "--out", str(out)]
     # a child inherits an ignored SIGINT (Python then never raises KeyboardInterrupt, as under nohup); in full
     # test sessions the run once finished with exit 0 after its Ctrl-C: start it as a terminal would
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -187,7 +187,7 @@ def test_a_failing_device_is_dropped_and_the_round_goes_on(simulated, tmp_path, 
     for identity in (run / "devices" / "client-000" / "data").iterdir():
         if identity.is_dir():
             shutil.rmtree(identity)
-    rc = main(["-q", "fleet", "simulate", "--clients", "3", "--rounds", "3", "--partition", "iid", "--algorithm",
+    rc = main(["-q", "fleet", "simulate", "--clients", "3", "--rounds", "3", "--partition", "iid", "--method",
                "fedprox", "--dfc", "--broker", mosquitto.url, "--patience", "0", *TINY, "--out", str(run)])
     assert rc == 0
     captured = capsys.readouterr()
@@ -201,8 +201,8 @@ def test_a_wiping_device_is_neutralised_by_the_median(tmp_path):
     the coordinator recorded the attacker's weight capped and its update clipped. (The embedded broker, with
     its logins and ACLs: the simulator admits its own devices.)"""
     out = tmp_path / "attacked"
-    rc = main(["-q", "fleet", "simulate", "--clients", "4", "--rounds", "1", "--partition", "iid", "--algorithm",
-               "fedavg", "--no-dfc", "--no-centralized", "--no-mlflow", *TINY,
+    rc = main(["-q", "fleet", "simulate", "--clients", "4", "--rounds", "1", "--partition", "iid", "--method",
+               "fedavg", "--no-dfc", "--no-centralised", "--no-mlflow", *TINY,
                "--malicious", "0.25", "--attack", "wipe", "--combine", "median", "--out", str(out)])
     assert rc == 0
     from coordinator.store import Store
@@ -229,7 +229,7 @@ def test_fedfr_through_the_cli_with_two_devices(tmp_path, mosquitto):
     out = tmp_path / "run"
     rc = main(["-q", "fleet", "simulate", "--clients", "2", "--rounds", "2", "--method", "fedfr", "--public-data",
                str(public), "--t-hn", "0.0", "--dfc-steps", "50", "--broker", mosquitto.url, "--patience", "0",
-               "--no-centralized", "--no-mlflow", *TINY, "--out", str(out)])
+               "--no-centralised", "--no-mlflow", *TINY, "--out", str(out)])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
@@ -245,7 +245,7 @@ def test_the_ray_backend_runs_the_fleet_through_the_cli_on_a_local_ray(tmp_path,
     started = time.time()
     out = tmp_path / "run"
     rc = main(["-q", "fleet", "simulate", "--clients", "3", "--rounds", "2", "--partition", "iid", "--backend", "ray",
-               "--broker", mosquitto.url, "--patience", "0", "--no-centralized", "--codec", "int8", *TINY,
+               "--broker", mosquitto.url, "--patience", "0", "--no-centralised", "--codec", "int8", *TINY,
                "--out", str(out)])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())

@@ -108,8 +108,8 @@ def test_hf_maml_through_the_cli(tmp_path, mosquitto):
     out = tmp_path / "run"
     rc = main(["-q", "fleet", "simulate", "--clients", "2", "--rounds", "1", "--method", "hfmaml", "--embedding-reg",
                "1.0", "--maml-beta", "0.02", "--synthetic-identities", "8", "--synthetic-images", "10", "--tune-steps", "2",
-               "--holdout-identities", "0.25", "--width-mult", "0.35", "--no-pretrained", "--batch-size", "8",
-               "--broker", mosquitto.url, "--no-centralized", "--out", str(out)])
+               "--holdout-identities", "0.25", "--width-mult", "0.35", "--init", "none", "--batch-size", "8",
+               "--broker", mosquitto.url, "--no-centralised", "--out", str(out)])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds_completed"] == 1 and summary["history"][1]["updates"] == 2

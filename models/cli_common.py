@@ -1,0 +1,81 @@
+"""What every `ffr` command's help shares: defaults shown, and old option spellings that still work.
+
+One name per concept across commands (the user-facing issue's rule): when a flag is renamed, the
+old spelling stays as a hidden deprecated alias that does what the new one does after printing one
+line, so scripts keep working while `--help` shows a single spelling. `tests/test_cli_contract.py`
+walks every command's help and checks the rule.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, minus the noise: no "(default: None/False)" and nothing added to a help
+    text that already states its default in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """`ffr`'s parser: every sub-parser inherits the class (argparse's `parser_class`), hence the formatter."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """Does what the new spelling's action does, after one line on stderr naming the new spelling."""
+
+    def __init__(self, option_strings, dest, target: argparse.Action, note: str = "", **kwargs):
+        self.target, self.note = target, note
+        super().__init__(option_strings, dest, **kwargs)
+        self.flag = self.nargs == 0
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = self.target.option_strings[0] + (f" {self.const}" if self.flag and self.target.nargs != 0 else "")
+        print(f"{parser.prog}: warning: {option_string} is an old spelling of {new}{self.note}; it still works",
+              file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.flag else values)
+
+
+_VALUE = object()
+
+
+def deprecated_alias(parser, old: str, target: argparse.Action, note: str = "", const=_VALUE) -> None:
+    """Keep `old` working as `target`'s option, hidden from --help (one spelling per concept in the help).
+
+    A flag alias stores `const` (by default the target flag's own constant); `--no-pretrained` stores "none"
+    into `--init`'s destination."""
+    flag = target.nargs == 0 or const is not _VALUE
+    const = target.const if const is _VALUE else const
+    parser.add_argument(old, dest=target.dest, action=_DeprecatedAlias, target=target, note=note, const=const,
+                        nargs=0 if flag else target.nargs, type=None if flag else target.type,
+                        choices=None if flag else target.choices, metavar=None if flag else target.metavar,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+HOLDOUT_IDENTITIES = 0.2  # fraction of identities kept out of training for evaluation, in `ffr train` and `ffr fleet`
+DETECTOR_CHOICES = ("auto", "yunet", "haar", "none")
+
+
+def add_detector_option(group) -> None:
+    """--detector, with the same choices and meaning in every command that finds faces."""
+    group.add_argument("--detector", choices=DETECTOR_CHOICES, default="auto",
+                       help="face detector: auto (YuNet with five-point alignment onto the ArcFace template, Haar "
+                            "where YuNet is missing or finds nothing; none for SYNTHETIC data), yunet, haar, none "
+                            "(the images are already aligned face crops)")
+
+
+def add_init_option(p, what: str) -> None:
+    """--init (and its old flag --no-pretrained), the same in every command that starts a model."""
+    init = p.add_argument("--init", choices=("face", "imagenet", "none"), default="face",
+                          help=f"{what}: face (the shipped face-pretrained embedder, default), imagenet "
+                               "(ImageNet MobileNetV2), none (random)")
+    deprecated_alias(p, "--no-pretrained", init, const="none")
