@@ -27,7 +27,8 @@ class SourceError(ValueError):
 @dataclass
 class Frame:
     name: str
-    bgr: np.ndarray
+    bgr: np.ndarray | None
+    problem: str | None = None  # an image in a folder that could not be read: said, counted, not silently dropped
 
 
 def frames(camera: int | None = None, video: Path | None = None, images: Path | None = None,
@@ -40,7 +41,7 @@ def frames(camera: int | None = None, video: Path | None = None, images: Path | 
         return
     if video is not None and not Path(video).is_file():
         raise SourceError(f"video file not found: {video}")
-    capture = cv2.VideoCapture(int(camera) if camera is not None else str(video))
+    capture = _open_quietly(int(camera) if camera is not None else str(video))
     what = f"camera {camera}" if camera is not None else f"video {video}"
     try:
         if not capture.isOpened():
@@ -61,6 +62,16 @@ def frames(camera: int | None = None, video: Path | None = None, images: Path | 
         capture.release()
 
 
+def _open_quietly(source: int | str) -> cv2.VideoCapture:
+    """Open a camera or video without OpenCV's own WARN/ERROR lines: the caller says what went wrong, once."""
+    level = cv2.utils.logging.getLogLevel()
+    cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+    try:
+        return cv2.VideoCapture(source)
+    finally:
+        cv2.utils.logging.setLogLevel(level)
+
+
 def _images(path: Path, max_frames: int) -> Iterator[Frame]:
     if not path.exists():
         raise SourceError(f"image path not found: {path}")
@@ -74,6 +85,7 @@ def _images(path: Path, max_frames: int) -> Iterator[Frame]:
         except UnreadableImage as exc:
             if len(files) == 1:
                 raise SourceError(f"cannot read image file {exc}") from None
+            yield Frame(str(file), None, str(exc).removeprefix(f"{file}: "))
             continue
         readable += 1
         yield Frame(str(file), bgr)

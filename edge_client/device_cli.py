@@ -97,14 +97,19 @@ def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True) -> t
     bar = tqdm(desc="reading frames", unit="frame", disable=not progress or args.json, file=sys.stderr, leave=False)
     for frame in frames(args.camera, args.video, args.images, args.max_frames):
         n += 1
+        bar.update(1)
+        if frame.bgr is None:  # an unreadable file in the folder: named, counted among the refusals
+            refused["unreadable image"] += 1
+            if not args.json:
+                tqdm.write(f"  {frame.name}: skipped: {frame.problem}", file=sys.stderr)
+            continue
         started = time.perf_counter()
         check = check_face(frame.bgr, detector, gate)
         detect_ms = (time.perf_counter() - started) * 1000
-        bar.update(1)
         if check.crop is None:
             refused[check.reason.split(" (")[0].split(";")[0]] += 1
             if args.images is not None and not args.json:
-                print(f"  {frame.name}: {check.reason}", file=sys.stderr)
+                tqdm.write(f"  {frame.name}: {check.reason}", file=sys.stderr)  # on its own line, above the bar
             viewer.show(frame.bgr, check.box, check.reason, None)
         else:
             accepted.append(Accepted(check.crop, check.sharpness, check.box, frame, detect_ms, check.aligned))
@@ -180,9 +185,18 @@ def cmd_verify(args) -> int:
     return MATCH if match else NO_MATCH
 
 
+def _readable_people(args, recognizer: Recognizer) -> tuple[list, list[str]]:
+    """Everyone whose record passes its seal; each damaged record is said in one warning line, naming the person."""
+    damaged: list[str] = []
+    people = recognizer.people(damaged)
+    for problem in damaged:
+        print(f"ffr device {args.device_command}: warning: {problem}", file=sys.stderr)
+    return people, damaged
+
+
 def cmd_identify(args) -> int:
     home, vault, recognizer = _open(args)
-    people = recognizer.people()
+    people, damaged = _readable_people(args, recognizer)
     if not people:
         raise DeviceError("nobody is enrolled on this device; run `ffr device enroll` first")
     viewer = Viewer(args.show)
@@ -198,7 +212,7 @@ def cmd_identify(args) -> int:
     data = {"identity": name, "known": known, "score": float(scores[best]), "closest": people[best].name,
             "threshold": recognizer.threshold, "threshold_note": recognizer.threshold_note,
             "scores": {p.name: float(s) for p, s in zip(people, scores)}, "faces_used": len(embeddings),
-            "latency_ms": float(np.median(latency)) + match_ms}
+            "latency_ms": float(np.median(latency)) + match_ms, "damaged": damaged}
     _out(args, f"{name}: score {scores[best]:.3f} (closest: {people[best].name}) vs threshold "
                f"{recognizer.threshold:.3f} ({recognizer.threshold_note}); {data['latency_ms']:.1f} ms per frame", data)
     return MATCH if known else NO_MATCH
@@ -206,12 +220,12 @@ def cmd_identify(args) -> int:
 
 def cmd_list(args) -> int:
     home, vault, recognizer = _open(args)
-    people = recognizer.people()
+    people, damaged = _readable_people(args, recognizer)
     rows = [{"name": p.name, "faces": int(len(p.crops)),
              "enrolled": time.strftime("%Y-%m-%d %H:%M", time.localtime(p.enrolled_at))} for p in people]
     data = {"people": rows, "model": str(recognizer.model_path), "model_sha256": recognizer.model_sha256,
-            "threshold": recognizer.threshold, "threshold_note": recognizer.threshold_note}
-    text = "\n".join([f"{len(rows)} enrolled; model {recognizer.model_path.name} ({recognizer.model_sha256[:12]}); "
+            "threshold": recognizer.threshold, "threshold_note": recognizer.threshold_note, "damaged": damaged}
+    text = "\n".join([f"{len(rows)} enrolled{f' ({len(damaged)} damaged record(s) left out)' if damaged else ''}; model {recognizer.model_path.name} ({recognizer.model_sha256[:12]}); "
                       f"threshold {recognizer.threshold:.3f} ({recognizer.threshold_note})"] +
                      [f"  {r['name']}: {r['faces']} faces, enrolled {r['enrolled']}" for r in rows])
     _out(args, text, data)
@@ -279,8 +293,12 @@ def _folder_embeddings(args, recognizer: Recognizer) -> list[tuple[str, np.ndarr
         raise SourceError(f"--data folder not found: {args.data}")
     detector, gate, out = device_detector(args.detector, args.yunet_model), _gate(args), []
     for folder in sorted(p for p in args.data.iterdir() if p.is_dir()):
-        crops = [c.crop for f in frames(images=folder, max_frames=10_000)
-                 if (c := check_face(f.bgr, detector, gate)).crop is not None]
+        crops = []
+        for frame in frames(images=folder, max_frames=10_000):
+            if frame.bgr is None:
+                print(f"  {frame.name}: skipped: {frame.problem}", file=sys.stderr)
+            elif (check := check_face(frame.bgr, detector, gate)).crop is not None:
+                crops.append(check.crop)
         if crops:
             out.append((folder.name, recognizer.embed(np.stack(crops))))
     return out

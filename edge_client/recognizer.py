@@ -167,8 +167,9 @@ class Recognizer:
             self.vault.put(person)
         return person
 
-    def people(self) -> list[Person]:
-        return [self.refresh(p) for p in self.vault.people()]
+    def people(self, damaged: list[str] | None = None) -> list[Person]:
+        """Everyone enrolled, templates under the current model; see `Vault.people` for `damaged`."""
+        return [self.refresh(p) for p in self.vault.people(damaged)]
 
     def person(self, name: str) -> Person:
         return self.refresh(self.vault.get(name))

@@ -26,6 +26,7 @@ import hmac
 import io
 import json
 import os
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +135,8 @@ class Vault:
         return hmac.new(self._mac_key, data, hashlib.sha256).hexdigest()
 
     def manifest(self) -> dict:
-        """{"generation": n, "records": {file name: sha256}, "settings_mac": str | None}, authenticated."""
+        """{"generation": n, "records": {file name: sha256}, "names": {file name: person}, "settings_mac": str | None},
+        authenticated."""
         path = self.people_dir / MANIFEST
         if not path.exists():
             if any(self.people_dir.glob("*.person")):
@@ -190,7 +192,8 @@ class Vault:
         manifest = self.manifest()
         blob = self._seal(person.to_bytes(), path.name)
         _atomic_write(path, blob)
-        self._save_manifest({**manifest, "records": {**manifest["records"], path.name: hashlib.sha256(blob).hexdigest()}})
+        self._save_manifest({**manifest, "records": {**manifest["records"], path.name: hashlib.sha256(blob).hexdigest()},
+                             "names": {**manifest.get("names", {}), path.name: person.name}})
 
     def get(self, name: str) -> Person:
         path = self._path(name)
@@ -200,28 +203,42 @@ class Vault:
         return self._read(path)
 
     def _read(self, path: Path, manifest: dict | None = None) -> Person:
-        listed = (manifest or self.manifest())["records"].get(path.name)
+        manifest = manifest or self.manifest()
+        listed = manifest["records"].get(path.name)
+        who = manifest.get("names", {}).get(path.name)  # sealed with the records, so a damaged record is named
+        record = f"{who}'s record ({path})" if who else f"store file {path}"
+        fix = (f"; remove it (`ffr device remove --name {shlex.quote(who)}`) and enrol {who} again" if who
+               else "; remove it and enrol the person again")
         blob = path.read_bytes()
         if listed is None:
             raise VaultError(f"store file {path} is not in the store's sealed manifest (a removed person's file copied "
                              "back?); refusing to use it: delete it")
         if hashlib.sha256(blob).hexdigest() != listed:
-            raise VaultError(f"store file {path} is corrupted or was tampered with (it is not the one the store "
-                             "sealed: damaged, or an older copy?); refusing to use it")
+            raise VaultError(f"{record} is corrupted or was tampered with (it is not the one the store sealed: "
+                             f"damaged, or an older copy?); refusing to use it{fix}")
         try:
             return Person.from_bytes(self._open(blob, path.name))
         except InvalidTag:
-            raise VaultError(f"store file {path} is corrupted or was tampered with; refusing to use it "
-                             "(remove it and enrol the person again)") from None
+            raise VaultError(f"{record} is corrupted or was tampered with; refusing to use it{fix}") from None
         except (ValueError, KeyError, json.JSONDecodeError) as exc:
-            raise VaultError(f"store file {path} is damaged: {exc}") from None
+            raise VaultError(f"{record} is damaged: {exc}{fix}") from None
 
-    def people(self) -> list[Person]:
-        manifest = self.manifest()
-        return sorted((self._read(p, manifest) for p in self.people_dir.glob("*.person")), key=lambda p: p.name)
+    def people(self, damaged: list[str] | None = None) -> list[Person]:
+        """Everyone enrolled. A record that fails its seal raises; with a `damaged` list, it is left out instead
+        and its one-line description (naming the person) appended there, so one bad file does not hide the rest."""
+        manifest, people = self.manifest(), []
+        for path in self.people_dir.glob("*.person"):
+            try:
+                people.append(self._read(path, manifest))
+            except VaultError as exc:
+                if damaged is None:
+                    raise
+                damaged.append(str(exc))
+        return sorted(people, key=lambda p: p.name)
 
     def names(self) -> list[str]:
-        return [p.name for p in self.people()]
+        """The readable people's names (a damaged record can be enrolled again over)."""
+        return [p.name for p in self.people(damaged=[])]
 
     def remove(self, name: str) -> None:
         """Delete the person's record for good (overwritten before unlinking)."""
@@ -229,7 +246,8 @@ class Vault:
         if not path.exists():
             raise VaultError(f"unknown name {name!r}")
         manifest = self.manifest()
-        self._save_manifest({**manifest, "records": {k: v for k, v in manifest["records"].items() if k != path.name}})
+        self._save_manifest({**manifest, "records": {k: v for k, v in manifest["records"].items() if k != path.name},
+                             "names": {k: v for k, v in manifest.get("names", {}).items() if k != path.name}})
         size = path.stat().st_size
         with open(path, "r+b") as fh:
             fh.write(os.urandom(size))

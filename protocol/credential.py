@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protocol.auth import PUBLIC_KEY_PATTERN, write_secret
 
@@ -29,11 +29,27 @@ class Credential(BaseModel):
     def load(cls, path: Path) -> "Credential":
         try:
             credential = cls.model_validate_json(Path(path).read_bytes())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path} is not a readable ffr-edge credential file: {str(exc)[:200]}") from None
+        except OSError as exc:
+            raise ValueError(f"cannot read the credential file {path}: {exc.strerror or exc}") from None
+        except ValidationError as exc:
+            raise ValueError(f"{path} is not an ffr-edge credential file (from `ffr coordinator admit`): "
+                             f"{_first_problem(exc)}") from None
+        except ValueError as exc:
+            raise ValueError(f"{path} is not an ffr-edge credential file: {str(exc)[:120]}") from None
         if credential.format != CREDENTIAL_FORMAT:
             raise ValueError(f"{path}: unsupported credential format {credential.format!r}")
         return credential
 
     def save(self, path: Path) -> None:
         write_secret(Path(path), self.model_dump_json(indent=2))
+
+
+def _first_problem(exc: ValidationError) -> str:
+    """A pydantic refusal in a few words: the field at fault, never the input (it may hold a secret)."""
+    errors = exc.errors()
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return "not JSON"
+    where = ".".join(str(part) for part in first.get("loc", ())) or "the file"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return f"{where}: {first['msg'].lower()}{more}"

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ffr.cli import main
+from edge_client.vault import Vault
 
 PEOPLE = ["s1", "s2", "s3", "s4"]
 
@@ -178,16 +179,16 @@ def test_bad_input_is_a_clear_error(case, tmp_path, home, videos, faces_dir):
         for f in (copy / "models").glob("*.onnx"):
             f.unlink()
         os.environ["FFR_FACE_WEIGHTS"] = str(tmp_path / "gone.safetensors")
-    elif case == "corrupted store":
-        victim = next((copy / "store" / "people").glob("*.person"))
-        data = bytearray(victim.read_bytes())
-        data[-20] ^= 0xFF
-        victim.write_bytes(bytes(data))
-        name = "s2" if case else name  # any command that reads the store must refuse it
+    elif case == "corrupted store":  # the person's own record is damaged: refused, and named
+        for victim in (copy / "store" / "people").glob("*.person"):
+            data = bytearray(victim.read_bytes())
+            data[-20] ^= 0xFF
+            victim.write_bytes(bytes(data))
+        name, expected = "s2", "s2's record"
         source = ["--video", str(videos["s2"][1])]
     elif case == "wrong key":
         env_key = "11" * 32
-    env_args = ["identify"] if case == "corrupted store" else ["verify", "--name", name]
+    env_args = ["verify", "--name", name]
     if env_key:
         os.environ["FFR_STORE_KEY"] = env_key
     try:
@@ -197,6 +198,60 @@ def test_bad_input_is_a_clear_error(case, tmp_path, home, videos, faces_dir):
         os.environ.pop("FFR_FACE_WEIGHTS", None)
     assert rc == 2, (out, err)
     assert expected in err, err
+    assert "WARN" not in err and "ERROR:" not in err, err  # OpenCV's own lines are kept out (the camera case)
+    assert err.strip().splitlines()[-1].startswith("ffr device verify: error: "), err
+
+
+def test_a_damaged_record_is_named_and_does_not_hide_the_others(tmp_path, home, videos):
+    import shutil
+
+    copy = tmp_path / "home"
+    shutil.copytree(home, copy)
+    victim = Vault.open(copy / "store")._path("s1")
+    data = bytearray(victim.read_bytes())
+    data[-20] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    rc, out, err = ffr("device", "list", "--home", str(copy))
+    assert rc == 0 and "s2:" in out and "s3:" in out and "s1:" not in out and "1 damaged" in out, (out, err)
+    warning = [line for line in err.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "s1's record" in warning[0] and "ffr device remove --name s1" in warning[0], err
+    rc, out, err = ffr("device", "identify", "--home", str(copy), "--video", str(videos["s2"][1]), "--json")
+    assert rc == 0 and json.loads(out)["identity"] == "s2" and len(json.loads(out)["damaged"]) == 1, (out, err)
+
+
+def test_unreadable_files_in_an_enrolment_folder_are_named(tmp_path, home, faces_dir):
+    import shutil
+
+    copy = tmp_path / "home"
+    shutil.copytree(home, copy)
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i, photo in enumerate(sorted((faces_dir / "orl" / "s5").iterdir())[:4]):
+        cv2.imwrite(str(folder / f"{i}.jpg"), frame_from(photo))
+    whole = (folder / "0.jpg").read_bytes()
+    (folder / "cut.jpg").write_bytes(whole[: len(whole) * 3 // 4])  # libjpeg alone would decode the top part
+    (folder / "notes.jpg").write_text("not an image")
+    rc, out, err = ffr("device", "enroll", "--home", str(copy), "--name", "s5", "--images", str(folder), "--best", "2")
+    assert rc == 0, err
+    assert "cut.jpg: skipped: truncated JPEG" in err and "notes.jpg: skipped: not a decodable image" in err, err
+    assert "unreadable image': 2" in out, out
+    rc, out, err = ffr("device", "verify", "--home", str(copy), "--name", "s5", "--image", str(folder / "cut.jpg"))
+    assert rc == 2 and err.strip().splitlines()[-1] == (f"ffr device verify: error: cannot read image file "
+                                                        f"{folder / 'cut.jpg'}: truncated JPEG (the file ends "
+                                                        "before its end-of-image marker)"), err
+    assert "Premature end" not in err
+
+
+@pytest.mark.parametrize("content,problem", [(b'{"device_id": 5, "token": []}', "device_id: input should be"),
+                                             (b"garbage", "not JSON")])
+def test_a_garbage_credential_is_one_line(tmp_path, content, problem):
+    (tmp_path / "cred.json").write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "ffr", "edge", "run", "--credential", str(tmp_path / "cred.json"),
+                           "--data", str(tmp_path), "--home", str(tmp_path / "home")], capture_output=True, text=True,
+                          timeout=300)  # the daemon trains, so torch may load here
+    rc, err = proc.returncode, proc.stderr
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert problem in err and "pydantic" not in err and "input_value" not in err, err
 
 
 def test_vault_refuses_swapped_files_and_ignores_half_written_ones(tmp_path, monkeypatch):

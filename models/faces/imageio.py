@@ -93,12 +93,44 @@ def read_rgb(path: str | Path) -> np.ndarray:
     except OSError as exc:
         raise UnreadableImage(f"{path}: {exc.strerror or exc}") from exc
     check_dimensions(data[:65536].tobytes(), str(path))
+    if is_truncated_jpeg(data):  # libjpeg would decode the top and grey out the rest, with one anonymous warning
+        raise UnreadableImage(f"{path}: truncated JPEG (the file ends before its end-of-image marker)")
     image = cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
     if image is None and path.suffix.lower() == ".gif":
         image = _first_gif_frame(path)
     if image is None:
         raise UnreadableImage(f"{path}: not a decodable image")
     return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def is_truncated_jpeg(data: np.ndarray) -> bool:
+    """A JPEG whose image data runs to the end of the file without its end-of-image marker (FF D9).
+
+    The header segments are walked to the first scan (an EXIF thumbnail's own markers live inside a
+    segment and are skipped); after it, FF is always stuffed (FF 00) or a restart marker, so a real
+    FF D9 must follow. Bytes after the marker (phones append trailers) are fine.
+    """
+    n = int(data.size)
+    if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        return False
+    pos = 2
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return False  # not a well-formed header: the decoder says what it makes of it
+        marker = int(data[pos + 1])
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:
+            pos += 2
+            continue
+        length = (int(data[pos + 2]) << 8) | int(data[pos + 3])
+        pos += 2 + length
+        if marker == 0xDA:  # start of scan: the end-of-image marker must follow somewhere
+            body = data[min(pos, n):]
+            ff = np.flatnonzero(body[:-1] == 0xFF)
+            return not bool(np.any(body[ff + 1] == 0xD9))
+    return True  # the file ends inside its header
 
 
 def _first_gif_frame(path: Path) -> np.ndarray | None:
