@@ -451,6 +451,7 @@ class Engine:
                 current.weights[update["device_id"]] = update["metrics"].get("weight", update["n_samples"])
                 current.norms[update["device_id"]] = update["metrics"].get("update_norm", 0.0)
                 current.metrics[update["device_id"]] = update["metrics"]
+                current.bytes_received += update["bytes"] or 0  # the round's cost counts the kept update too
                 current.headers[update["device_id"]] = UpdateHeader(
                     round_id=current.round_id, base_version=current.base_version, n_samples=update["n_samples"],
                     transfer_id="restored", payload_sha256="0" * 64, payload_bytes=max(1, update["bytes"] or 1))

@@ -5,19 +5,11 @@ from pathlib import Path
 
 import numpy as np
 
-from models.evaluation.plots import plt
-
-DPI = 150
+from models.evaluation.plots import plt, save_png, tick_labels
 
 
-def _save(fig, out: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(out, dpi=DPI)
-    plt.close(fig)
-    return out
-
-
-def rounds_png(history: list[dict], best_round: int | None, centralized: dict | None, out: Path) -> Path:
+def rounds_png(history: list[dict], best_round: int | None, centralized: dict | None, out: Path,
+               synthetic: bool = False) -> Path:
     """Loss and accuracy of local training, AUC and EER of the global model, per round."""
     rounds = [h["round"] for h in history]
     panels = [("local training loss", ("train_loss",)), ("local training accuracy", ("train_acc",)),
@@ -40,15 +32,21 @@ def rounds_png(history: list[dict], best_round: int | None, centralized: dict | 
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    return _save(fig, out)
+    return save_png(fig, out, synthetic)
 
 
-def client_bars_png(rows: list[dict], verifiers: list[str], out: Path, metric: str = "tar@1e-2") -> Path:
-    """Per-client bars of `metric` (AUC where the client has too few impostor pairs for it)."""
+def client_bars_png(rows: list[dict], verifiers: list[str], out: Path, metric: str = "tar@1e-2",
+                    synthetic: bool = False) -> Path:
+    return save_png(client_bars_figure(rows, verifiers, metric), out, synthetic)
+
+
+def client_bars_figure(rows: list[dict], verifiers: list[str], metric: str = "tar@1e-2"):
+    """Per-client bars of `metric` (AUC where the client has too few impostor pairs for it); the legend sits
+    beside the axes, never over a bar."""
     usable = [r for r in rows if any(v in r for v in verifiers)]
     if any(r.get(v, {}).get(metric) is None for r in usable for v in verifiers if v in r):
         metric = "auc"
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(usable) * len(verifiers)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(usable) * len(verifiers)) + 1.8, 4.5))
     width = 0.8 / max(1, len(verifiers))
     x = np.arange(len(usable))
     for n, name in enumerate(verifiers):
@@ -62,26 +60,27 @@ def client_bars_png(rows: list[dict], verifiers: list[str], out: Path, metric: s
     ax.set_title("per-client verification: federated vs personalised")
     ax.grid(True, axis="y", alpha=0.3)
     if usable:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     else:
         ax.text(0.5, 0.5, "no client has enough test images\nfor genuine and impostor pairs", ha="center",
                 va="center", transform=ax.transAxes)
-    return _save(fig, out)
+    return fig
 
 
-def confusion_png(matrix: np.ndarray, names: list[str], accuracy: float, out: Path) -> Path:
+def confusion_png(matrix: np.ndarray, names: list[str], accuracy: float, out: Path, synthetic: bool = False) -> Path:
     fig, ax = plt.subplots(figsize=(7, 6))
     image = ax.imshow(matrix, cmap="Blues")
-    ax.set_xticks(range(len(names)), [n[:12] for n in names], rotation=90, fontsize=7)
-    ax.set_yticks(range(len(names)), [n[:12] for n in names], fontsize=7)
+    labels = tick_labels(names)
+    ax.set_xticks(range(len(names)), labels, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(names)), labels, fontsize=7)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title(f"1:N identification, unseen people (accuracy {accuracy:.2f})")
     fig.colorbar(image, ax=ax, fraction=0.046)
-    return _save(fig, out)
+    return save_png(fig, out, synthetic)
 
 
-def partition_png(summary: dict, out: Path) -> Path:
+def partition_png(summary: dict, out: Path, synthetic: bool = False) -> Path:
     rows = summary["clients"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key in zip(axes, ("identities", "images")):
@@ -91,4 +90,4 @@ def partition_png(summary: dict, out: Path) -> Path:
         ax.set_ylabel(key)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"{summary['scheme']} partition, imbalance ratio {summary['imbalance_ratio']:.1f}")
-    return _save(fig, out)
+    return save_png(fig, out, synthetic)

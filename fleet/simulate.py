@@ -448,29 +448,30 @@ class Simulation:
         return lambda idx: embed(model, self.data.crops.images[idx], False)
 
     def _plots(self, history, best, global_curve, central_curve, central_report, clients, global_model) -> dict:
-        out, figures = self.run_dir, {}
+        out, figures, synthetic = self.run_dir, {}, self.data.crops.synthetic
         figures["rounds"] = plots.rounds_png(history, best, flat(central_report) if central_report else None,
-                                             out / "rounds.png")
+                                             out / "rounds.png", synthetic)
         curves = {"federated (global model)": global_curve} if global_curve else {}
         if central_curve:
             curves["centralised"] = central_curve
         from models.evaluation.plots import roc_png
 
         if curves:
-            figures["roc_global"] = roc_png(curves, out / "roc_global.png", "ROC, unseen people")
+            figures["roc_global"] = roc_png(curves, out / "roc_global.png", "ROC, unseen people", synthetic)
         if clients["curves"]:
             figures["roc_personalized"] = roc_png(clients["curves"], out / "roc_personalized.png",
-                                                  "ROC, each client's own people (pooled)")
+                                                  "ROC, each client's own people (pooled)", synthetic)
         names = [n for n in ("global", "local", "local+dfc", "centralized") if n in clients["curves"]]
-        figures["client_tar"] = plots.client_bars_png(clients["clients"], names, out / "client_tar.png")
+        figures["client_tar"] = plots.client_bars_png(clients["clients"], names, out / "client_tar.png",
+                                                      synthetic=synthetic)
         holdout = self.holdout
         if holdout is not None:
             result = confusion(embed(global_model, holdout.images), holdout.labels, holdout.identities,
                                seed=self.config.seed)
             if result is not None:
-                figures["confusion"] = plots.confusion_png(*result, out / "confusion.png")
+                figures["confusion"] = plots.confusion_png(*result, out / "confusion.png", synthetic)
         figures["partition"] = plots.partition_png(self.data.partition.summary(self._images_per_identity()),
-                                                   out / "partition.png")
+                                                   out / "partition.png", synthetic)
         return figures
 
     def _images_per_identity(self) -> dict[str, int]:

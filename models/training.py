@@ -290,11 +290,13 @@ class Trainer:
         if curve is not None:
             from models.evaluation.plots import roc_png
 
-            roc_png({f"best (epoch {self.best_epoch})": curve}, self.out / "roc.png")
+            roc_png({f"best (epoch {self.best_epoch})": curve}, self.out / "roc.png",
+                    synthetic=self.eval_crops.synthetic)
         metrics = self._write_metrics(final=report)
         from models.evaluation.plots import training_curves_png
 
-        self.tracker.log_artifact(training_curves_png(self.history, self.out / "curves.png", self.best_epoch))
+        self.tracker.log_artifact(training_curves_png(self.history, self.out / "curves.png", self.best_epoch,
+                                                      synthetic=self.eval_crops.synthetic))
         if curve is not None:
             self.tracker.log_artifact(self.out / "roc.png")
         self.tracker.log_metrics({f"final_{k}": v for k, v in report.items()}, self.history[-1]["epoch"])

@@ -216,6 +216,9 @@ def test_coordinator_restart_mid_round_resumes_the_open_round(tmp_path, mosquitt
         assert [(r["round_id"], r["status"], r["base_version"], r["n_updates"]) for r in rounds] == \
             [(1, "completed", 0, 2)]
         assert restarted.engine.version == 1
+        kept = [u["bytes"] for u in restarted.engine.store.accepted_updates(1)]
+        assert len(kept) == 2 and rounds[0]["metrics"]["bytes_received"] == sum(kept) > 0, \
+            "the round's bytes count the update kept across the restart"
     finally:
         back.stop()
         _stop(restarted, devices[:1])

@@ -35,9 +35,14 @@ def simulated(tmp_path_factory, mosquitto) -> Path:
 
 
 def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
+    from PIL import Image
+
     summary = json.loads((simulated / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
     assert summary["data_kind"] == "synthetic"
+    pngs = sorted(simulated.glob("*.png"))
+    assert {"rounds.png", "client_tar.png", "partition.png"} <= {p.name for p in pngs}
+    assert all("SYNTHETIC" in Image.open(p).text.get("Description", "") for p in pngs), "SYNTHETIC plots say so"
     assert [h["model_version"] for h in summary["history"]] == [0, 1, 2]  # round 0: the starting model
     assert all(h["updates"] == 3 and h["bytes_up"] > 0 for h in summary["history"][1:])
     assert summary["initial"]["auc"] == summary["history"][0]["holdout_auc"]

@@ -53,6 +53,6 @@ def evaluate_crops(embedder, crops: FaceCrops, pairs_file: Path | None = None, i
     if roc_png is not None:
         from models.evaluation.plots import roc_png as draw
 
-        draw({"model": (scores, same)}, roc_png, title="ROC" + (" (SYNTHETIC faces)" if crops.synthetic else ""))
+        draw({"model": (scores, same)}, roc_png, title="ROC", synthetic=crops.synthetic)
         report["roc_png"] = str(roc_png)
     return report
