@@ -9,6 +9,7 @@ that header to a cross-site form post, so such posts are refused too. `/health` 
 from __future__ import annotations
 
 import hmac
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
@@ -19,9 +20,40 @@ from coordinator.http_guard import HttpGuard
 from coordinator.public_set import ROUTE as PUBLIC_SET_ROUTE
 
 MAX_PAGE = 500
+DOCS_ASSETS = "/docs-assets"
 # the dashboard runs its own inline script and style, talks to this server only, and is never framed
 CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
        "img-src 'self' data:; frame-ancestors 'none'")
+
+
+def swagger_ui_files() -> Path | None:
+    """Swagger UI's JS and CSS from the installed `swagger-ui-bundle` package (nothing from a CDN), if any."""
+    try:
+        from swagger_ui_bundle import swagger_ui_path
+    except ImportError:
+        return None
+    path = Path(str(swagger_ui_path))
+    return path if (path / "swagger-ui-bundle.js").is_file() else None
+
+
+def add_offline_docs(app: FastAPI) -> None:
+    """/docs as FastAPI draws it, but with Swagger UI's files served by this app, so it works with no internet."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+
+    files = swagger_ui_files()
+    if files is None:
+        raise ValueError("--api-docs needs the swagger-ui-bundle package (pip install swagger-ui-bundle); "
+                           "the API docs are never loaded from a CDN")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=files), name="docs-assets")
+    app.openapi_version = "3.0.3"  # the packaged Swagger UI (4.x) draws OpenAPI 3.0 documents, not 3.1
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="ffr-edge coordinator API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
 
 
 def create_app(service, docs: bool = False) -> FastAPI:
@@ -30,8 +62,10 @@ def create_app(service, docs: bool = False) -> FastAPI:
     app = FastAPI(title="ffr-edge coordinator", version="2",
                   description="Federated face recognition: fleet status, rounds and the global backbone. "
                               "Send `Authorization: Bearer TOKEN` (the token is in STATE/api-token).",
-                  docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None)
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json" if docs else None)
     app.add_middleware(HttpGuard, token=service.api_token)  # the token before any body, bodies capped
+    if docs:
+        add_offline_docs(app)
     engine, store = service.engine, service.engine.store
     registry = CollectorRegistry()
     gauges = {name: Gauge(f"ffr_{name}", doc, registry=registry) for name, doc in (

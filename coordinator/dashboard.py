@@ -27,14 +27,16 @@ class Evaluation(BaseModel):
 
 
 def dashboard_data(service) -> dict:
-    """Everything the page shows, in one document: status, fleet, rounds, quality over rounds."""
+    """Everything the page shows, in one document: status, fleet (and devices admitted but never seen), rounds,
+    quality over rounds."""
     engine, store = service.engine, service.engine.store
     dropped = store.dropped_rounds()
     devices = [{"device_id": d["device_id"], "last_seen": d["last_seen"], "rounds_joined": d["rounds_joined"],
                 "rounds_dropped": dropped.get(d["device_id"], 0), "n_images": d["n_images"],
                 "n_identities": d["n_identities"]} for d in store.devices()]
     rounds = [_round_row(r) for r in store.rounds()[-MAX_ROUNDS_SHOWN:]]
-    return {"status": {"mqtt": service.mqtt_state(), **engine.status()}, "devices": devices, "rounds": rounds,
+    return {"status": {"mqtt": service.mqtt_state(), **engine.status()}, "devices": devices,
+            "admitted_never_seen": store.admitted_never_seen(), "rounds": rounds,
             "evaluations": store.evaluations(), "rejections_total": store.count_rejections()}
 
 
@@ -45,4 +47,15 @@ def _round_row(r: dict) -> dict:
             "new_version": r["new_version"], "participants": len(r["participants"]), "updates": r["n_updates"],
             "dropped": r["n_dropped"], "bytes": m.get("bytes_received"), "duration_s": duration,
             "started_at": r["started_at"], "codec": m.get("codec"), "reason": r["reason"] or "",
-            "mean_loss": m.get("mean_train_loss", m.get("mean_loss")), "mean_acc": m.get("mean_train_acc")}
+            "mean_loss": m.get("mean_train_loss", m.get("mean_loss")), "mean_acc": m.get("mean_train_acc"),
+            # quality measured by the coordinator itself: the gate's AUC on its faces (before and after the round)
+            # and the Federated Validation score of the weighting chosen
+            "gate_auc_before": m.get("gate_auc_current"), "gate_auc_after": m.get("gate_auc_candidate"),
+            "fv_score": _chosen_fv_score(m)}
+
+
+def _chosen_fv_score(m: dict) -> float | None:
+    scores, chosen = m.get("fv_mean_scores"), m.get("fv_chosen")
+    if not scores or not chosen or not 1 <= chosen <= len(scores):
+        return None
+    return scores[chosen - 1]

@@ -137,6 +137,12 @@ class Store:
         rows = self._q("SELECT token FROM admissions WHERE device_id=? AND used_at IS NULL", (device_id,))
         return rows[0]["token"] if rows else None
 
+    def admitted_never_seen(self) -> list[dict]:
+        """Devices admitted by the operator that have never registered: {device_id, admitted_at}."""
+        rows = self._q("SELECT device_id, issued_at FROM admissions WHERE device_id NOT IN "
+                       "(SELECT device_id FROM devices) ORDER BY device_id")
+        return [{"device_id": r["device_id"], "admitted_at": r["issued_at"]} for r in rows]
+
     def use_admission(self, device_id: str) -> None:
         self._q("UPDATE admissions SET used_at=? WHERE device_id=?", (time.time(), device_id))
 

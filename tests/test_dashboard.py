@@ -14,6 +14,7 @@ import pytest
 from conftest import device_datasets
 from coordinator.api import create_app
 from coordinator.engine import RoundSettings
+from coordinator.quality_gate import GateSettings
 from coordinator.service import Service, ServiceConfig
 from edge_client.daemon import EdgeDevice
 from protocol.messages import TrainingConfig
@@ -32,17 +33,22 @@ def live_coordinator(tmp_path):
     import uvicorn
 
     port = _free_port()
-    service = Service(ServiceConfig(state=tmp_path / "state", http_port=port),
+    datasets = device_datasets(tmp_path / "data", 3, ids_per_device=3, images=5)
+    # the coordinator's own faces for the quality gate: the third set, which no device holds
+    service = Service(ServiceConfig(state=tmp_path / "state", http_port=port, gate_data=datasets[2],
+                                    gate=GateSettings(limit=30)),
                       RoundSettings(rounds=50, min_clients=2, round_timeout_s=300,
                                     training=TrainingConfig(epochs=1, batch_size=8, lr=1e-3, dfc_steps=0)))
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(service, docs=True), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
     for i in range(3):  # a few refusals to page through
         service.engine.on_message(f"ffr/v1/devices/stranger{i}/hello", b"not json")
     devices = [EdgeDevice(service.admit(f"device{d}"), data, tmp_path / f"home{d}", export_onnx=False)
-               for d, data in enumerate(device_datasets(tmp_path / "data", 2, ids_per_device=3, images=5))]
+               for d, data in enumerate(datasets[:2])]
+    service.admit("device9")  # admitted, never connects: the fleet table must still show it
     for device in devices:
         device.start()
     yield service, f"http://127.0.0.1:{port}"
@@ -59,7 +65,7 @@ def page():
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield browser.new_page(viewport={"width": 1400, "height": 900})
+        yield browser.new_page(viewport={"width": 1280, "height": 900})
         browser.close()
 
 
@@ -80,17 +86,25 @@ def test_the_dashboard_shows_a_running_fleet_and_controls_training(live_coordina
     page.click("#save-token")
     page.wait_for_selector("#auth", state="hidden")
 
-    expect(page.locator("#devices tr")).to_have_count(2, timeout=60_000)
-    assert sorted(page.locator("#devices tr td:first-child").all_inner_texts()) == ["device0", "device1"]
+    expect(page.locator("#devices tr")).to_have_count(3, timeout=60_000)
+    assert sorted(page.locator("#devices tr td:first-child").all_inner_texts()) == ["device0", "device1", "device9"]
+    expect(page.locator("#devices tr.unseen")).to_contain_text("never connected")
+    expect(page.locator("#n-devices")).to_have_text("2 (+1 never seen)")
     # rounds advance while we watch: the model version in the header moves on its own (the page polls)
     expect(page.locator("#rounds tr td:nth-child(2)").first).to_have_text("completed", timeout=240_000)
     first = page.inner_text("#version")
     expect(page.locator("#version")).not_to_have_text(first, timeout=240_000)
     assert int(page.inner_text("#version").lstrip("v")) > int(first.lstrip("v"))
-    # quality over rounds: the operator's evaluation posted over HTTP is plotted beside the devices' loss
+    # quality over rounds: the gate's AUC of every published model, then the operator's evaluation; never a loss
+    expect(page.locator("#legend")).to_contain_text("gate AUC")
     service.engine.store.record_evaluation(1, {"auc": 0.9, "eer": 0.1}, "test")
-    expect(page.locator("#legend")).to_contain_text("held-out AUC")
-    assert page.locator("#chart polyline").count() >= 2
+    expect(page.locator("#legend")).to_contain_text("held-out AUC (operator)")
+    assert page.locator("#chart polyline").count() >= 3
+    assert "loss" not in page.inner_text("#legend")
+    # 1280 px: no table wider than its panel (nothing scrolls sideways), no panel past the window
+    for table in page.locator("table").all():
+        box, panel = table.bounding_box(), table.locator("xpath=ancestor::section").bounding_box()
+        assert box["width"] <= panel["width"] + 1 and panel["x"] + panel["width"] <= 1280, (box, panel)
     expect(page.locator("#rej-total")).to_contain_text("3 stored")
     expect(page.locator("#rejections tr")).to_have_count(3)
 
@@ -101,6 +115,14 @@ def test_the_dashboard_shows_a_running_fleet_and_controls_training(live_coordina
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
 
     assert requests and all(r.startswith(url) for r in requests), [r for r in requests if not r.startswith(url)]
+
+    # --api-docs: Swagger UI drawn from files this server serves, with every other host unreachable
+    page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(url) else route.abort())
+    requests.clear()
+    page.goto(f"{url}/docs")
+    expect(page.locator(".swagger-ui .opblock").first).to_be_visible(timeout=30_000)
+    expect(page.locator(".swagger-ui")).to_contain_text("/dashboard/data")
+    assert all(r.startswith(url) for r in requests), requests
 
 
 def _http(method: str, url: str, body: dict | None = None, token: str | None = None) -> tuple[int, str, dict]:
