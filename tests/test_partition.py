@@ -97,7 +97,7 @@ def test_saved_partition_repeats_exactly(tmp_path):
 
 def test_fleet_partition_command(capsys, synthetic_dir, tmp_path):
     assert main(["-q", "fleet", "partition", "--data", str(synthetic_dir), "--clients", "3", "--json",
-                 "--out", str(tmp_path / "p.json")]) == 0
+                 "--holdout-identities", "0.1", "--out", str(tmp_path / "p.json")]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["n_clients"] == 3 and sum(r["identities"] for r in summary["clients"]) == 9
     assert summary["holdout_identities"] == 1 and summary["imbalance_ratio"] >= 1.0
