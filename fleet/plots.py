@@ -51,7 +51,7 @@ def client_bars_figure(rows: list[dict], verifiers: list[str], metric: str = "ta
     x = np.arange(len(usable))
     for n, name in enumerate(verifiers):
         values = [r.get(name, {}).get(metric) or 0.0 for r in usable]
-        ax.bar(x + n * width, values, width, label=name)
+        ax.bar(x + n * width, values, width, label=name.replace("centralized", "centralised"))  # summary key
     ax.set_xticks(x + width * (len(verifiers) - 1) / 2)
     ax.set_xticklabels([f"{r['client']}{'*' if r['held_out'] else ''}" for r in usable])
     ax.set_xlabel("client (* held out of training)")
