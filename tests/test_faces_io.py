@@ -106,3 +106,20 @@ def test_synthetic_dataset_is_labelled_and_deterministic(tmp_path):
         assert sa.path.read_bytes() == sb.path.read_bytes()
     assert not np.array_equal(synthetic.render(5, 0, 0), synthetic.render(6, 0, 0))
     assert not np.array_equal(synthetic.render(5, 0, 0), synthetic.render(5, 0, 1))  # images vary within a person
+
+
+def test_truncated_jpegs_are_found_and_hostile_headers_stay_cheap():
+    import time
+
+    import cv2
+
+    from models.faces.imageio import is_truncated_jpeg
+
+    ok, whole = cv2.imencode(".jpg", np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    assert ok and not is_truncated_jpeg(whole)
+    assert not is_truncated_jpeg(np.concatenate([whole, np.full(9000, 7, np.uint8)]))  # a phone's trailer
+    assert all(is_truncated_jpeg(whole[:cut]) for cut in (4, 200, len(whole) // 2, len(whole) - 2))
+    hostile = np.concatenate([whole[:2], np.tile(np.array([0xFF, 0x01], np.uint8), 2_000_000)])
+    started = time.perf_counter()
+    is_truncated_jpeg(hostile)
+    assert time.perf_counter() - started < 1.0

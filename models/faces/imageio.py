@@ -103,6 +103,9 @@ def read_rgb(path: str | Path) -> np.ndarray:
     return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
 
+MAX_JPEG_SEGMENTS = 4096  # real headers hold a few dozen segments
+
+
 def is_truncated_jpeg(data: np.ndarray) -> bool:
     """A JPEG whose image data runs to the end of the file without its end-of-image marker (FF D9).
 
@@ -113,8 +116,9 @@ def is_truncated_jpeg(data: np.ndarray) -> bool:
     n = int(data.size)
     if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
         return False
-    pos = 2
-    while pos + 4 <= n:
+    pos, segments = 2, 0
+    while pos + 4 <= n and segments < MAX_JPEG_SEGMENTS:  # a hostile header of a million markers stays cheap
+        segments += 1
         if data[pos] != 0xFF:
             return False  # not a well-formed header: the decoder says what it makes of it
         marker = int(data[pos + 1])
@@ -130,7 +134,7 @@ def is_truncated_jpeg(data: np.ndarray) -> bool:
             body = data[min(pos, n):]
             ff = np.flatnonzero(body[:-1] == 0xFF)
             return not bool(np.any(body[ff + 1] == 0xD9))
-    return True  # the file ends inside its header
+    return pos + 4 > n  # the file ends inside its header (past the segment cap: the decoder judges it)
 
 
 def _first_gif_frame(path: Path) -> np.ndarray | None:
