@@ -44,7 +44,7 @@ def add_offline_docs(app: FastAPI) -> None:
     files = swagger_ui_files()
     if files is None:
         raise ValueError("--api-docs needs the swagger-ui-bundle package (pip install swagger-ui-bundle); "
-                           "the API docs are never loaded from a CDN")
+                         "the API docs are never loaded from a CDN")
     app.mount(DOCS_ASSETS, StaticFiles(directory=files), name="docs-assets")
     app.openapi_version = "3.0.3"  # the packaged Swagger UI (4.x) draws OpenAPI 3.0 documents, not 3.1
 

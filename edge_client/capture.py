@@ -15,8 +15,7 @@ from typing import Iterator
 import cv2
 import numpy as np
 
-from models.faces.detect import (Box, FaceDetector, HaarDetector, YuNetDetector, center_crop, face_crop,
-                                 find_yunet_model)
+from models.faces.detect import Box, FaceDetector, HaarDetector, YuNetDetector, face_crop, find_yunet_model
 from models.faces.imageio import MAX_PIXELS, UnreadableImage, is_image_file, read_rgb
 
 
@@ -128,10 +127,8 @@ def check_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> Fa
         return FaceCheck(None, f"{len(others) + 1} faces in the frame; only one person may be in view", box)
     if side < gate.min_face_px:
         return FaceCheck(None, f"face too small ({side:.0f} px < {gate.min_face_px} px); come closer", box)
-    if detector.name == "none":  # the image is already an aligned crop: take it whole
-        crop = center_crop(rgb, gate.size)
-    else:
-        crop = face_crop(rgb, face, gate.size, gate.margin)  # aligned on the five landmarks when YuNet found it
+    margin = 0.0 if detector.name == "none" else gate.margin  # an aligned crop is taken whole
+    crop = face_crop(rgb, face, gate.size, margin)  # aligned on the five landmarks when YuNet found it
     sharp = sharpness(crop)
     if sharp < gate.min_sharpness:
         return FaceCheck(None, f"face too blurred (sharpness {sharp:.0f} < {gate.min_sharpness:.0f}); hold still",

@@ -31,7 +31,7 @@ from edge_client.public_set import fetch_public_set
 from models.public_set import PublicSet, PublicSetError, load_public_set
 from models.face_model import (FaceModel, ModelConfig, from_numpy_state, load_shareable_state, private_state,
                                shareable_state)
-from models.faces.crops import CropConfig, FaceCrops, decoded_crops
+from models.faces.crops import CropConfig, FaceCrops, decoded_crops, resolve_detector
 from models.state_norms import clip_to_norm, without_running_stats
 from models.faces.datasets import load_index
 from protocol import topics
@@ -67,8 +67,7 @@ class EdgeDevice:
         self.coordinator_key = self.credential.coordinator_public_key
         self.export_onnx, self.seed = export_onnx, seed
         index = load_index(data)
-        detector = detector or "auto"
-        config = CropConfig(detector="none" if detector == "auto" and index.synthetic else detector, fallback_center=True)
+        config = CropConfig(detector=resolve_detector(detector, index), fallback_center=True)
         self.crops = decoded_crops(index, config, crop_cache or self.home.root / "crops", self.home.root / "crops")
         self.validation_crops = validation if isinstance(validation, FaceCrops) or validation is None else \
             decoded_crops(load_index(validation), config, crop_cache or self.home.root / "crops",

@@ -225,7 +225,9 @@ def cmd_list(args) -> int:
              "enrolled": time.strftime("%Y-%m-%d %H:%M", time.localtime(p.enrolled_at))} for p in people]
     data = {"people": rows, "model": str(recognizer.model_path), "model_sha256": recognizer.model_sha256,
             "threshold": recognizer.threshold, "threshold_note": recognizer.threshold_note, "damaged": damaged}
-    text = "\n".join([f"{len(rows)} enrolled{f' ({len(damaged)} damaged record(s) left out)' if damaged else ''}; model {recognizer.model_path.name} ({recognizer.model_sha256[:12]}); "
+    left_out = f" ({len(damaged)} damaged record(s) left out)" if damaged else ""
+    text = "\n".join([f"{len(rows)} enrolled{left_out}; model {recognizer.model_path.name} "
+                      f"({recognizer.model_sha256[:12]}); "
                       f"threshold {recognizer.threshold:.3f} ({recognizer.threshold_note})"] +
                      [f"  {r['name']}: {r['faces']} faces, enrolled {r['enrolled']}" for r in rows])
     _out(args, text, data)

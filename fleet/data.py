@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fleet.config import SimConfig
-from models.faces.crops import CropConfig, FaceCrops, crop_index, default_cache_dir
+from models.faces.crops import CropConfig, FaceCrops, crop_index, default_cache_dir, resolve_detector
 from models.faces.datasets import SYNTHETIC_MARKER, FaceIndex, load_index
 from models.faces.partition import Partition, PartitionError, partition, read_celeba_attributes
 from models.faces.splits import stratified_split
@@ -26,10 +26,6 @@ TRAIN, VAL, TEST = 0, 1, 2
 
 def device_id(client: int) -> str:
     return f"client-{client:03d}"
-
-
-def resolve_detector(config: SimConfig, index: FaceIndex) -> str:
-    return "none" if config.detector == "auto" and index.synthetic else config.detector
 
 
 def dataset_index(config: SimConfig, run_dir: Path) -> FaceIndex:
@@ -101,7 +97,7 @@ class FleetData:
 def prepare(config: SimConfig, run_dir: Path) -> FleetData:
     """Crop, partition (reusing the saved partition when resuming) and split; nothing is trained here."""
     index = dataset_index(config, run_dir)
-    detector = resolve_detector(config, index)
+    detector = resolve_detector(config.detector, index)
     crop_config = CropConfig(detector=detector, fallback_center=True)
     crops = crop_index(index, crop_config, cache_dir=crop_cache(config), progress=config.progress, min_images=2)
     saved = run_dir / "partition.json"

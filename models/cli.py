@@ -45,13 +45,11 @@ def _non_negative(text: str) -> float:
 
 
 def _crops(args, min_images: int = 1, fallback_center: bool = False):
-    from models.faces.crops import CropConfig, crop_index
+    from models.faces.crops import CropConfig, crop_index, resolve_detector
     from models.faces.datasets import load_index
 
     index = load_index(args.data, args.layout)
-    detector = args.detector
-    if detector == "auto":
-        detector = "yunet" if args.yunet_model else "none" if index.synthetic else "auto"
+    detector = resolve_detector(args.detector, index, args.yunet_model)
     config = CropConfig(detector=detector, yunet_model=str(args.yunet_model) if args.yunet_model else None,
                         margin=args.margin, fallback_center=args.fallback_center or fallback_center,
                         face_select=args.face_select, align=not args.no_align)

@@ -119,3 +119,20 @@ def test_the_crop_cache_follows_contents_so_a_copied_folder_is_not_detected_agai
     changed.write_bytes(changed.read_bytes() + b"\0")  # still a valid JPEG, other bytes
     crop_index(load_index(copy), config, cache_dir=cache, progress=False)
     assert len(calls) == 3, "a changed image must be detected again"
+
+
+def test_auto_detection_means_one_thing_for_every_command(synthetic_dir, tmp_path):
+    from models.faces.crops import resolve_detector
+    from models.faces.datasets import load_index
+
+    synthetic = load_index(synthetic_dir)
+    import shutil
+
+    for person in sorted(synthetic_dir.iterdir())[:2]:  # the same images, without the SYNTHETIC marker
+        if person.is_dir():
+            shutil.copytree(person, tmp_path / person.name)
+    real = load_index(tmp_path)
+    assert not real.synthetic
+    assert resolve_detector("auto", synthetic) == resolve_detector(None, synthetic) == "none"
+    assert resolve_detector("auto", real) == "auto" and resolve_detector("auto", real, "yunet.onnx") == "yunet"
+    assert resolve_detector("haar", synthetic) == "haar"

@@ -198,13 +198,21 @@ def crop_face(rgb: np.ndarray, detectors: list, config: CropConfig) -> tuple[np.
     return None, None
 
 
+def resolve_detector(name: str | None, index: FaceIndex, yunet_model: str | Path | None = None) -> str:
+    """What `--detector auto` (or no choice) means for this dataset: SYNTHETIC images are already face crops,
+    a given YuNet file means YuNet, anything else is detected and aligned."""
+    if name not in (None, "auto"):
+        return name
+    return "none" if index.synthetic else "yunet" if yunet_model else "auto"
+
+
 def crop_index(index: FaceIndex, config: CropConfig | None = None, cache_dir: Path | None = None,
                use_cache: bool = True, progress: bool = True, min_images: int = 1) -> FaceCrops:
     """Crop every image of `index`, skipping (and naming) files that cannot be read.
 
     Identities left with fewer than `min_images` crops are dropped and reported.
     """
-    config = config or CropConfig(detector="none" if index.synthetic else "auto")
+    config = config or CropConfig(detector=resolve_detector("auto", index))
     detectors = build_detectors(config)
     cache = _CropCache((cache_dir or default_cache_dir()) if use_cache else None, config)
     report = CropReport(n_files=len(index.samples))
