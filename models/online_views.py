@@ -1,0 +1,109 @@
+"""Augmentation as batched tensor operations, on whatever device holds the crops.
+
+Two halves, because a distillation target is only right for the view the teacher saw:
+- `geometric_views`: small scale, shift, rotation and mirror jitter (one affine warp per crop,
+  `F.affine_grid` + `F.grid_sample`), shown to teacher and student alike;
+- `photometric`: brightness, contrast, saturation, greyscale, blur and erasing, shown to the
+  student only ("Knowledge distillation: A good teacher is patient and consistent", Beyer et
+  al., CVPR 2022: consistent views, aggressive augmentation, long schedules).
+Everything is drawn from one `torch.Generator`, so a run is reproducible from its seed and step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.faces.preprocess import INPUT_SIZE, MEAN, STD
+
+
+@dataclass(frozen=True)
+class ViewJitter:
+    """Ranges of the geometric jitter; the defaults stay within what a landmark aligner gets wrong."""
+
+    scale: float = 0.08        # zoom in [1 - scale, 1 + scale]
+    shift: float = 0.06        # translation, as a fraction of the crop side
+    rotate_deg: float = 10.0
+    mirror: float = 0.5        # probability of a horizontal flip
+
+
+def _uniform(n: int, low: float, high: float, generator: torch.Generator) -> torch.Tensor:
+    return low + (high - low) * torch.rand(n, generator=generator, device=generator.device)
+
+
+def random_affines(n: int, jitter: ViewJitter, generator: torch.Generator) -> torch.Tensor:
+    """(n, 2, 3) affine matrices in `affine_grid`'s normalised coordinates (output -> input)."""
+    scale = _uniform(n, 1 - jitter.scale, 1 + jitter.scale, generator)
+    angle = _uniform(n, -jitter.rotate_deg, jitter.rotate_deg, generator) * (math.pi / 180)
+    shift = _uniform(2 * n, -2 * jitter.shift, 2 * jitter.shift, generator).view(n, 2)
+    mirror = torch.where(torch.rand(n, generator=generator, device=generator.device) < jitter.mirror, -1.0, 1.0)
+    cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
+    return torch.stack([torch.stack([cos * mirror, -sin, shift[:, 0]], 1),
+                        torch.stack([sin * mirror, cos, shift[:, 1]], 1)], 1)
+
+
+def geometric_views(crops: torch.Tensor, jitter: ViewJitter, generator: torch.Generator) -> torch.Tensor:
+    """uint8 (N,3,H,W) crops -> float (N,3,H,W) jittered views in 0..255 (reflected at the borders)."""
+    x = crops.float()
+    theta = random_affines(len(x), jitter, generator).to(x.dtype)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+
+
+def _per_sample(p: float, n: int, generator: torch.Generator) -> torch.Tensor:
+    return (torch.rand(n, generator=generator, device=generator.device) < p).float().view(n, 1, 1, 1)
+
+
+def _grey(x: torch.Tensor) -> torch.Tensor:
+    return (0.299 * x[:, 0:1] + 0.587 * x[:, 1:2] + 0.114 * x[:, 2:3]).expand_as(x)
+
+
+def _blur(x: torch.Tensor, sigma: float = 1.0) -> torch.Tensor:
+    r = torch.arange(-2, 3, device=x.device, dtype=x.dtype)
+    k = torch.exp(-r ** 2 / (2 * sigma ** 2))
+    k = (k / k.sum())
+    x = F.conv2d(F.pad(x, (2, 2, 0, 0), mode="reflect"), k.view(1, 1, 1, 5).expand(3, 1, 1, 5), groups=3)
+    return F.conv2d(F.pad(x, (0, 0, 2, 2), mode="reflect"), k.view(1, 1, 5, 1).expand(3, 1, 5, 1), groups=3)
+
+
+def _erase(x: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tensor:
+    """Random erasing (Zhong et al., AAAI 2020) of one rectangle of 2-8% of the crop, per chosen sample."""
+    n, _, h, w = x.shape
+    area = _uniform(n, 0.02, 0.08, generator) * h * w
+    aspect = torch.exp(_uniform(n, math.log(0.3), math.log(3.3), generator))
+    eh = (area * aspect).sqrt().clamp(1, h - 1)
+    ew = (area / aspect).sqrt().clamp(1, w - 1)
+    top = _uniform(n, 0, 1, generator) * (h - eh)
+    left = _uniform(n, 0, 1, generator) * (w - ew)
+    rows = torch.arange(h, device=x.device).view(1, h, 1)
+    cols = torch.arange(w, device=x.device).view(1, 1, w)
+    inside = ((rows >= top.view(n, 1, 1)) & (rows < (top + eh).view(n, 1, 1)) &
+              (cols >= left.view(n, 1, 1)) & (cols < (left + ew).view(n, 1, 1))).unsqueeze(1)
+    chosen = _per_sample(p, n, generator).bool()
+    noise = torch.rand(x.shape, generator=generator, device=generator.device, dtype=x.dtype)
+    return torch.where(inside & chosen, noise, x)
+
+
+def photometric(x01: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Float (N,3,H,W) in 0..1 -> the same under the student's photometric augmentation, in 0..1."""
+    n = len(x01)
+    jitter = _per_sample(0.5, n, generator)
+    bright = 1 + jitter * _uniform(n, -0.3, 0.3, generator).view(n, 1, 1, 1)
+    contrast = 1 + jitter * _uniform(n, -0.3, 0.3, generator).view(n, 1, 1, 1)
+    saturation = 1 + jitter * _uniform(n, -0.2, 0.2, generator).view(n, 1, 1, 1)
+    x = x01 * bright
+    mean = _grey(x).mean(dim=(1, 2, 3), keepdim=True)
+    x = (x - mean) * contrast + mean
+    x = (x - _grey(x)) * saturation + _grey(x)
+    x = torch.lerp(x, _grey(x), _per_sample(0.05, n, generator))
+    x = torch.lerp(x, _blur(x), _per_sample(0.1, n, generator))
+    return _erase(x.clamp(0, 1), 0.1, generator)
+
+
+def student_input(x01: torch.Tensor, size: int = INPUT_SIZE) -> torch.Tensor:
+    """0..1 crops -> the student's normalised input at its size (as `models.faces.preprocess.to_input`)."""
+    if x01.shape[-1] != size:
+        x01 = F.interpolate(x01, size=(size, size), mode="bilinear", align_corners=False)
+    return (x01 - MEAN) / STD

@@ -1,0 +1,140 @@
+"""The GPU path of `ffr pretrain`, run on CPU: crop packs, the teacher in torch, tensor augmentation, the loop."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def crops(synthetic_dir) -> np.ndarray:
+    import cv2
+
+    from models.faces.imageio import read_rgb
+
+    return np.stack([cv2.resize(read_rgb(p), (112, 112)) for p in sorted(synthetic_dir.rglob("*.png"))[:8]])
+
+
+@pytest.fixture(scope="module")
+def pack(synthetic_dir, tmp_path_factory):
+    from models.crop_pack import pack_crops
+
+    out = tmp_path_factory.mktemp("pack") / "faces.npz"
+    result = pack_crops([synthetic_dir], out, quality=90, progress=False)
+    return out, result
+
+
+def test_the_teacher_converted_to_torch_agrees_with_onnx_runtime_and_a_wrong_one_is_refused(crops):
+    from models.teacher import TeacherError, load_teacher
+    from models.torch_teacher import check_against_onnx, to_torch
+
+    onnx_teacher = load_teacher("sface", threads=1)
+    converted = to_torch(onnx_teacher)
+    assert check_against_onnx(converted, onnx_teacher, crops) > 0.999
+    x = torch.from_numpy(crops.transpose(0, 3, 1, 2).copy()).float()
+    assert converted(x).shape == (8, 128) and not any(p.requires_grad for p in converted.parameters())
+    with torch.no_grad():  # a conversion that went wrong somewhere inside must not teach
+        next(m for m in converted.modules() if isinstance(m, torch.nn.Conv2d)).weight.mul_(-1)
+    with pytest.raises(TeacherError, match="agrees with ONNX Runtime only"):
+        check_against_onnx(converted, onnx_teacher, crops)
+
+
+def test_a_crop_pack_round_trips_every_readable_crop_and_names_it(pack, synthetic_dir):
+    from models.crop_pack import unpack_crops
+
+    path, result = pack
+    images, names = unpack_crops(path)
+    files = sorted(p for p in synthetic_dir.rglob("*.png"))
+    assert result["images"] == len(files) == len(images) and result["unreadable"] == []
+    assert names == [str(p.relative_to(synthetic_dir)) for p in files]
+    assert images.shape[1:] == (112, 112, 3) and images.dtype == np.uint8
+    with np.load(path, allow_pickle=False) as raw:
+        assert raw["data"].nbytes < 0.5 * images.nbytes  # compressed, which is what it is for
+
+
+@pytest.mark.parametrize("damage", ["offsets", "size", "missing", "pickle"])
+def test_a_damaged_or_hostile_crop_pack_is_refused_in_one_line(pack, tmp_path, damage):
+    from models.crop_pack import unpack_crops
+
+    with np.load(pack[0], allow_pickle=False) as raw:
+        arrays = dict(raw)
+    if damage == "offsets":
+        arrays["offsets"] = arrays["offsets"].copy()
+        arrays["offsets"][-1] = 10 ** 12           # would read far past the data
+    elif damage == "size":
+        arrays["size"] = np.int64(100_000)         # would allocate without bound
+    elif damage == "missing":
+        del arrays["offsets"]
+    else:
+        arrays["names"] = np.array([{"a": 1}], dtype=object)  # pickled: never loaded
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **arrays)
+    with pytest.raises(ValueError, match="crop pack") as err:
+        unpack_crops(bad)
+    assert "\n" not in str(err.value)
+
+
+def test_geometric_views_are_reproducible_and_the_identity_jitter_is_the_image(crops):
+    from models.online_views import ViewJitter, geometric_views, photometric
+
+    x = torch.from_numpy(crops.transpose(0, 3, 1, 2).copy())
+    still = geometric_views(x, ViewJitter(0, 0, 0, 0), torch.Generator().manual_seed(0))
+    assert torch.allclose(still, x.float(), atol=1e-3)
+    mirrored = geometric_views(x, ViewJitter(0, 0, 0, 1.0), torch.Generator().manual_seed(0))
+    assert torch.allclose(mirrored, x.float().flip(-1), atol=1e-3)
+    a = geometric_views(x, ViewJitter(), torch.Generator().manual_seed(5))
+    b = geometric_views(x, ViewJitter(), torch.Generator().manual_seed(5))
+    assert torch.equal(a, b) and not torch.allclose(a, x.float(), atol=1.0)
+    jittered = photometric(a / 255, torch.Generator().manual_seed(1))
+    assert jittered.shape == a.shape and 0 <= float(jittered.min()) and float(jittered.max()) <= 1
+
+
+def test_the_budgeted_schedule_warms_up_then_decays_with_the_budget_spent():
+    from models.online_distill import time_lr
+
+    assert time_lr(0, 0.0, 1e-3, 10) == pytest.approx(1e-4)
+    assert time_lr(50, 0.0, 1e-3, 10) == pytest.approx(1e-3)
+    assert time_lr(50, 0.5, 1e-3, 10) == pytest.approx(0.505e-3)
+    assert time_lr(50, 1.0, 1e-3, 10) == time_lr(50, 3.0, 1e-3, 10) == pytest.approx(1e-5)
+
+
+def test_online_distillation_on_cpu_through_the_cli_lowers_the_loss_pauses_and_resumes(tmp_path, pack, capsys):
+    """`--device cpu --online` is the GPU path's code on a few crops: the teacher in the loop, the crops in a
+    tensor, augmentation on tensors; a call stopped by --stop-after-minutes resumes where it stopped."""
+    from ffr.cli import main
+    from models.face_weights import read_embedder_numpy
+
+    out = tmp_path / "run"
+    args = ["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",
+            "--init", "imagenet", "--epochs", "12", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "2",
+            "--eval-every", "10", "--threads", "2"]
+    assert main([*args, "--stop-after-minutes", "0.0001"]) == 0
+    paused = json.loads((out / "metrics.json").read_text())
+    assert paused["status"] == "paused" and 0 < paused["step"] < 60
+    assert paused["teacher_agreement_with_onnxruntime"] > 0.999
+    with pytest.raises(SystemExit, match="already holds a run"):
+        main(args)
+    assert main([*args[:-2], "--threads", "1", "--batch-size", "4", "--resume"]) == 2
+    assert "--batch-size differs from the run being resumed" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["step"] == 12 * (45 // 8)   # 60 crops, 15 held out
+    losses = [row["train_loss"] for row in metrics["history"]]
+    agreement = [row["val_teacher_cosine"] for row in metrics["history"]]
+    assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
+    assert agreement[-1] > agreement[0] + 0.05, agreement
+    state, meta = read_embedder_numpy(out / "embedder.safetensors")
+    assert meta["mode"] == "online" and state["embedding.weight"].shape == (128, 1280)
+
+
+def test_online_is_the_default_on_cuda_only_and_refuses_labelled_sets(tmp_path, pack, synthetic_dir, capsys):
+    from ffr.cli import main
+
+    with pytest.raises(SystemExit, match="--labelled needs the cached path"):
+        main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r"), "--online",
+              "--labelled", str(synthetic_dir)])
+    # without --online on a CPU, a pack is not a folder of crops: the cached path says so in one line
+    assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2")]) == 2
+    assert "pretraining data folder not found" in capsys.readouterr().err
