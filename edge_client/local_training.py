@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from models.dfc import NEGATIVE, fit_dfc
 from models.face_model import FaceModel, load_shareable_state, shareable_state
+from models.fast_step import accelerate
 from models.faces import augment
 from models.heads import CosineHead, class_centres, imprint
 from models.public_set import PublicSet
@@ -224,6 +225,9 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     `pfm_momentum` (keys `backbone.*`; None in the first round) spread over the round's steps, and classical
     momentum SGD for the classifier (`models.pfm`)."""
     objective = objective or LocalObjective()
+    # the trunk in bf16 where the CPU has it (models.fast_step); HF-MAML's finite-difference Hessian products
+    # (eq. 3) take the difference of two nearby gradients, which bf16 would drown, so it stays fp32
+    accelerate(model, "fp32" if objective.hfmaml else "auto")
     load_shareable_state(model, global_state)
     start = {k: v.clone() for k, v in shareable_state(model).items()}
     anchor = {n: p.detach().clone() for n, p in model.backbone.named_parameters()}

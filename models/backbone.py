@@ -39,6 +39,12 @@ class FaceEmbedder(nn.Module):
         trunk = {k.removeprefix("features."): v for k, v in state.items() if k.startswith("features.")}
         self.features.load_state_dict(trunk, strict=True)
 
+    compute_dtype: torch.dtype | None = None  # the trunk's autocast dtype while training (models.fast_step)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(self.features(x)).flatten(1)
-        return F.normalize(self.bn(self.embedding(self.dropout(x))), dim=1)
+        fast = self.training and self.compute_dtype is not None
+        if fast:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(x.device.type, dtype=self.compute_dtype or torch.float32, enabled=fast):
+            x = self.pool(self.features(x)).flatten(1)
+        return F.normalize(self.bn(self.embedding(self.dropout(x.float()))), dim=1)

@@ -5,7 +5,7 @@ the teacher costs more than a student step. On a GPU the teacher is cheap, so he
 draws a fresh geometric view of each crop and asks the teacher (converted to torch,
 `models.torch_teacher`) for that exact view (Beyer et al., CVPR 2022, "consistent" teaching).
 The crops live on the device as one uint8 tensor, augmentation runs there (`models.online_views`),
-the student runs in bf16 autocast, channels_last, with a fused AdamW.
+the student's trunk runs in bf16 autocast, channels_last, with a fused AdamW (`models.fast_step`).
 
 A run may be bounded by wall time (`budget_minutes`): the learning rate then decays with the
 fraction of the budget spent rather than of the steps (Li et al., "Budget-constrained training",
@@ -87,7 +87,8 @@ class OnlineDistiller:
     """State and steps of one online distillation run; `fit` is its loop."""
 
     def __init__(self, config: OnlineConfig, out: Path, teacher=None):
-        from models.pretraining import CROP_SIZE, resolve_precision
+        from models.fast_step import accelerate, optimiser_options
+        from models.pretraining import CROP_SIZE
 
         self.config, self.out = config, Path(out)
         self.teacher_agreement: float | None = None
@@ -108,11 +109,10 @@ class OnlineDistiller:
         self.crops = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous().to(self.device)
         self.train_index = torch.from_numpy(train_index).to(self.device)
         self.teacher = (teacher or self._teacher(images[self.val_index[:64]])).to(self.device)
-        self.autocast = resolve_precision(config.precision, config.device)
-        self.model = self._student().to(self.device, memory_format=torch.channels_last)
-        fused = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
+        self.model = self._student().to(self.device)
+        self.autocast = accelerate(self.model, config.precision, config.device)
         self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
-                                           weight_decay=config.weight_decay, **fused)
+                                           weight_decay=config.weight_decay, **optimiser_options(self.device))
         self.jitter = ViewJitter(**config.jitter)
         self.generator = torch.Generator(self.device)
         self.steps_per_epoch = len(train_index) // config.batch_size
@@ -189,10 +189,9 @@ class OnlineDistiller:
         views = geometric_views(self.crops[self.train_index[pick]], self.jitter, self.generator)
         with torch.no_grad():
             target = self.teacher(views)
-        x = student_input(photometric(views / 255.0, self.generator)).contiguous(memory_format=torch.channels_last)
+        x = student_input(photometric(views / 255.0, self.generator))
         self.model.train()
-        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
-            student = self.model(x)
+        student = self.model(x)  # the trunk in bf16 where the hardware has it (models.fast_step)
         loss, parts = distillation_loss(student.float(), target, cfg.sim_weight)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"distillation loss is {float(loss)} at step {self.step}; lower --lr")
@@ -223,7 +222,7 @@ class OnlineDistiller:
         for i in range(0, len(self.val_index), 256):
             crops = self.crops[torch.from_numpy(self.val_index[i:i + 256]).to(self.device)].float()
             target = self.teacher(crops)
-            x = student_input(crops / 255.0).contiguous(memory_format=torch.channels_last)
+            x = student_input(crops / 255.0)
             cos.append((F.normalize(self.model(x).float(), dim=1) * target).sum(1))
         return round(float(torch.cat(cos).mean()), 5)
 

@@ -52,54 +52,60 @@ def geometric_views(crops: torch.Tensor, jitter: ViewJitter, generator: torch.Ge
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
 
 
-def _per_sample(p: float, n: int, generator: torch.Generator) -> torch.Tensor:
-    return (torch.rand(n, generator=generator, device=generator.device) < p).float().view(n, 1, 1, 1)
+def _chosen(p: float, n: int, generator: torch.Generator) -> torch.Tensor:
+    """Indices of the samples an augmentation applied with probability `p` picks (work only on those)."""
+    return torch.nonzero(torch.rand(n, generator=generator, device=generator.device) < p).flatten()
 
 
 def _grey(x: torch.Tensor) -> torch.Tensor:
-    return (0.299 * x[:, 0:1] + 0.587 * x[:, 1:2] + 0.114 * x[:, 2:3]).expand_as(x)
+    return 0.299 * x[:, 0:1] + 0.587 * x[:, 1:2] + 0.114 * x[:, 2:3]
 
 
 def _blur(x: torch.Tensor, sigma: float = 1.0) -> torch.Tensor:
     r = torch.arange(-2, 3, device=x.device, dtype=x.dtype)
     k = torch.exp(-r ** 2 / (2 * sigma ** 2))
-    k = (k / k.sum())
+    k = k / k.sum()
     x = F.conv2d(F.pad(x, (2, 2, 0, 0), mode="reflect"), k.view(1, 1, 1, 5).expand(3, 1, 1, 5), groups=3)
     return F.conv2d(F.pad(x, (0, 0, 2, 2), mode="reflect"), k.view(1, 1, 5, 1).expand(3, 1, 5, 1), groups=3)
 
 
-def _erase(x: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tensor:
-    """Random erasing (Zhong et al., AAAI 2020) of one rectangle of 2-8% of the crop, per chosen sample."""
+def _colour(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Brightness, contrast and saturation factors in [0.7, 1.3], [0.7, 1.3], [0.8, 1.2] (ColorJitter's order)."""
+    n = len(x)
+    bright, contrast, saturation = (1 + _uniform(n, -a, a, generator).view(n, 1, 1, 1) for a in (0.3, 0.3, 0.2))
+    x = x * bright
+    mean = _grey(x).mean(dim=(1, 2, 3), keepdim=True)
+    x = (x - mean) * contrast + mean
+    grey = _grey(x)
+    return (x - grey) * saturation + grey
+
+
+def _erase(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random erasing (Zhong et al., AAAI 2020): one rectangle of 2-8% of each crop, filled with noise."""
     n, _, h, w = x.shape
     area = _uniform(n, 0.02, 0.08, generator) * h * w
     aspect = torch.exp(_uniform(n, math.log(0.3), math.log(3.3), generator))
-    eh = (area * aspect).sqrt().clamp(1, h - 1)
-    ew = (area / aspect).sqrt().clamp(1, w - 1)
-    top = _uniform(n, 0, 1, generator) * (h - eh)
-    left = _uniform(n, 0, 1, generator) * (w - ew)
+    eh, ew = (area * aspect).sqrt().clamp(1, h - 1), (area / aspect).sqrt().clamp(1, w - 1)
+    top, left = _uniform(n, 0, 1, generator) * (h - eh), _uniform(n, 0, 1, generator) * (w - ew)
     rows = torch.arange(h, device=x.device).view(1, h, 1)
     cols = torch.arange(w, device=x.device).view(1, 1, w)
     inside = ((rows >= top.view(n, 1, 1)) & (rows < (top + eh).view(n, 1, 1)) &
               (cols >= left.view(n, 1, 1)) & (cols < (left + ew).view(n, 1, 1))).unsqueeze(1)
-    chosen = _per_sample(p, n, generator).bool()
     noise = torch.rand(x.shape, generator=generator, device=generator.device, dtype=x.dtype)
-    return torch.where(inside & chosen, noise, x)
+    return torch.where(inside, noise, x)
 
 
 def photometric(x01: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Float (N,3,H,W) in 0..1 -> the same under the student's photometric augmentation, in 0..1."""
-    n = len(x01)
-    jitter = _per_sample(0.5, n, generator)
-    bright = 1 + jitter * _uniform(n, -0.3, 0.3, generator).view(n, 1, 1, 1)
-    contrast = 1 + jitter * _uniform(n, -0.3, 0.3, generator).view(n, 1, 1, 1)
-    saturation = 1 + jitter * _uniform(n, -0.2, 0.2, generator).view(n, 1, 1, 1)
-    x = x01 * bright
-    mean = _grey(x).mean(dim=(1, 2, 3), keepdim=True)
-    x = (x - mean) * contrast + mean
-    x = (x - _grey(x)) * saturation + _grey(x)
-    x = torch.lerp(x, _grey(x), _per_sample(0.05, n, generator))
-    x = torch.lerp(x, _blur(x), _per_sample(0.1, n, generator))
-    return _erase(x.clamp(0, 1), 0.1, generator)
+    """Float (N,3,H,W) in 0..1 -> the same under the student's photometric augmentation, in 0..1: colour jitter
+    (p 0.5), greyscale (p 0.05), blur (p 0.1), erasing (p 0.1): moderate, since far from the teacher's input its target stops being the right
+    answer (Beyer et al., CVPR 2022)."""
+    x = x01.clone()
+    for p, op in ((0.5, lambda v: _colour(v, generator)), (0.05, lambda v: _grey(v).expand_as(v)),
+                  (0.1, _blur), (0.1, lambda v: _erase(v.clamp(0, 1), generator))):
+        chosen = _chosen(p, len(x), generator)
+        if len(chosen):
+            x[chosen] = op(x[chosen])
+    return x.clamp(0, 1)
 
 
 def student_input(x01: torch.Tensor, size: int = INPUT_SIZE) -> torch.Tensor:

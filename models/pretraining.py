@@ -4,7 +4,7 @@ FedFR (Liu et al., AAAI 2022, sec. 3) starts every device from a model pretraine
 data; this is how ours gets one without identity labels: the student learns the teacher's
 embedding of each aligned crop (`models.distillation`), the teacher's embeddings are computed
 once per image and view and cached (`models.distill_data`), the student sees the same view
-under strong photometric augmentation. The run checkpoints every few minutes, stops cleanly
+under photometric augmentation (vectorised over the batch, `models.online_views`). The run checkpoints every few minutes, stops cleanly
 on Ctrl-C and resumes (`--resume`) mid-epoch; `metrics.json` holds the learning curve.
 
 Where identities are known (`--labelled DIR`, one sub-folder per person), a CosFace margin
@@ -22,16 +22,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
-from torchvision.transforms import v2
 from tqdm import tqdm
 
 from models.backbone import FaceEmbedder
 from models.distill_data import (N_VIEWS, TeacherTargets, default_cache_root, list_images, load_crops,
-                                 targets_dir, view)
+                                 targets_dir)
 from models.distillation import distillation_loss
-from models.faces.preprocess import INPUT_SIZE, MEAN, STD
+from models.online_views import photometric, student_input
+from models.faces.preprocess import INPUT_SIZE
 from models.face_weights import save_embedder
+from models.fast_step import accelerate, optimiser_options
 
 CROP_SIZE = 112  # the aligned sets' and the teacher's size; the student sees them at INPUT_SIZE
 
@@ -61,41 +61,26 @@ class PretrainConfig:
     progress: bool = True
 
 
-def student_augmentation() -> v2.Compose:
-    """Photometric augmentation on the student's side only: the teacher saw the clean view (its embedding is
-    cached once per view), so the student learns to give that embedding under light, colour, blur and small
-    occlusions too. Kept moderate: far from the teacher's input, the target stops being the right answer
-    (Beyer et al., "Knowledge distillation: A good teacher is patient and consistent", CVPR 2022)."""
-    return v2.Compose([
-        v2.RandomApply([v2.ColorJitter(0.3, 0.3, 0.2, 0.03)], p=0.5),
-        v2.RandomGrayscale(p=0.05),
-        v2.RandomApply([v2.GaussianBlur(5, sigma=(0.1, 1.2))], p=0.1),
-        v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize([MEAN] * 3, [STD] * 3),
-        v2.RandomErasing(p=0.1, scale=(0.02, 0.08)),
-    ])
+class CachedViews:
+    """Batches of (student input, teacher target, identity or -1) from crops held once as a uint8 tensor.
 
+    Each sample gets a random cached view (the image or its mirror: the teacher saw exactly that), then
+    photometric augmentation on the student's side only, vectorised over the batch (`models.online_views`):
+    no per-image Python transform and no loader process competing with the step for the CPU's cores."""
 
-class DistillDataset(Dataset):
-    """Item k of an epoch: (augmented student input, teacher target, identity or -1) for one image and a
-    random view."""
+    def __init__(self, images: np.ndarray, targets: np.ndarray, labels: np.ndarray, seed: int):
+        self.crops = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
+        self.targets, self.labels, self.seed = targets, torch.from_numpy(labels), seed
 
-    def __init__(self, images: np.ndarray, targets: np.ndarray, index: np.ndarray, seed: int,
-                 labels: np.ndarray | None = None):
-        self.images, self.targets, self.index, self.seed = images, targets, index, seed
-        self.labels = labels if labels is not None else np.full(len(images), -1, dtype=np.int64)
-        self.transform = student_augmentation()
-        self.epoch = 0
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __getitem__(self, k: int):
-        i = int(self.index[k])
-        v = int(np.random.default_rng((self.seed, self.epoch, i)).integers(N_VIEWS))
-        crop = torch.from_numpy(view(self.images[i:i + 1], v)[0]).permute(2, 0, 1)
-        return (self.transform(crop), torch.from_numpy(self.targets[v, i].astype(np.float32)),
-                int(self.labels[i]))
+    def batch(self, index: np.ndarray, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng((self.seed, epoch, step))
+        views = rng.integers(N_VIEWS, size=len(index))
+        crops = self.crops[torch.from_numpy(index)]
+        crops = torch.where(torch.from_numpy(views == 1).view(-1, 1, 1, 1), crops.flip(-1), crops)
+        generator = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
+        x = student_input(photometric(crops.float() / 255.0, generator))
+        target = torch.from_numpy(self.targets[views, index].astype(np.float32))
+        return x, target, self.labels[torch.from_numpy(index)]
 
 
 def identity_labels(roots: list[Path]) -> dict[Path, int]:
@@ -109,16 +94,6 @@ def identity_labels(roots: list[Path]) -> dict[Path, int]:
                 raise ValueError(f"{root} is given as labelled but {path.name} is not in a per-person folder")
             labels[path] = names.setdefault((root, parts[0]), len(names))
     return labels
-
-
-def resolve_precision(precision: str, device: str) -> torch.dtype | None:
-    """bf16 autocast where the hardware runs it fast (CUDA, or a CPU with AVX-512 BF16/AMX), else fp32."""
-    if precision == "fp32":
-        return None
-    if precision == "bf16" or device.startswith("cuda"):
-        return torch.bfloat16
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else None
 
 
 def lr_at(step: int, total: int, base: float, warmup: int) -> float:
@@ -160,13 +135,14 @@ class Pretrainer:
         n_val = max(config.batch_size, int(len(order) * config.val_fraction))
         self.val_index, self.train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
         self.device = torch.device(config.device)
-        self.autocast = resolve_precision(config.precision, config.device)
-        self.model = self._student().to(self.device, memory_format=torch.channels_last)
+        self.model = self._student().to(self.device)
+        self.autocast = accelerate(self.model, config.precision, config.device)
         from models.heads import CosFaceHead
 
         self.head = CosFaceHead(128, self.n_identities).to(self.device) if self.n_identities else None
         params = list(self.model.parameters()) + (list(self.head.parameters()) if self.head is not None else [])
-        self.optimiser = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        self.optimiser = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
+                                           **optimiser_options(config.device))
         self.steps_per_epoch = len(self.train_index) // config.batch_size
         self.total_steps = self.steps_per_epoch * config.epochs
         self.step, self.history = 0, []
@@ -196,16 +172,15 @@ class Pretrainer:
 
     def fit(self) -> dict:
         self.fill_targets()
-        data = DistillDataset(self.images, self.targets.values, self.train_index, self.config.seed, self.labels)
+        data = CachedViews(self.images, self.targets.values, self.labels, self.config.seed)
         last_save, start = time.time(), time.time()
         bar = tqdm(total=self.total_steps, initial=self.step, desc="distilling", unit="step",
                    disable=not self.config.progress, dynamic_ncols=True)
         try:
             while self.step < self.total_steps:
                 epoch, skip = divmod(self.step, self.steps_per_epoch)
-                data.epoch = epoch
-                for x, t, y in self._loader(data, epoch, skip):
-                    parts = self._train_step(x, t, y)
+                for step_index in self._epoch_batches(epoch, skip):
+                    parts = self._train_step(*data.batch(step_index, epoch, self.step))
                     self.step += 1
                     bar.update(1)
                     bar.set_postfix(epoch=epoch + 1, cos=f"{parts['cos_loss']:.3f}", sim=f"{parts['sim_loss']:.4f}")
@@ -220,21 +195,20 @@ class Pretrainer:
             self.save()
         return self.write_metrics("finished")
 
-    def _loader(self, data: DistillDataset, epoch: int, skip: int):
-        order = torch.from_numpy(np.random.default_rng((self.config.seed, epoch)).permutation(len(data)))
-        order = order[skip * self.config.batch_size:(self.steps_per_epoch) * self.config.batch_size]
-        return DataLoader(data, batch_size=self.config.batch_size, sampler=order.tolist(), drop_last=True,
-                          num_workers=1, persistent_workers=False)
+    def _epoch_batches(self, epoch: int, skip: int):
+        """The epoch's shuffled training indices, one batch at a time, from batch `skip` on (for --resume)."""
+        order = self.train_index[np.random.default_rng((self.config.seed, epoch)).permutation(len(self.train_index))]
+        size = self.config.batch_size
+        for k in range(skip, self.steps_per_epoch):
+            yield np.sort(order[k * size:(k + 1) * size])
 
     def _train_step(self, x: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         self.model.train()
         for group in self.optimiser.param_groups:
             group["lr"] = lr_at(self.step, self.total_steps, self.config.lr, self.config.warmup_steps)
-        x = F.interpolate(x, size=(INPUT_SIZE, INPUT_SIZE), mode="bilinear", align_corners=False)
-        x = x.to(self.device).contiguous(memory_format=torch.channels_last)
+        x = x.to(self.device)
         target = F.normalize(target.to(self.device), dim=1)
-        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
-            student = self.model(x)
+        student = self.model(x)  # the trunk in bf16 where the hardware has it (models.fast_step)
         loss, parts = distillation_loss(student.float(), target, self.config.sim_weight)
         if self.head is not None:
             y = labels.to(self.device) if labels is not None else None
@@ -276,7 +250,7 @@ class Pretrainer:
         out = []
         for i in range(0, len(crops), batch_size):
             x = torch.from_numpy(to_input(crops[i:i + batch_size], INPUT_SIZE)).to(self.device)
-            out.append(self.model(x.contiguous(memory_format=torch.channels_last)).float().cpu().numpy())
+            out.append(self.model(x).float().cpu().numpy())
         return np.concatenate(out)
 
     def evaluate(self) -> dict:

@@ -8,8 +8,6 @@ before it may teach.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 import torch.nn.functional as F

@@ -28,6 +28,7 @@ from models.embedders import TorchEmbedder
 from models.evaluation.evaluate import embed_all
 from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.face_model import FaceModel, ModelConfig, load_checkpoint, save_checkpoint
+from models.fast_step import accelerate, optimiser_options
 from models.faces import augment
 from models.faces.crops import FaceCrops
 from models.faces.splits import TrainingSplit
@@ -56,6 +57,7 @@ class TrainConfig:
     anchor_weight: float | None = None  # C of the anchor to the starting embedder; None: 10 from face weights, else 0
     seed: int = 0
     max_eval_pairs: int = 100_000
+    precision: str = "auto"            # the trunk's training dtype (models.fast_step): auto | bf16 | fp32
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -199,11 +201,13 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(config.seed)
         self.model = build_model(config, split.train)
+        self.precision = accelerate(self.model, config.precision)
         if config.imprint_head and config.init != "none":
             self._imprint()
         # taken before any step (and before a resume loads later weights): the model training started from
         self.start_net = frozen_copy(self.model.backbone) if config.anchor_weight > 0 else None
-        self.optimiser = torch.optim.Adam(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.optimiser = torch.optim.Adam(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                          **optimiser_options("cpu"))
         self.generator = torch.Generator().manual_seed(config.seed)
         self.history: list[dict] = []
         self.best_loss, self.best_epoch, self.bad_epochs, self.start_epoch = float("inf"), None, 0, 1
