@@ -1,13 +1,16 @@
 """Training images/s: the trainer's epoch loop vs a bare PyTorch loop, same model, data and batch.
 
 python -m bench.train_throughput --out bench/results
-Both loops read the same DataLoader (weak augmentation) and take the same Adam steps; the
+Two tables. The distillation step (`ffr pretrain`'s, whose trunk settings `ffr train` and device
+training share through `models.fast_step`) before and after each speed change (`bench.distill_step`).
+Then the trainer's loop against a bare PyTorch loop: both loops read the same DataLoader (weak augmentation) and take the same Adam steps; the
 difference is what the trainer adds (loss parts, accuracy, progress). The full Trainer
 epoch (with validation, verification metrics and checkpoints) is reported beside them.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import tempfile
 import time
@@ -21,6 +24,7 @@ from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
 from models.faces.splits import training_split
 from models.faces.synthetic import write_dataset
+from models.fast_step import accelerate, optimiser_options
 from models.training import TrainConfig, Trainer, build_model, train_epoch, train_loader
 
 
@@ -47,8 +51,16 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating measured epochs per loop")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--distill-steps", type=int, default=8, help="measured steps per row and round")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from bench.distill_step import distill_step_rows
+
+    distill_table, distill_data = distill_step_rows(steps=args.distill_steps)
+    command = f"python -m bench.train_throughput --threads {args.threads} --distill-steps {args.distill_steps}"
+    write_results(args.out, "distill_step_throughput", distill_data, distill_table,
+                  "Distillation step, MobileNetV2-128 student, batch 64, 112 px crops -> 128 px, CPU: each change",
+                  command)
     with tempfile.TemporaryDirectory() as tmp:
         data = write_dataset(Path(tmp) / "faces", args.identities, args.images, seed=0)
         crops = crop_index(load_index(data), CropConfig(detector="none"), use_cache=False, progress=False)
@@ -59,25 +71,36 @@ def main(argv=None) -> int:
         loader = train_loader(split.train, config, torch.Generator().manual_seed(0))
         n = len(loader) * args.batch_size if loader.drop_last else len(split.train)
         bare_epoch(model, loader, optimiser)  # warm-up
-        trainer_ips, bare_ips = [], []
-        for _ in range(args.rounds):  # alternate so drift in machine load hits both
+        fast = copy.deepcopy(model)  # the same loop with the trunk settings ffr train now uses (models.fast_step)
+        fast_dtype = accelerate(fast, "auto")
+        fast_optimiser = torch.optim.Adam(fast.parameters(), lr=config.lr, **optimiser_options("cpu"))
+        bare_epoch(fast, loader, fast_optimiser)  # warm-up
+        trainer_ips, bare_ips, fast_ips = [], [], []
+        for _ in range(args.rounds):  # alternate so drift in machine load hits all
             trainer_ips.append(images_per_second(lambda: train_epoch(model, loader, optimiser), n))
             bare_ips.append(images_per_second(lambda: bare_epoch(model, loader, optimiser), n))
+            fast_ips.append(images_per_second(lambda: train_epoch(fast, loader, fast_optimiser), n))
         # the loop's overhead, not an objective's cost: no anchor (its extra forward would count as overhead)
-        full = Trainer(TrainConfig(epochs=1, batch_size=args.batch_size, progress=False, anchor_weight=0.0), split,
+        full = Trainer(TrainConfig(epochs=1, batch_size=args.batch_size, progress=False, anchor_weight=0.0,
+                                   precision="fp32"), split,
                        Path(tmp) / "run")
         start = time.perf_counter()
         full.fit()
         full_seconds = time.perf_counter() - start
     trainer, bare = max(trainer_ips), max(bare_ips)
+    fast_rate = max(fast_ips)
     rows = [{"loop": "bare PyTorch", "images_per_s": bare, "overhead_vs_bare": 0.0},
             {"loop": "ffr trainer (train_epoch)", "images_per_s": trainer, "overhead_vs_bare": 1.0 - trainer / bare},
+            {"loop": f"ffr trainer, fast step (trunk {fast_dtype or 'fp32'}, channels_last, foreach Adam): "
+                     "what ffr train and devices now run", "images_per_s": fast_rate,
+             "overhead_vs_bare": 1.0 - fast_rate / bare},
             {"loop": "ffr Trainer.fit, 1 epoch incl. validation, metrics, checkpoints",
              "images_per_s": n / full_seconds, "overhead_vs_bare": 1.0 - (n / full_seconds) / bare}]
     command = (f"python -m bench.train_throughput --identities {args.identities} --images {args.images} "
                f"--rounds {args.rounds} --batch-size {args.batch_size} --threads {args.threads}")
     write_results(args.out, "train_throughput",
-                  {"train_images": n, "all_trainer_ips": trainer_ips, "all_bare_ips": bare_ips},
+                  {"train_images": n, "all_trainer_ips": trainer_ips, "all_bare_ips": bare_ips,
+                   "all_fast_ips": fast_ips},
                   rows, "Training throughput, MobileNetV2-1.0, 128 px, CosFace, weak augmentation, CPU", command)
     return 0
 
