@@ -47,4 +47,5 @@ class FaceEmbedder(nn.Module):
             x = x.contiguous(memory_format=torch.channels_last)
         with torch.autocast(x.device.type, dtype=self.compute_dtype or torch.float32, enabled=fast):
             x = self.pool(self.features(x)).flatten(1)
-        return F.normalize(self.bn(self.embedding(self.dropout(x.float()))), dim=1)
+        x = x.to(self.embedding.weight.dtype)  # out of autocast: the embedding layer on, in the model's own dtype
+        return F.normalize(self.bn(self.embedding(self.dropout(x))), dim=1)

@@ -90,7 +90,7 @@ def cmd_train(args) -> int:
                          aug=args.aug, head=args.head, width_mult=args.width_mult, init=args.init,
                          weights_path=str(args.weights) if args.weights else None, dfc=args.dfc,
                          class_weighted=args.class_weighted, anchor_weight=args.anchor_weight, seed=args.seed,
-                         progress=not args.quiet, extra={"data": str(args.data)})
+                         precision=args.precision, progress=not args.quiet, extra={"data": str(args.data)})
     out.mkdir(parents=True, exist_ok=True)
     tracker = NullTracker() if not args.mlflow else MlflowTracker(args.mlflow_uri or default_tracking_uri(out))
     trainer = Trainer(config, split, out, tracker)
@@ -115,6 +115,14 @@ def resume_command(args) -> str:
 
     argv = [a for a in getattr(args, "argv", []) if a not in ("--force", "-q", "--quiet")]
     return shlex.join(["ffr", *argv, *([] if "--resume" in argv else ["--resume"])])
+
+
+def add_precision_option(p: argparse.ArgumentParser) -> None:
+    from models.fast_step import PRECISIONS
+
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="the trunk's training precision: auto (bf16 autocast on CUDA or on CPUs with AMX / AVX-512 "
+                        "BF16, else fp32; default), bf16 or fp32")
 
 
 def cmd_pretrain(args) -> int:
@@ -315,6 +323,7 @@ def add_commands(sub) -> None:
     p.add_argument("--mlflow-uri", help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
     p.add_argument("--no-mlflow", dest="mlflow", action="store_false", help="do not log to MLflow")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    add_precision_option(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("pretrain", help="distil the face embedder from a public teacher (SFace) on unlabelled faces",
@@ -347,8 +356,7 @@ def add_commands(sub) -> None:
                         "images are distilled too and get a CosFace margin loss on their identities (repeatable)")
     p.add_argument("--margin-weight", type=float, default=1.0, help="weight of the margin loss (default 1)")
     p.add_argument("--warmup-steps", type=int, default=300, help="linear learning-rate warm-up (default 300 steps)")
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="auto: bf16 autocast on CUDA or on CPUs with AVX-512 BF16/AMX, else fp32")
+    add_precision_option(p)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda when a GPU is there")
     p.add_argument("--online", action=argparse.BooleanOptionalAction, default=None,
                    help="teacher in the loop: every step's jittered views get their own teacher targets (the "

@@ -11,8 +11,10 @@ ONNX export run the trunk in fp32 whatever was set. `bench.train_throughput` mea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `ffr --help` reads PRECISIONS without loading it
+    import torch
 
 PRECISIONS = ("auto", "bf16", "fp32")
 FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -31,6 +33,8 @@ def cpu_has_fast_bf16(flags: str | None = None) -> bool:
 
 def resolve_precision(precision: str, device: str | torch.device, flags: str | None = None) -> torch.dtype | None:
     """The trunk's autocast dtype: bf16 on CUDA or a CPU with fast bf16 ("auto"), or when asked; None is fp32."""
+    import torch
+
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     if precision == "fp32":
@@ -43,6 +47,8 @@ def resolve_precision(precision: str, device: str | torch.device, flags: str | N
 def accelerate(model: torch.nn.Module, precision: str = "auto", device: str | torch.device = "cpu",
                flags: str | None = None) -> torch.dtype | None:
     """Set every FaceEmbedder trunk in `model` to train in the resolved dtype, channels_last; returns the dtype."""
+    import torch
+
     from models.backbone import FaceEmbedder
 
     dtype = resolve_precision(precision, device, flags)
