@@ -139,8 +139,9 @@ def cmd_pretrain(args) -> int:
     config = PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                             init=args.init, labelled=[str(d) for d in args.labelled], margin_weight=args.margin_weight,
                             epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
-                            warmup_steps=args.warmup_steps,
-                            precision=args.precision, device=args.device, threads=args.threads,
+                            warmup_steps=args.warmup_steps, loss=args.loss, views=args.views,
+                            bank_weight=args.bank_weight, bank_temperature=args.bank_temperature,
+                            budget_minutes=args.budget_minutes, precision=args.precision, device=args.device, threads=args.threads,
                             eval_data=[str(d) for d in args.eval_data], max_images=args.max_images,
                             checkpoint_every_s=args.checkpoint_every, seed=args.seed, progress=not args.quiet)
     trainer = Pretrainer(config, out, args.cache_dir)
@@ -169,8 +170,9 @@ def _pretrain_online(args, spec: dict) -> int:
     out: Path = args.out
     if (out / "progress.json").exists() and not (args.resume or args.force):
         raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it or --force to start over")
-    if args.labelled:
-        raise SystemExit("ffr pretrain: --labelled needs the cached path (--no-online)")
+    if args.labelled or args.loss != "cosine" or args.views != 2:
+        raise SystemExit("ffr pretrain: --labelled, --loss bank and --views need the cached path (--no-online); "
+                         "--online draws a fresh view every step")
     config = OnlineConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                           init=args.init, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                           sim_weight=args.sim_weight, epochs=args.epochs, budget_minutes=args.budget_minutes,
@@ -362,8 +364,18 @@ def add_commands(sub) -> None:
                    help="teacher in the loop: every step's jittered views get their own teacher targets (the "
                         "default with --device cuda); --no-online reads two cached views per image (the CPU default)")
     p.add_argument("--budget-minutes", type=float,
-                   help="online: run for this much training time in all, the learning rate decaying over it "
+                   help="train for this much time in all (across --resume), the learning rate decaying over it "
                         "(default: --epochs decide)")
+    p.add_argument("--loss", choices=("cosine", "bank"), default="cosine",
+                   help="cosine: 1 - cos to the teacher + --sim-weight x the batch's pairwise similarities (default); "
+                        "bank: 1 - cos + --bank-weight x KL of similarities to a memory bank of every cached teacher "
+                        "view, each sample weighted by how wrong the student is")
+    p.add_argument("--views", type=int, default=2,
+                   help="teacher views cached per image: the image and its mirror (2, default), then small "
+                        "geometric jitters, each embedded once (e.g. 8)")
+    p.add_argument("--bank-weight", type=float, default=1.0, help="--loss bank: weight of the bank term (default 1)")
+    p.add_argument("--bank-temperature", type=float, default=0.1,
+                   help="--loss bank: softmax temperature over bank similarities (default 0.1)")
     p.add_argument("--stop-after-minutes", type=float,
                    help="online: stop this call after so many minutes, checkpointed; --resume goes on")
     p.add_argument("--eval-every", type=int, default=500, help="online: steps between held-out evaluations")

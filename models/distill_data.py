@@ -3,8 +3,9 @@
 The teacher is the expensive part (an SFace forward costs more than a student training step
 on a CPU), so each (image, view) is embedded once and kept in a memory-mapped file beside a
 done-mask; an interrupted run, a second run on the same data or a later session reads them back.
-View 0 is the image, view 1 its mirror image: the teacher sees exactly what the student sees,
-before the student's photometric augmentation.
+View 0 is the image, view 1 its mirror image, and views 2 and up (`--views N`) small geometric
+jitters (scale, shift, rotation, mirror), each fixed per (view, image) so that the student is
+shown exactly the view the teacher embedded, before the student's photometric augmentation.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from tqdm import tqdm
 
 from models.faces.imageio import UnreadableImage, is_image_file, read_rgb
 
-N_VIEWS = 2  # the image and its mirror image
+N_VIEWS = 2  # the image and its mirror image (the default; --views N adds N - 2 geometric jitters)
+VIEW_SEED = 20261124  # part of each jittered view's identity: changing it changes every cached view
 
 
 def list_images(dirs: list[Path]) -> list[Path]:
@@ -59,9 +61,27 @@ def load_crops(files: list[Path], size: int = 112, threads: int = 2, progress: b
     return images, [files[i] for i in ok], bad
 
 
-def view(images: np.ndarray, v: int) -> np.ndarray:
-    """View `v` of a batch of NHWC crops: 0 is the image, 1 its mirror image."""
-    return images if v == 0 else np.ascontiguousarray(images[:, :, ::-1])
+def view_uniforms(v: int, index: np.ndarray) -> np.ndarray:
+    """The (len(index), 5) uniforms that fix view `v` of each image: the same on every machine and run."""
+    return np.stack([np.random.default_rng((VIEW_SEED, v, int(i))).random(5) for i in index])
+
+
+def view(images: np.ndarray, v: int, index: np.ndarray | None = None) -> np.ndarray:
+    """View `v` of a batch of NHWC uint8 crops (`index`: their image numbers, needed for v >= 2): 0 is the
+    image, 1 its mirror image, v >= 2 the geometric jitter fixed for (v, image), rounded back to uint8."""
+    if v == 0:
+        return images
+    if v == 1:
+        return np.ascontiguousarray(images[:, :, ::-1])
+    import torch
+
+    from models.online_views import ViewJitter, affines_from_uniforms, warp
+
+    if index is None or len(index) != len(images):
+        raise ValueError("a jittered view needs the images' numbers")
+    theta = affines_from_uniforms(torch.from_numpy(view_uniforms(v, index)).float(), ViewJitter())
+    chw = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
+    return warp(chw, theta).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
 def dataset_key(files: list[Path]) -> str:
@@ -102,24 +122,28 @@ class TeacherTargets:
     def complete(self) -> bool:
         return bool(self.done.all())
 
-    def fill(self, teacher, images: np.ndarray, batch_size: int = 64, progress: bool = True) -> None:
-        """Embed every (view, image) not yet done; flushed every batch, so Ctrl-C loses at most one."""
+    def fill(self, teacher, images: np.ndarray, batch_size: int = 64, progress: bool = True) -> int:
+        """Embed every (view, image) not yet done; flushed every batch, so Ctrl-C loses at most one. Returns how
+        many embeddings the teacher computed (0 when the cache was complete)."""
         todo = [(v, i) for v in range(self.done.shape[0]) for i in np.flatnonzero(self.done[v] == 0)]
         bar = tqdm(total=len(todo), desc="teacher embeddings (cached)", unit="img", disable=not progress)
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
             for v in sorted({v for v, _ in chunk}):
                 idx = np.array([i for w, i in chunk if w == v])
-                self.values[v, idx] = teacher.embed(view(images[idx], v)).astype(np.float16)
+                self.values[v, idx] = teacher.embed(view(images[idx], v, idx)).astype(np.float16)
                 self.values.flush()
                 self.done[v, idx] = 1
                 self.done.flush()
             bar.update(len(chunk))
         bar.close()
+        return len(todo)
 
 
-def targets_dir(cache_root: Path, teacher_sha256: str, files: list[Path]) -> Path:
-    return Path(cache_root) / "teacher_targets" / f"{teacher_sha256[:12]}-{dataset_key(files)}"
+def targets_dir(cache_root: Path, teacher_sha256: str, files: list[Path], views: int = N_VIEWS) -> Path:
+    """One cache per teacher, data and number of views (the two-view cache keeps its old name)."""
+    suffix = "" if views == N_VIEWS else f"-views{views}"
+    return Path(cache_root) / "teacher_targets" / f"{teacher_sha256[:12]}-{dataset_key(files)}{suffix}"
 
 
 def default_cache_root() -> Path:

@@ -33,23 +33,34 @@ def _uniform(n: int, low: float, high: float, generator: torch.Generator) -> tor
     return low + (high - low) * torch.rand(n, generator=generator, device=generator.device)
 
 
-def random_affines(n: int, jitter: ViewJitter, generator: torch.Generator) -> torch.Tensor:
-    """(n, 2, 3) affine matrices in `affine_grid`'s normalised coordinates (output -> input)."""
-    scale = _uniform(n, 1 - jitter.scale, 1 + jitter.scale, generator)
-    angle = _uniform(n, -jitter.rotate_deg, jitter.rotate_deg, generator) * (math.pi / 180)
-    shift = _uniform(2 * n, -2 * jitter.shift, 2 * jitter.shift, generator).view(n, 2)
-    mirror = torch.where(torch.rand(n, generator=generator, device=generator.device) < jitter.mirror, -1.0, 1.0)
+def affines_from_uniforms(u: torch.Tensor, jitter: ViewJitter) -> torch.Tensor:
+    """(n, 5) uniforms in [0, 1) -> (n, 2, 3) affine matrices in `affine_grid`'s normalised coordinates
+    (output -> input): zoom, rotation, shift x, shift y, mirror. A fixed u gives a fixed view, which is how a
+    cached view is recomputed exactly (`models.distill_data.view`)."""
+    scale = 1 - jitter.scale + 2 * jitter.scale * u[:, 0]
+    angle = (2 * u[:, 1] - 1) * jitter.rotate_deg * (math.pi / 180)
+    shift = (2 * u[:, 2:4] - 1) * 2 * jitter.shift
+    mirror = torch.where(u[:, 4] < jitter.mirror, -1.0, 1.0).to(u.dtype)
     cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
     return torch.stack([torch.stack([cos * mirror, -sin, shift[:, 0]], 1),
                         torch.stack([sin * mirror, cos, shift[:, 1]], 1)], 1)
 
 
-def geometric_views(crops: torch.Tensor, jitter: ViewJitter, generator: torch.Generator) -> torch.Tensor:
-    """uint8 (N,3,H,W) crops -> float (N,3,H,W) jittered views in 0..255 (reflected at the borders)."""
+def random_affines(n: int, jitter: ViewJitter, generator: torch.Generator) -> torch.Tensor:
+    """(n, 2, 3) random view affines drawn from `generator`."""
+    return affines_from_uniforms(torch.rand(n, 5, generator=generator, device=generator.device), jitter)
+
+
+def warp(crops: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """uint8 (N,3,H,W) crops and (N,2,3) affines -> float (N,3,H,W) views in 0..255 (reflected at the borders)."""
     x = crops.float()
-    theta = random_affines(len(x), jitter, generator).to(x.dtype)
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    grid = F.affine_grid(theta.to(x.dtype), list(x.shape), align_corners=False)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+
+
+def geometric_views(crops: torch.Tensor, jitter: ViewJitter, generator: torch.Generator) -> torch.Tensor:
+    """uint8 (N,3,H,W) crops -> float (N,3,H,W) randomly jittered views in 0..255."""
+    return warp(crops, random_affines(len(crops), jitter, generator))
 
 
 def _chosen(p: float, n: int, generator: torch.Generator) -> torch.Tensor:

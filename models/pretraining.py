@@ -25,14 +25,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from models.backbone import FaceEmbedder
-from models.distill_data import (N_VIEWS, TeacherTargets, default_cache_root, list_images, load_crops,
-                                 targets_dir)
-from models.distillation import distillation_loss
+from models.distill_data import TeacherTargets, default_cache_root, list_images, load_crops, targets_dir, view
+from models.distillation import bank_distillation_loss, distillation_loss
 from models.online_views import photometric, student_input
 from models.faces.preprocess import INPUT_SIZE
 from models.face_weights import save_embedder
 from models.fast_step import accelerate, optimiser_options
 
+LOSSES = ("cosine", "bank")
 CROP_SIZE = 112  # the aligned sets' and the teacher's size; the student sees them at INPUT_SIZE
 
 
@@ -48,6 +48,11 @@ class PretrainConfig:
     weight_decay: float = 1e-2
     warmup_steps: int = 300
     sim_weight: float = 2.0
+    loss: str = "cosine"            # cosine (L_cos + sim_weight L_sim over the batch) | bank (models.distillation)
+    views: int = 2                  # cached teacher views per image: the image, its mirror, then geometric jitters
+    bank_weight: float = 1.0
+    bank_temperature: float = 0.1
+    budget_minutes: float | None = None  # when set, the run stops and its schedule ends after this much training
     labelled: list[str] = field(default_factory=list)  # sets with one sub-folder per person: + a margin loss
     margin_weight: float = 1.0
     precision: str = "auto"         # auto (bf16 where the CPU has it, or CUDA) | bf16 | fp32
@@ -69,14 +74,17 @@ class CachedViews:
     no per-image Python transform and no loader process competing with the step for the CPU's cores."""
 
     def __init__(self, images: np.ndarray, targets: np.ndarray, labels: np.ndarray, seed: int):
-        self.crops = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
+        self.images = images
         self.targets, self.labels, self.seed = targets, torch.from_numpy(labels), seed
 
     def batch(self, index: np.ndarray, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng((self.seed, epoch, step))
-        views = rng.integers(N_VIEWS, size=len(index))
-        crops = self.crops[torch.from_numpy(index)]
-        crops = torch.where(torch.from_numpy(views == 1).view(-1, 1, 1, 1), crops.flip(-1), crops)
+        views = rng.integers(len(self.targets), size=len(index))
+        crops = np.empty((len(index), *self.images.shape[1:]), np.uint8)
+        for v in np.unique(views):
+            chosen = views == v
+            crops[chosen] = view(self.images[index[chosen]], int(v), index[chosen])
+        crops = torch.from_numpy(crops).permute(0, 3, 1, 2)
         generator = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
         x = student_input(photometric(crops.float() / 255.0, generator))
         target = torch.from_numpy(self.targets[views, index].astype(np.float32))
@@ -126,8 +134,10 @@ class Pretrainer:
                              f"found {len(self.files)}")
         spec = TeacherSpec(**config.teacher_spec) if config.teacher_spec else None
         self.teacher = load_teacher(config.teacher, threads=config.threads, spec=spec)
-        self.targets = TeacherTargets.open(targets_dir(cache_root or default_cache_root(), self.teacher.sha256, self.files),
-                                           len(self.files), self.teacher.dim,
+        if config.loss not in LOSSES or config.views < 2:
+            raise ValueError(f"--loss must be one of {', '.join(LOSSES)} and --views at least 2")
+        root = targets_dir(cache_root or default_cache_root(), self.teacher.sha256, self.files, config.views)
+        self.targets = TeacherTargets.open(root, len(self.files), self.teacher.dim, views=config.views,
                                            meta={"teacher_sha256": self.teacher.sha256, "size": CROP_SIZE,
                                                  **({"teacher_spec": config.teacher_spec} if config.teacher_spec
                                                     else {})})
@@ -145,7 +155,7 @@ class Pretrainer:
                                            **optimiser_options(config.device))
         self.steps_per_epoch = len(self.train_index) // config.batch_size
         self.total_steps = self.steps_per_epoch * config.epochs
-        self.step, self.history = 0, []
+        self.step, self.trained_s, self.history, self.teacher_embeddings_computed = 0, 0.0, [], 0
         self.eval_sets = [self._eval_set(Path(d)) for d in config.eval_data]
 
     def _student(self) -> FaceEmbedder:
@@ -168,7 +178,15 @@ class Pretrainer:
     # --- training -------------------------------------------------------------------------------------------
 
     def fill_targets(self) -> None:
-        self.targets.fill(self.teacher, self.images, progress=self.config.progress)
+        self.teacher_embeddings_computed += self.targets.fill(self.teacher, self.images, progress=self.config.progress)
+        if self.config.loss == "bank":  # every cached view of the training images (never the held-out ones)
+            bank = torch.from_numpy(self.targets.values[:, self.train_index].reshape(-1, self.teacher.dim))
+            self.bank = F.normalize(bank.float(), dim=1).to(self.device)
+
+    def done(self) -> bool:
+        if self.config.budget_minutes:
+            return self.trained_s >= 60 * self.config.budget_minutes
+        return self.step >= self.total_steps
 
     def fit(self) -> dict:
         self.fill_targets()
@@ -177,18 +195,23 @@ class Pretrainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="distilling", unit="step",
                    disable=not self.config.progress, dynamic_ncols=True)
         try:
-            while self.step < self.total_steps:
+            while not self.done():
                 epoch, skip = divmod(self.step, self.steps_per_epoch)
                 for step_index in self._epoch_batches(epoch, skip):
+                    tick = time.time()
                     parts = self._train_step(*data.batch(step_index, epoch, self.step))
                     self.step += 1
+                    self.trained_s += time.time() - tick
                     bar.update(1)
-                    bar.set_postfix(epoch=epoch + 1, cos=f"{parts['cos_loss']:.3f}", sim=f"{parts['sim_loss']:.4f}")
+                    bar.set_postfix(epoch=epoch + 1, **{k.removesuffix("_loss"): f"{v:.4f}" for k, v in parts.items()
+                                                        if k != "loss"})
                     self._log_step(parts)
                     if time.time() - last_save > self.config.checkpoint_every_s:
                         self.save()
                         last_save = time.time()
-                if self.step % self.steps_per_epoch == 0:
+                    if self.done():
+                        break
+                if self.step % self.steps_per_epoch == 0 or self.done():
                     self._end_epoch(epoch + 1, time.time() - start)
         finally:
             bar.close()
@@ -205,11 +228,15 @@ class Pretrainer:
     def _train_step(self, x: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         self.model.train()
         for group in self.optimiser.param_groups:
-            group["lr"] = lr_at(self.step, self.total_steps, self.config.lr, self.config.warmup_steps)
+            group["lr"] = self._lr()
         x = x.to(self.device)
         target = F.normalize(target.to(self.device), dim=1)
         student = self.model(x)  # the trunk in bf16 where the hardware has it (models.fast_step)
-        loss, parts = distillation_loss(student.float(), target, self.config.sim_weight)
+        if self.config.loss == "bank":
+            loss, parts = bank_distillation_loss(student.float(), target, self.bank, self.config.bank_weight,
+                                                 self.config.bank_temperature)
+        else:
+            loss, parts = distillation_loss(student.float(), target, self.config.sim_weight)
         if self.head is not None:
             y = labels.to(self.device) if labels is not None else None
             known = y >= 0 if y is not None else None
@@ -224,6 +251,14 @@ class Pretrainer:
         self.optimiser.step()
         return {**parts, "loss": float(loss.detach())}
 
+    def _lr(self) -> float:
+        cfg = self.config
+        if cfg.budget_minutes:
+            from models.online_distill import time_lr
+
+            return time_lr(self.step, self.trained_s / (60 * cfg.budget_minutes), cfg.lr, cfg.warmup_steps)
+        return lr_at(self.step, self.total_steps, cfg.lr, cfg.warmup_steps)
+
     def _log_step(self, parts: dict) -> None:
         self._running = getattr(self, "_running", {})
         for k, v in parts.items():
@@ -233,7 +268,7 @@ class Pretrainer:
         running = {k: float(np.mean(v)) for k, v in getattr(self, "_running", {}).items()}
         self._running = {}
         row = {"epoch": epoch, "step": self.step, "samples": self.step * self.config.batch_size,
-               "elapsed_s": round(elapsed, 1), **{f"train_{k}": round(v, 5) for k, v in running.items()},
+               "elapsed_s": round(elapsed, 1), "trained_s": round(self.trained_s, 1), **{f"train_{k}": round(v, 5) for k, v in running.items()},
                **self.evaluate()}
         self.history.append(row)
         self.save()
@@ -272,6 +307,7 @@ class Pretrainer:
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"model": self.model.state_dict(), "optimiser": self.optimiser.state_dict(), "step": self.step,
+                 "trained_s": self.trained_s,
                  "head": self.head.state_dict() if self.head is not None else None,
                  "history": self.history, "config": asdict(self.config), "files_key": self.targets.root.name}
         tmp = self.out / "latest.pt.tmp"
@@ -286,7 +322,7 @@ class Pretrainer:
         if state["files_key"] != self.targets.root.name:
             raise ValueError(f"{self.out} was trained on other data or another teacher; use a new --out")
         saved = state["config"]
-        for key in ("batch_size", "epochs", "teacher", "data", "labelled"):
+        for key in ("batch_size", "epochs", "teacher", "data", "labelled", "loss", "views", "budget_minutes"):
             if saved[key] != asdict(self.config)[key]:
                 raise ValueError(f"--{key.replace('_', '-')} differs from the run being resumed "
                                  f"({saved[key]!r} there, {asdict(self.config)[key]!r} now)")
@@ -295,10 +331,13 @@ class Pretrainer:
             self.head.load_state_dict(state["head"])
         self.optimiser.load_state_dict(state["optimiser"])
         self.step, self.history = int(state["step"]), list(state["history"])
+        self.trained_s = float(state.get("trained_s", 0.0))
 
     def write_metrics(self, status: str) -> dict:
         metrics = {"status": status, "step": self.step, "total_steps": self.total_steps,
                    "samples": self.step * self.config.batch_size, "images": len(self.files),
+                   "trained_s": round(self.trained_s, 1),
+                   "teacher_embeddings_computed": self.teacher_embeddings_computed,
                    "unreadable": [str(p) for p in self.unreadable], "teacher": self.config.teacher,
                    "teacher_sha256": self.teacher.sha256, "precision": str(self.autocast or "fp32"),
                    "config": asdict(self.config), "history": self.history}

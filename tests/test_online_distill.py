@@ -132,7 +132,7 @@ def test_online_distillation_on_cpu_through_the_cli_lowers_the_loss_pauses_and_r
 def test_online_is_the_default_on_cuda_only_and_refuses_labelled_sets(tmp_path, pack, synthetic_dir, capsys):
     from ffr.cli import main
 
-    with pytest.raises(SystemExit, match="--labelled needs the cached path"):
+    with pytest.raises(SystemExit, match="need the cached path"):
         main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r"), "--online",
               "--labelled", str(synthetic_dir)])
     # without --online on a CPU, a pack is not a folder of crops: the cached path says so in one line

@@ -111,3 +111,53 @@ def test_teacher_cache_key_follows_contents_not_mtimes(tmp_path, synthetic_dir):
     data[-3] ^= 0xFF
     copied[0].write_bytes(bytes(data))
     assert dataset_key(copied) != dataset_key(files)
+
+
+def test_jittered_views_are_fixed_per_view_and_image():
+    from models.distill_data import view
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (3, 112, 112, 3), dtype=np.uint8)
+    index = np.array([5, 9, 11])
+    a, b = view(images, 3, index), view(images, 3, index)
+    assert a.dtype == np.uint8 and a.shape == images.shape and np.array_equal(a, b)
+    assert not np.array_equal(a, view(images, 4, index))           # another view
+    assert np.array_equal(view(images[1:2], 3, index[1:2]), a[1:2])  # the same image alone: the same view
+    with pytest.raises(ValueError, match="numbers"):
+        view(images, 2)
+
+
+@pytest.mark.parametrize("loss", ["cosine", "bank"])
+def test_each_loss_with_extra_cached_views_falls_and_a_second_run_reads_every_target_from_the_cache(
+        tmp_path, synthetic_dir, loss):
+    """`--loss bank --views 4` (and the default loss with 4 views): the teacher embeds each of 4 views of every
+    image once; a second run on the same data (a new run folder) computes none (counted), the bank included."""
+    from ffr.cli import main
+
+    cache = tmp_path / "cache"
+    args = ["-q", "pretrain", "--data", str(synthetic_dir), "--epochs", "6", "--batch-size", "12",
+            "--max-images", "48", "--lr", "3e-3", "--warmup-steps", "2", "--threads", "2", "--loss", loss,
+            "--views", "4", "--cache-dir", str(cache)]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    first = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert first["teacher_embeddings_computed"] == 48 * 4
+    losses = [row["train_loss"] for row in first["history"]]
+    assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
+    if loss == "bank":
+        assert all(row["train_bank_loss"] > 0 for row in first["history"])
+    assert main([*args, "--out", str(tmp_path / "b"), "--epochs", "1"]) == 0
+    assert json.loads((tmp_path / "b" / "metrics.json").read_text())["teacher_embeddings_computed"] == 0
+
+
+def test_a_budgeted_run_stops_on_time_and_resumes_to_the_same_budget(tmp_path, synthetic_dir):
+    from ffr.cli import main
+
+    out = tmp_path / "run"
+    args = ["-q", "pretrain", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "1000",
+            "--batch-size", "12", "--max-images", "48", "--threads", "2", "--budget-minutes", "0.05"]
+    assert main(args) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and 3.0 <= metrics["trained_s"] < 3.0 + 10
+    assert metrics["step"] < metrics["total_steps"]   # the budget, not the epochs, ended it
+    assert main([*args, "--resume"]) == 0              # finished: a no-op
+    assert json.loads((out / "metrics.json").read_text())["step"] == metrics["step"]
