@@ -139,7 +139,8 @@ def cmd_pretrain(args) -> int:
     config = PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                             init=args.init, labelled=[str(d) for d in args.labelled], margin_weight=args.margin_weight,
                             epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
-                            warmup_steps=args.warmup_steps, loss=args.loss, views=args.views,
+                            warmup_steps=args.warmup_steps, loss=args.loss,
+                            views=args.views or PretrainConfig.views,
                             bank_weight=args.bank_weight, bank_temperature=args.bank_temperature,
                             budget_minutes=args.budget_minutes, precision=args.precision, device=args.device, threads=args.threads,
                             eval_data=[str(d) for d in args.eval_data], max_images=args.max_images,
@@ -170,7 +171,7 @@ def _pretrain_online(args, spec: dict) -> int:
     out: Path = args.out
     if (out / "progress.json").exists() and not (args.resume or args.force):
         raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it or --force to start over")
-    if args.labelled or args.loss != "cosine" or args.views != 2:
+    if args.labelled or args.loss != "cosine" or args.views is not None:
         raise SystemExit("ffr pretrain: --labelled, --loss bank and --views need the cached path (--no-online); "
                          "--online draws a fresh view every step")
     config = OnlineConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
@@ -370,9 +371,9 @@ def add_commands(sub) -> None:
                    help="cosine: 1 - cos to the teacher + --sim-weight x the batch's pairwise similarities (default); "
                         "bank: 1 - cos + --bank-weight x KL of similarities to a memory bank of every cached teacher "
                         "view, each sample weighted by how wrong the student is")
-    p.add_argument("--views", type=int, default=2,
-                   help="teacher views cached per image: the image and its mirror (2, default), then small "
-                        "geometric jitters, each embedded once (e.g. 8)")
+    p.add_argument("--views", type=int,
+                   help="teacher views cached per image: the image, its mirror, then small geometric jitters, each "
+                        "embedded once (default 8; 2 = the image and its mirror only)")
     p.add_argument("--bank-weight", type=float, default=1.0, help="--loss bank: weight of the bank term (default 1)")
     p.add_argument("--bank-temperature", type=float, default=0.1,
                    help="--loss bank: softmax temperature over bank similarities (default 0.1)")

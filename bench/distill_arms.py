@@ -1,0 +1,100 @@
+"""Distillation recipes side by side on one fixed CPU budget (issue: "more from each sample").
+
+python -m bench.distill_arms --budget-minutes 5 --max-images 4000 --out bench/results
+
+Every arm starts from the shipped weights, reads the same images (a fixed random subset of the
+aligned UTKFace + All-Age-Faces crops) and trains for the same training time (`--budget-minutes`,
+the learning rate decaying over it), one after the other in one run:
+  (a) cosine: today's loss (1 - cos + 2 x batch pairwise similarity), 2 cached views;
+  (b) bank: relational KD against a memory bank of every cached teacher view, hardness-weighted;
+  (c) cosine with 8 cached views (the image, its mirror, 6 geometric jitters);
+  (b+c) bank with 8 cached views.
+Filling the teacher cache is reported apart (done once per data set, then reused by every run).
+Reported per arm: held-out cosine to the teacher and Glint24 AUC (people never in the data) at the end,
+and their change from the shipped weights per CPU-hour of training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench.common import faces_dir, write_results
+
+ARMS = {"a: cosine, 2 views": ("cosine", 2), "b: bank, 2 views": ("bank", 2),
+        "c: cosine, 8 views": ("cosine", 8), "b+c: bank, 8 views": ("bank", 8)}
+
+
+def run_arm(name: str, loss: str, views: int, args, data: list[Path], eval_set: Path) -> dict:
+    from ffr.cli import main
+
+    out = args.work / name.split(":")[0].replace("+", "")
+    argv = ["-q", "pretrain", *[a for d in data for a in ("--data", str(d))], "--out", str(out), "--force",
+            "--init", "face", "--epochs", "1000", "--lr", str(args.lr), "--warmup-steps", "50",
+            "--threads", str(args.threads), "--max-images", str(args.max_images), "--loss", loss,
+            "--views", str(views), "--budget-minutes", str(args.budget_minutes), "--eval-data", str(eval_set),
+            "--cache-dir", str(args.cache_dir)]
+    start = time.time()
+    if main(argv) != 0:
+        raise SystemExit(f"arm {name} failed")
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {"metrics": metrics, "wall_s": time.time() - start}
+
+
+def baseline(args, data: list[Path], eval_set: Path) -> dict:
+    """The shipped weights' figures on the same held-out images and eval set (no training)."""
+    from models.pretraining import PretrainConfig, Pretrainer
+
+    config = PretrainConfig(data=[str(d) for d in data], init="face", threads=args.threads, progress=False,
+                            max_images=args.max_images, eval_data=[str(eval_set)])
+    trainer = Pretrainer(config, args.work / "baseline", args.cache_dir)
+    trainer.fill_targets()
+    return trainer.evaluate()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-minutes", type=float, default=5.0, help="training time per arm")
+    parser.add_argument("--max-images", type=int, default=4000, help="images every arm reads (a fixed subset)")
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--work", type=Path, default=Path("runs/distill_arms"))
+    parser.add_argument("--cache-dir", type=Path, default=Path(".cache/distill_arms"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    faces = faces_dir()
+    if faces is None:
+        print("no face data (set FFR_FACES_DIR)", file=sys.stderr)
+        return 2
+    data = [faces / "utkface_aligned", faces / "all_age_faces_aligned"]
+    eval_set = faces / "glint24_aligned"
+    start = baseline(args, data, eval_set)
+    auc_key = "glint24_aligned_auc"
+    rows = [{"arm": "shipped weights (start)", "samples": 0, "train_cpu_h": 0.0,
+             "cosine_to_teacher": start["val_teacher_cosine"], "glint24_auc": start[auc_key],
+             "d_cosine_per_cpu_h": "", "d_auc_per_cpu_h": "", "teacher_fill": ""}]
+    detail = {"start": start}
+    for name in args.arms:
+        loss, views = ARMS[name]
+        result = run_arm(name, loss, views, args, data, eval_set)
+        m, last = result["metrics"], result["metrics"]["history"][-1]
+        hours = m["trained_s"] / 3600
+        rows.append({"arm": name, "samples": m["samples"], "train_cpu_h": round(hours * args.threads, 3),
+                     "cosine_to_teacher": last["val_teacher_cosine"], "glint24_auc": last[auc_key],
+                     "d_cosine_per_cpu_h": (last["val_teacher_cosine"] - start["val_teacher_cosine"]) / (hours * args.threads),
+                     "d_auc_per_cpu_h": (last[auc_key] - start[auc_key]) / (hours * args.threads),
+                     "teacher_fill": f"{m['teacher_embeddings_computed']} embeddings"})
+        detail[name] = {"history": m["history"], "wall_s": result["wall_s"]}
+    command = (f"python -m bench.distill_arms --budget-minutes {args.budget_minutes} --max-images {args.max_images} "
+               f"--lr {args.lr} --threads {args.threads}")
+    write_results(args.out, "distill_arms", detail, rows,
+                  f"Distillation arms, {args.budget_minutes} min of training each on {args.threads} CPU cores, "
+                  f"from the shipped weights, {args.max_images} images", command)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
