@@ -152,16 +152,7 @@ def cmd_pretrain(args) -> int:
     log.info("%d face images (%d unreadable, listed in metrics.json); teacher %s; %d steps of %d; precision %s",
              len(trainer.files), len(trainer.unreadable), args.teacher, trainer.total_steps, args.batch_size,
              trainer.autocast or "fp32")
-    try:
-        metrics = trainer.fit()
-    except KeyboardInterrupt:
-        trainer.write_metrics("interrupted")
-        print(f"\ninterrupted at step {trainer.step}: resume with  {resume_command(args)}", file=sys.stderr)
-        return 130
-    last = metrics["history"][-1] if metrics["history"] else {}
-    print(json.dumps({"status": metrics["status"], "out": str(out), "samples": metrics["samples"],
-                      "embedder": str(out / "embedder.safetensors"), **last}, indent=2))
-    return 0
+    return _fit_and_report(args, trainer, trainer.fit)
 
 
 def _pretrain_online(args, spec: dict) -> int:
@@ -186,15 +177,21 @@ def _pretrain_online(args, spec: dict) -> int:
         log.info("resuming %s at step %d (%.0f s trained)", out, trainer.step, trainer.trained_s)
     log.info("%d face crops on %s; teacher %s (agrees with ONNX Runtime to cosine %s); precision %s",
              len(trainer.names), trainer.device, args.teacher, trainer.teacher_agreement, trainer.autocast or "fp32")
+    stop_after_s = 60 * args.stop_after_minutes if args.stop_after_minutes else None
+    return _fit_and_report(args, trainer, lambda: trainer.fit(stop_after_s=stop_after_s))
+
+
+def _fit_and_report(args, trainer, fit) -> int:
+    """Either pretraining loop to its end: Ctrl-C leaves a resumable run and says how; the last row is printed."""
     try:
-        metrics = trainer.fit(stop_after_s=60 * args.stop_after_minutes if args.stop_after_minutes else None)
+        metrics = fit()
     except KeyboardInterrupt:
         trainer.write_metrics("interrupted")
         print(f"\ninterrupted at step {trainer.step}: resume with  {resume_command(args)}", file=sys.stderr)
         return 130
     last = metrics["history"][-1] if metrics["history"] else {}
-    print(json.dumps({"status": metrics["status"], "out": str(out), "samples": metrics["samples"],
-                      "embedder": str(out / "embedder.safetensors"), **last}, indent=2))
+    print(json.dumps({"status": metrics["status"], "out": str(args.out), "samples": metrics["samples"],
+                      "embedder": str(args.out / "embedder.safetensors"), **last}, indent=2))
     return 0
 
 
