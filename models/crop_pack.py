@@ -52,6 +52,8 @@ def unpack_crops(path: Path, threads: int = 2) -> tuple[np.ndarray, list[str]]:
         except (KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"{path} is not a crop pack ({exc})") from None
     n = len(offsets) - 1
+    if data.dtype != np.uint8 or data.ndim != 1 or offsets.dtype != np.int64 or offsets.ndim != 1:
+        raise ValueError(f"{path} is a damaged crop pack (its arrays have the wrong types)")
     if not (0 < n <= MAX_PACKED_IMAGES and len(names) == n and 16 <= size <= 512 and offsets[0] == 0
             and offsets[-1] == len(data) and (np.diff(offsets) > 0).all()):
         raise ValueError(f"{path} is a damaged crop pack (inconsistent offsets, names or size)")

@@ -15,7 +15,6 @@ state is saved as safetensors (no pickle) and resumes across machines.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from tqdm import tqdm
 from models.distillation import distillation_loss
 from models.face_weights import save_embedder
 from models.online_views import ViewJitter, geometric_views, photometric, student_input
+from models.pretraining import lr_at_fraction
 
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
 
@@ -74,13 +74,6 @@ def load_training_crops(data: list[str], size: int, threads: int, progress: bool
         images.append(crops)
         names += [f"{item.name}/{k}" for k in kept]
     return np.concatenate(images), names
-
-
-def time_lr(step: int, spent: float, base: float, warmup: int) -> float:
-    """Linear warm-up over `warmup` steps, then cosine decay to 1% over the fraction `spent` of the budget."""
-    if step < warmup:
-        return base * (step + 1) / warmup
-    return base * (0.01 + 0.99 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, spent))))
 
 
 class OnlineDistiller:
@@ -181,7 +174,7 @@ class OnlineDistiller:
     def train_step(self) -> dict:
         """One batch: jittered views -> teacher targets (no grad) -> student on a photometric copy -> AdamW."""
         cfg, spent = self.config, self._spent()
-        lr = time_lr(self.step, spent, cfg.lr, cfg.warmup_steps)
+        lr = lr_at_fraction(self.step, spent, cfg.lr, cfg.warmup_steps)
         for group in self.optimiser.param_groups:
             group["lr"] = lr
         pick = torch.randint(len(self.train_index), (cfg.batch_size,), generator=self.generator,

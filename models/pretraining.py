@@ -105,12 +105,17 @@ def identity_labels(roots: list[Path]) -> dict[Path, int]:
     return labels
 
 
-def lr_at(step: int, total: int, base: float, warmup: int) -> float:
-    """Linear warm-up, then cosine decay to 1% of the base rate."""
+def lr_at_fraction(step: int, spent: float, base: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 1% of the base rate over the fraction `spent`
+    of the run (of its steps, or of its time budget: Li et al., "Budgeted training", ICLR 2020)."""
     if step < warmup:
         return base * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base * (0.01 + 0.99 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return base * (0.01 + 0.99 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, spent))))
+
+
+def lr_at(step: int, total: int, base: float, warmup: int) -> float:
+    """`lr_at_fraction` over a run of `total` steps."""
+    return lr_at_fraction(step, max(0, step - warmup) / max(1, total - warmup), base, warmup)
 
 
 class Pretrainer:
@@ -255,9 +260,7 @@ class Pretrainer:
     def _lr(self) -> float:
         cfg = self.config
         if cfg.budget_minutes:
-            from models.online_distill import time_lr
-
-            return time_lr(self.step, self.trained_s / (60 * cfg.budget_minutes), cfg.lr, cfg.warmup_steps)
+            return lr_at_fraction(self.step, self.trained_s / (60 * cfg.budget_minutes), cfg.lr, cfg.warmup_steps)
         return lr_at(self.step, self.total_steps, cfg.lr, cfg.warmup_steps)
 
     def _log_step(self, parts: dict) -> None:

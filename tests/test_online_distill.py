@@ -54,7 +54,7 @@ def test_a_crop_pack_round_trips_every_readable_crop_and_names_it(pack, syntheti
         assert raw["data"].nbytes < 0.5 * images.nbytes  # compressed, which is what it is for
 
 
-@pytest.mark.parametrize("damage", ["offsets", "size", "missing", "pickle"])
+@pytest.mark.parametrize("damage", ["offsets", "size", "missing", "pickle", "dtype"])
 def test_a_damaged_or_hostile_crop_pack_is_refused_in_one_line(pack, tmp_path, damage):
     from models.crop_pack import unpack_crops
 
@@ -67,6 +67,8 @@ def test_a_damaged_or_hostile_crop_pack_is_refused_in_one_line(pack, tmp_path, d
         arrays["size"] = np.int64(100_000)         # would allocate without bound
     elif damage == "missing":
         del arrays["offsets"]
+    elif damage == "dtype":
+        arrays["data"] = arrays["data"].astype(np.float64)   # what cv2.imdecode would choke on
     else:
         arrays["names"] = np.array([{"a": 1}], dtype=object)  # pickled: never loaded
     bad = tmp_path / "bad.npz"
@@ -92,12 +94,12 @@ def test_geometric_views_are_reproducible_and_the_identity_jitter_is_the_image(c
 
 
 def test_the_budgeted_schedule_warms_up_then_decays_with_the_budget_spent():
-    from models.online_distill import time_lr
+    from models.pretraining import lr_at_fraction
 
-    assert time_lr(0, 0.0, 1e-3, 10) == pytest.approx(1e-4)
-    assert time_lr(50, 0.0, 1e-3, 10) == pytest.approx(1e-3)
-    assert time_lr(50, 0.5, 1e-3, 10) == pytest.approx(0.505e-3)
-    assert time_lr(50, 1.0, 1e-3, 10) == time_lr(50, 3.0, 1e-3, 10) == pytest.approx(1e-5)
+    assert lr_at_fraction(0, 0.0, 1e-3, 10) == pytest.approx(1e-4)
+    assert lr_at_fraction(50, 0.0, 1e-3, 10) == pytest.approx(1e-3)
+    assert lr_at_fraction(50, 0.5, 1e-3, 10) == pytest.approx(0.505e-3)
+    assert lr_at_fraction(50, 1.0, 1e-3, 10) == lr_at_fraction(50, 3.0, 1e-3, 10) == pytest.approx(1e-5)
 
 
 def test_online_distillation_on_cpu_through_the_cli_lowers_the_loss_pauses_and_resumes(tmp_path, pack, capsys):
