@@ -22,12 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from tqdm import tqdm
 
 from models.distillation import distillation_loss
 from models.face_weights import save_embedder
 from models.online_views import ViewJitter, geometric_views, photometric, student_input
-from models.pretraining import lr_at_fraction
+from models.pretraining import lr_at, lr_at_fraction
 
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
 
@@ -81,7 +82,7 @@ class OnlineDistiller:
 
     def __init__(self, config: OnlineConfig, out: Path, teacher=None):
         from models.fast_step import accelerate, optimiser_options
-        from models.pretraining import CROP_SIZE
+        from models.pretraining import CROP_SIZE, student
 
         self.config, self.out = config, Path(out)
         self.teacher_agreement: float | None = None
@@ -102,7 +103,7 @@ class OnlineDistiller:
         self.crops = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous().to(self.device)
         self.train_index = torch.from_numpy(train_index).to(self.device)
         self.teacher = (teacher or self._teacher(images[self.val_index[:64]])).to(self.device)
-        self.model = self._student().to(self.device)
+        self.model = student(config.init, self.teacher.dim).to(self.device)
         self.autocast = accelerate(self.model, config.precision, config.device)
         self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay, **optimiser_options(self.device))
@@ -111,6 +112,7 @@ class OnlineDistiller:
         self.steps_per_epoch = len(train_index) // config.batch_size
         self.total_steps = None if config.budget_minutes else self.steps_per_epoch * config.epochs
         self.step, self.trained_s, self.history = 0, 0.0, []
+        self._val_targets: list[torch.Tensor] | None = None
 
     def _teacher(self, check_crops: np.ndarray):
         """The ONNX teacher, converted to torch and checked against ONNX Runtime on real crops before it teaches."""
@@ -124,14 +126,6 @@ class OnlineDistiller:
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
         self.teacher_agreement = check_against_onnx(converted, onnx_teacher, check_crops, self.device)
         return converted
-
-    def _student(self):
-        from models.backbone import FaceEmbedder
-        from models.face_weights import load_face_embedder
-
-        if self.config.init == "face":
-            return load_face_embedder()
-        return FaceEmbedder(128, 1.0, pretrained=self.config.init == "imagenet")
 
     # --- the loop ---------------------------------------------------------------------------------------------
 
@@ -173,8 +167,9 @@ class OnlineDistiller:
 
     def train_step(self) -> dict:
         """One batch: jittered views -> teacher targets (no grad) -> student on a photometric copy -> AdamW."""
-        cfg, spent = self.config, self._spent()
-        lr = lr_at_fraction(self.step, spent, cfg.lr, cfg.warmup_steps)
+        cfg = self.config
+        lr = (lr_at_fraction(self.step, self.trained_s / (60 * cfg.budget_minutes), cfg.lr, cfg.warmup_steps)
+              if cfg.budget_minutes else lr_at(self.step, self.total_steps, cfg.lr, cfg.warmup_steps))
         for group in self.optimiser.param_groups:
             group["lr"] = lr
         pick = torch.randint(len(self.train_index), (cfg.batch_size,), generator=self.generator,
@@ -193,11 +188,6 @@ class OnlineDistiller:
         self.optimiser.step()
         return {**parts, "loss": float(loss.detach()), "lr": lr}
 
-    def _spent(self) -> float:
-        if self.config.budget_minutes:
-            return self.trained_s / (60 * self.config.budget_minutes)
-        return max(0, self.step - self.config.warmup_steps) / max(1, self.total_steps - self.config.warmup_steps)
-
     def _record(self, running: dict[str, list[float]]) -> None:
         row = {"step": self.step, "samples": self.step * self.config.batch_size,
                "trained_s": round(self.trained_s, 1),
@@ -211,12 +201,12 @@ class OnlineDistiller:
     def val_teacher_cosine(self) -> float:
         """Mean cosine between student and teacher on held-out crops, unaugmented (the figure the CPU path logs)."""
         self.model.eval()
-        cos = []
-        for i in range(0, len(self.val_index), 256):
-            crops = self.crops[torch.from_numpy(self.val_index[i:i + 256]).to(self.device)].float()
-            target = self.teacher(crops)
-            x = student_input(crops / 255.0)
-            cos.append((F.normalize(self.model(x).float(), dim=1) * target).sum(1))
+        batches = [torch.from_numpy(self.val_index[i:i + 256]).to(self.device)
+                   for i in range(0, len(self.val_index), 256)]
+        if self._val_targets is None:  # the held-out crops never change: the teacher embeds them once
+            self._val_targets = [self.teacher(self.crops[b].float()) for b in batches]
+        cos = [(F.normalize(self.model(student_input(self.crops[b].float() / 255.0)).float(), dim=1) * t).sum(1)
+               for b, t in zip(batches, self._val_targets)]
         return round(float(torch.cat(cos).mean()), 5)
 
     # --- state ------------------------------------------------------------------------------------------------
@@ -243,6 +233,15 @@ class OnlineDistiller:
                        "samples": str(self.step * self.config.batch_size), "data": json.dumps(self.config.data)})
 
     def resume(self) -> None:
+        """Continue from the run folder's state; a damaged or foreign state is refused in one line."""
+        try:
+            self._load_state()
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError, RuntimeError, OSError,
+                SafetensorError) as exc:
+            raise ValueError(f"{self.out} holds a damaged run state ({type(exc).__name__}: {exc}); "
+                             f"use a new --out or --force") from None
+
+    def _load_state(self) -> None:
         from safetensors.torch import load_file
 
         progress = json.loads((self.out / "progress.json").read_text())
@@ -256,6 +255,8 @@ class OnlineDistiller:
         model_state, exp_avg, exp_avg_sq = (load_file(str(self.out / n), device=str(self.device)) for n in STATE_FILES)
         self.model.load_state_dict(model_state)
         self.step, self.trained_s = int(progress["step"]), float(progress["trained_s"])
+        if self.step < 0 or not 0 <= self.trained_s < float("inf"):
+            raise TypeError(f"step {self.step} or training time {self.trained_s} out of range")
         self.history = progress["history"]
         if exp_avg:
             params = list(self.model.parameters())

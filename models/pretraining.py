@@ -4,8 +4,9 @@ FedFR (Liu et al., AAAI 2022, sec. 3) starts every device from a model pretraine
 data; this is how ours gets one without identity labels: the student learns the teacher's
 embedding of each aligned crop (`models.distillation`), the teacher's embeddings are computed
 once per image and view and cached (`models.distill_data`), the student sees the same view
-under photometric augmentation (vectorised over the batch, `models.online_views`). The run checkpoints every few minutes, stops cleanly
-on Ctrl-C and resumes (`--resume`) mid-epoch; `metrics.json` holds the learning curve.
+under photometric augmentation (vectorised over the batch, `models.online_views`). The run
+checkpoints every few minutes, stops cleanly on Ctrl-C and resumes (`--resume`) mid-epoch;
+`metrics.json` holds the learning curve.
 
 Where identities are known (`--labelled DIR`, one sub-folder per person), a CosFace margin
 loss (Wang et al., CVPR 2018, eq. 4) on those images joins the distillation loss:
@@ -68,9 +69,10 @@ class PretrainConfig:
 
 
 class CachedViews:
-    """Batches of (student input, teacher target, identity or -1) from crops held once as a uint8 tensor.
+    """Batches of (student input, teacher target, identity or -1) from the crops held once in memory (uint8).
 
-    Each sample gets a random cached view (the image or its mirror: the teacher saw exactly that), then
+    Each sample gets a random cached view (the image, its mirror or a fixed jitter: the teacher saw exactly
+    that), then
     photometric augmentation on the student's side only, vectorised over the batch (`models.online_views`):
     no per-image Python transform and no loader process competing with the step for the CPU's cores."""
 
@@ -103,6 +105,17 @@ def identity_labels(roots: list[Path]) -> dict[Path, int]:
                 raise ValueError(f"{root} is given as labelled but {path.name} is not in a per-person folder")
             labels[path] = names.setdefault((root, parts[0]), len(names))
     return labels
+
+
+def student(init: str, teacher_dim: int) -> FaceEmbedder:
+    """The MobileNetV2-128 student: the shipped face weights (`face`), ImageNet's trunk, or random (`none`)."""
+    if teacher_dim != 128:
+        raise ValueError(f"the teacher's embedding has {teacher_dim} dimensions; the student's has 128")
+    if init == "face":
+        from models.face_weights import load_face_embedder
+
+        return load_face_embedder()
+    return FaceEmbedder(128, 1.0, pretrained=init == "imagenet")
 
 
 def lr_at_fraction(step: int, spent: float, base: float, warmup: int) -> float:
@@ -151,7 +164,7 @@ class Pretrainer:
         n_val = max(config.batch_size, int(len(order) * config.val_fraction))
         self.val_index, self.train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
         self.device = torch.device(config.device)
-        self.model = self._student().to(self.device)
+        self.model = student(self.config.init, self.teacher.dim).to(self.device)
         self.autocast = accelerate(self.model, config.precision, config.device)
         from models.heads import CosFaceHead
 
@@ -163,15 +176,6 @@ class Pretrainer:
         self.total_steps = self.steps_per_epoch * config.epochs
         self.step, self.trained_s, self.history, self.teacher_embeddings_computed = 0, 0.0, [], 0
         self.eval_sets = [self._eval_set(Path(d)) for d in config.eval_data]
-
-    def _student(self) -> FaceEmbedder:
-        if self.teacher.dim != 128:
-            raise ValueError(f"the teacher's embedding has {self.teacher.dim} dimensions; the student's has 128")
-        if self.config.init == "face":
-            from models.face_weights import load_face_embedder
-
-            return load_face_embedder()
-        return FaceEmbedder(128, 1.0, pretrained=self.config.init == "imagenet")
 
     def _eval_set(self, root: Path):
         """A labelled set of aligned crops for the learning curve (people the student never sees)."""
@@ -272,7 +276,8 @@ class Pretrainer:
         running = {k: float(np.mean(v)) for k, v in getattr(self, "_running", {}).items()}
         self._running = {}
         row = {"epoch": epoch, "step": self.step, "samples": self.step * self.config.batch_size,
-               "elapsed_s": round(elapsed, 1), "trained_s": round(self.trained_s, 1), **{f"train_{k}": round(v, 5) for k, v in running.items()},
+               "elapsed_s": round(elapsed, 1), "trained_s": round(self.trained_s, 1),
+               **{f"train_{k}": round(v, 5) for k, v in running.items()},
                **self.evaluate()}
         self.history.append(row)
         self.save()

@@ -140,3 +140,32 @@ def test_online_is_the_default_on_cuda_only_and_refuses_labelled_sets(tmp_path, 
     # without --online on a CPU, a pack is not a folder of crops: the cached path says so in one line
     assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2")]) == 2
     assert "pretraining data folder not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["garbage json", "missing key", "negative step", "garbage weights",
+                                    "missing weights"])
+def test_a_damaged_online_run_state_is_refused_in_one_line_on_resume(tmp_path, pack, capsys, damage):
+    """The run folder is read back on --resume: whatever is written there, the answer is one clear line."""
+    from ffr.cli import main
+
+    out = tmp_path / "run"
+    args = ["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",
+            "--init", "none", "--epochs", "1", "--batch-size", "8", "--threads", "1"]
+    assert main([*args, "--stop-after-minutes", "0.0001"]) == 0
+    progress = json.loads((out / "progress.json").read_text())
+    if damage == "garbage json":
+        (out / "progress.json").write_text("{not json")
+    elif damage == "missing key":
+        del progress["trained_s"]
+        (out / "progress.json").write_text(json.dumps(progress))
+    elif damage == "negative step":
+        progress["step"] = -5
+        (out / "progress.json").write_text(json.dumps(progress))
+    elif damage == "garbage weights":
+        (out / "student.safetensors").write_bytes(b"\xff" * 64)
+    else:
+        (out / "optimiser_exp_avg.safetensors").unlink()
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a damaged run state" in err and len(err.splitlines()) == 1, err
