@@ -16,37 +16,22 @@ dlib), installed with --no-deps by `make bench-device`.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 import cv2
 import numpy as np
 
 from bench.common import faces_dir, time_calls, write_results
+from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, held_out
 from bench.latency import frames
+from bench.peer import euclidean, load_face_recognition, peer_embeddings, peer_per_frame
 from edge_client.capture import QualityGate, check_face, device_detector
 from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.runtime import OnnxEmbedder
 
-SETS = ("orl", "extended_yale_b", "glint24_aligned", "celeba_subset")
 N_TEMPLATES = 100
-
-
-def load_face_recognition():
-    """Import face_recognition; its models package still calls pkg_resources, gone from new setuptools."""
-    if "pkg_resources" not in sys.modules:
-        try:
-            import pkg_resources  # noqa: F401
-        except ImportError:
-            shim = types.ModuleType("pkg_resources")
-            shim.resource_filename = lambda package, name: str(importlib.resources.files(package) / name)
-            sys.modules["pkg_resources"] = shim
-    import face_recognition
-
-    return face_recognition
 
 
 def ours_per_frame(embedder: OnnxEmbedder, detector, templates: np.ndarray, frame_bgr: np.ndarray) -> float | None:
@@ -55,14 +40,6 @@ def ours_per_frame(embedder: OnnxEmbedder, detector, templates: np.ndarray, fram
         return None
     emb = embedder.embed(check.crop[None])[0]
     return float(np.max(templates @ (emb / np.linalg.norm(emb))))
-
-
-def peer_per_frame(fr, templates: np.ndarray, frame_rgb: np.ndarray) -> float | None:
-    boxes = fr.face_locations(frame_rgb)
-    if not boxes:
-        return None
-    enc = fr.face_encodings(frame_rgb, boxes[:1])[0]
-    return float(np.min(fr.face_distance(templates, enc)))
 
 
 def latency_rows(onnx_path: Path, fr, repeats: int) -> list[dict]:
@@ -104,7 +81,6 @@ def latency_rows(onnx_path: Path, fr, repeats: int) -> list[dict]:
 
 
 def quality_rows(onnx_path: Path, fr, max_pairs: int) -> list[dict]:
-    from bench.verify_quality import ALIGNED, GIVEN, HAAR, PHOTO_SETS, held_out
     from models.evaluation.evaluate import embed_all
 
     root, rows = faces_dir(), []
@@ -117,7 +93,7 @@ def quality_rows(onnx_path: Path, fr, max_pairs: int) -> list[dict]:
                   cosine_scores(embed_all(OnnxEmbedder(onnx_path, threads=2), held.images), pairs)}
         if fr is not None:  # dlib on its usual square crops
             square = held_out(root / name, HAAR, 0)[1].holdout if name in PHOTO_SETS else held
-            scored["face_recognition (dlib)"] = -_euclidean(peer_embeddings(fr, square.images), pairs)
+            scored["face_recognition (dlib)"] = -euclidean(peer_embeddings(fr, square.images), pairs)
         for model, scores in scored.items():
             report = roc_report(scores, same)
             rows.append({"set": name, "model": model, "auc": report["auc"], "eer": report["eer"],
@@ -125,16 +101,6 @@ def quality_rows(onnx_path: Path, fr, max_pairs: int) -> list[dict]:
                          "images": len(held), "pairs": f"{int(same.sum())}/{int((~same).sum())}"})
             print(rows[-1], flush=True)
     return rows
-
-
-def peer_embeddings(fr, crops: np.ndarray) -> np.ndarray:
-    """dlib encodings of our 128 px crops, the face box being the crop less its 20% margin."""
-    inner = (18, 110, 110, 18)  # top, right, bottom, left
-    return np.stack([fr.face_encodings(np.ascontiguousarray(c), [inner])[0] for c in crops])
-
-
-def _euclidean(emb: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    return np.linalg.norm(emb[pairs[:, 0]] - emb[pairs[:, 1]], axis=1)
 
 
 def main(argv=None) -> int:

@@ -25,25 +25,10 @@ import numpy as np
 import torch
 
 from bench.common import faces_dir, write_results
+from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, held_out
 from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
-from models.faces.crops import CropConfig, FaceCrops, crop_index
-from models.faces.datasets import load_index
-from models.faces.splits import training_split
+from models.faces.crops import FaceCrops
 from models.training import TrainConfig
-
-# photos and loose crops need detection (aligned by default, Haar squares for comparison); aligned sets do not,
-# nor does ../shared's Extended Yale B, whose images are 24x24 thumbnails (too small to detect a face in)
-PHOTO_SETS = ("orl", "celeba_subset")
-SETS = ("orl", "extended_yale_b", "glint24_aligned", "celeba_subset")
-ALIGNED = CropConfig(detector="auto", fallback_center=True, face_select="center")
-HAAR = CropConfig(detector="haar", fallback_center=True, face_select="center")
-GIVEN = CropConfig(detector="none")
-
-
-def held_out(root: Path, config: CropConfig, seed: int):
-    crops = crop_index(load_index(root), config, progress=True, min_images=2)
-    return crops, training_split(crops, holdout_fraction=0.3, val_fraction=0.1, seed=seed)
-
 
 def measure(scores: np.ndarray, same: np.ndarray) -> dict:
     report = roc_report(scores, same)
@@ -109,7 +94,7 @@ def bench_set(name: str, root: Path, args, fr) -> list[dict]:
             ours(tuned, held, pairs), time.perf_counter() - start)
     add("teacher: SFace (OpenCV Zoo, int8 folded to fp32)", crop_name, teacher_scores(held, pairs))
     if fr is not None:
-        from bench.device import peer_embeddings
+        from bench.peer import peer_embeddings
 
         square = held if not is_photo else held_out(root, HAAR, args.seed)[1].holdout
         emb = peer_embeddings(fr, square.images)
@@ -157,7 +142,7 @@ def main(argv=None) -> int:
     fr = None
     if not args.no_peer:
         try:
-            from bench.device import load_face_recognition
+            from bench.peer import load_face_recognition
 
             fr = load_face_recognition()
         except ImportError as exc:

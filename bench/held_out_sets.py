@@ -1,0 +1,23 @@
+"""The labelled sets' held-out people, cut as every quality benchmark cuts them (identities 70/30, seed 0).
+
+Photos and loose crops need detection (aligned by default, Haar squares for comparison); aligned sets do not,
+nor does ../shared's Extended Yale B, whose images are 24x24 thumbnails (too small to detect a face in).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from models.faces.crops import CropConfig, crop_index
+from models.faces.datasets import load_index
+from models.faces.splits import training_split
+
+PHOTO_SETS = ("orl", "celeba_subset")
+SETS = ("orl", "extended_yale_b", "glint24_aligned", "celeba_subset")
+ALIGNED = CropConfig(detector="auto", fallback_center=True, face_select="center")
+HAAR = CropConfig(detector="haar", fallback_center=True, face_select="center")
+GIVEN = CropConfig(detector="none")
+
+
+def held_out(root: Path, config: CropConfig, seed: int):
+    crops = crop_index(load_index(root), config, progress=True, min_images=2)
+    return crops, training_split(crops, holdout_fraction=0.3, val_fraction=0.1, seed=seed)
