@@ -167,7 +167,7 @@ def fuzz_live(tmp: Path, broker_url: str, n: int, round_timeout_s: float = 900.0
     service = Service(ServiceConfig(state=tmp / "state", broker=broker_url),
                       RoundSettings(rounds=1, min_clients=2, round_timeout_s=round_timeout_s,
                                     training=TrainingConfig(epochs=1, batch_size=8, lr=1e-3)))
-    service.engine.running = False
+    service.engine.pause()
     devices = [EdgeDevice(service.admit(f"device{d}"), data, tmp / f"home{d}", export_onnx=False)
                for d, data in enumerate(synthetic_device_data(tmp / "data", 2))]
     address = BrokerAddress.parse(broker_url)
@@ -178,8 +178,8 @@ def fuzz_live(tmp: Path, broker_url: str, n: int, round_timeout_s: float = 900.0
         for device in devices:
             device.start()
         _wait(lambda: len(service.engine.keys) == 2, 60, "the honest devices' registration")
-        service.engine.running = True
-        _wait(lambda: service.engine.current is not None, 30, "round 1 to open")
+        service.engine.resume()
+        _wait(lambda: service.engine.round_view() is not None, 30, "round 1 to open")
         # the attacker is admitted after the round opened, so the honest round does not wait for it
         credential, signer = service.admit("mallory"), Signer.generate()
         hello = Hello(n_identities=1, n_images=5, public_key=signer.public_hex,
@@ -192,7 +192,7 @@ def fuzz_live(tmp: Path, broker_url: str, n: int, round_timeout_s: float = 900.0
         time.sleep(1.0)
         figures = attack(service.engine, lambda t, p: attacker.publish(t, p, qos=1),
                          ["mallory", "device0", "device1", "nobody"], hostile, n)
-        _wait(lambda: service.engine.store.completed_rounds() == 1 or service.engine.current is None,
+        _wait(lambda: service.engine.store.completed_rounds() == 1 or service.engine.round_view() is None,
               round_timeout_s, "the honest round")
         row = service.engine.store.rounds()[0]
         figures.update(honest_round=row["status"], honest_updates=row["n_updates"],

@@ -10,12 +10,15 @@ and the mean delta into the next global model.
 - PFM (FedFace, Liu et al.; `models.pfm`): FedAvg, and the global momentum M = (w_old - w_new) / eta
   that devices apply at every local step of the next round (the server never applies it).
 
-A strategy with server state keeps it in `state` (persisted by the coordinator between restarts).
+A strategy is a small class with the hooks the engine calls: `client_config` (what devices are told),
+`aggregate`, `step_scale` (how far one round may move the model, per unit of update norm), and, when it keeps
+server state between rounds (`stateful`), that `state`, which the coordinator persists and, where devices
+need it (`broadcast_state`), publishes beside the model.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -109,21 +112,43 @@ def apply_delta(global_state: State, delta: State, scale: float = 1.0) -> State:
 
 class Strategy(Protocol):
     name: str
+    server_lr: float
+    stateful: ClassVar[bool]
+    state: State | None
 
     def client_config(self) -> dict: ...
     def aggregate(self, global_state: State, mean_delta: State) -> State: ...
+    def step_scale(self) -> float: ...
+    def broadcast_state(self) -> State | None: ...
+
+
+def capped_weights(weights: list[float], factor: float) -> list[float]:
+    """Each weight capped at `factor` x the median: a device that registered a huge data set still cannot
+    outweigh the round (its registered size is its own claim)."""
+    cap = factor * float(np.median(weights))
+    return [min(w, cap) for w in weights]
 
 
 @dataclass
 class FedAvg:
     server_lr: float = 1.0
     name: str = "fedavg"
+    stateful: ClassVar[bool] = False  # no server state between rounds
+    state: ClassVar[None] = None
 
     def client_config(self) -> dict:
         return {"algorithm": self.name}
 
     def aggregate(self, global_state: State, mean_delta: State) -> State:
         return apply_delta(global_state, mean_delta, self.server_lr)
+
+    def step_scale(self) -> float:
+        """The most one round moves the model per unit of (clipped) mean update norm."""
+        return self.server_lr
+
+    def broadcast_state(self) -> State | None:
+        """Server state the devices need with the model (None: the model alone)."""
+        return None
 
 
 @dataclass
@@ -139,7 +164,12 @@ class FedProx(FedAvg):
 class FedAvgM(FedAvg):
     momentum: float = 0.9
     name: str = "fedavgm"
+    stateful: ClassVar[bool] = True
     state: State | None = None  # the server velocity v
+
+    def step_scale(self) -> float:
+        """Server momentum sums up to 1 / (1 - beta) rounds' steps."""
+        return self.server_lr / max(1e-6, 1 - self.momentum)
 
     def aggregate(self, global_state: State, mean_delta: State) -> State:
         if self.state is None:
@@ -157,7 +187,11 @@ class PFM(FedAvg):
     lr: float = 1e-4          # eta: the devices' learning rate this round (M is measured in its units)
     beta: float = 0.9
     name: str = "pfm"
+    stateful: ClassVar[bool] = True
     state: State | None = None  # the global momentum M, sent to devices with the model
+
+    def broadcast_state(self) -> State | None:
+        return self.state
 
     def client_config(self) -> dict:
         return {"algorithm": self.name, "pfm_beta": self.beta}

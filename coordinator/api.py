@@ -119,12 +119,12 @@ def create_app(service, docs: bool = False) -> FastAPI:
 
     @app.post("/training/stop", dependencies=auth)
     def stop() -> dict:
-        engine.running = False
+        engine.pause()
         return engine.status()
 
     @app.post("/training/start", dependencies=auth)
     def start() -> dict:
-        engine.running = True
+        engine.resume()
         return engine.status()
 
     @app.get("/dashboard", response_class=HTMLResponse)

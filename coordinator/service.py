@@ -49,7 +49,7 @@ class ServiceConfig:
     server_momentum: float = 0.9
     init: str = "face"                 # round 0: the shipped face embedder, imagenet, or none (random)
     tick_seconds: float = 0.2
-    start_paused: bool = False  # rounds start only when the caller sets engine.running (the fleet simulator)
+    start_paused: bool = False  # rounds start only when the caller resumes the engine or opens one
     broker_acl: bool = True     # the embedded broker enforces per-device logins and ACLs
     tls: bool = False           # the embedded broker speaks TLS with a CA generated in STATE/tls
     public_set: Path | None = None  # FedFR's D_g, served at GET /public-set (coordinator.public_set)
@@ -106,7 +106,8 @@ class Service:
         self.gate = self._gate()
         self.engine = Engine(Store(config.state), strategy, settings, self._publish, self._initial_model, self.signer,
                              gate=self.gate)
-        self.engine.running = not config.start_paused
+        if config.start_paused:
+            self.engine.pause()
         self.client.connect(address.host, address.port, keepalive=30)
         self.client.loop_start()
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-clock", daemon=True)
@@ -191,7 +192,7 @@ class Service:
 
     @property
     def finished(self) -> bool:
-        return self.engine.store.finished_rounds() >= self.settings.rounds and self.engine.current is None
+        return self.engine.finished
 
     def close(self) -> None:
         self._stop.set()

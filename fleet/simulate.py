@@ -238,11 +238,7 @@ class Simulation:
                 self.state.status = "early_stopped"
                 tqdm.write(f"early stop: no validation AUC gain of {c.min_delta} in {c.patience} rounds")
                 return
-            with engine.lock:
-                engine.running = True
-                engine.tick()
-                engine.running = False
-                current = engine.current
+            current = engine.open_round()
             if current is None:
                 raise RuntimeError("the coordinator opened no round: no device is registered")
             round_started = time.time()
@@ -274,11 +270,11 @@ class Simulation:
         """Wait for the coordinator to aggregate; devices that failed are given up on after `grace_s`."""
         engine, waited = self.service.engine, time.monotonic()
         while True:
-            with engine.lock:
-                if engine.current is None or engine.current.round_id != round_id:
-                    return
-                if time.monotonic() - waited > grace_s:
-                    engine.current.deadline = engine.now()
+            view = engine.round_view()
+            if view is None or view.round_id != round_id:
+                return
+            if time.monotonic() - waited > grace_s:
+                engine.close_round(round_id)
             time.sleep(0.1)
 
     def _privacy(self) -> dict | None:
@@ -324,7 +320,7 @@ class Simulation:
                   "updates": row["n_updates"], "dropped": row["n_dropped"],
                   "train_loss": m.get("mean_train_loss"), "train_acc": m.get("mean_train_acc"),
                   "bytes_up": m.get("bytes_received", 0),
-                  "bytes_down": self.service.engine.model_size * len(row["participants"]),  # the wire (fp16) size
+                  "bytes_down": self.service.engine.broadcast.model.size * len(row["participants"]),  # the wire (fp16) size
                   "wall_s": wall_s if wall_s is not None else (row["closed_at"] or 0) - (row["started_at"] or 0),
                   "aggregation_s": m.get("aggregation_seconds"),
                   "hn_fraction": self._device_mean(row, "hn_fraction"),

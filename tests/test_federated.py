@@ -122,7 +122,7 @@ def test_every_device_gets_the_final_model_and_the_coordinator_says_finished(fle
     assert status["state"] == "finished" and status["training"] is False and status["model_version"] == 2
     for device in devices:  # the model of the last round, not the one each device trained on in it (v1)
         adopted = json.loads((device.home.root / "models" / "adopted.json").read_text())
-        assert adopted["sha256"] == service.engine.wire_sha and device.released == 2
+        assert adopted["sha256"] == service.engine.broadcast.model.sha256 and device.released == 2
 
 
 def test_each_device_personalised_model_verifies_its_own_people(fleet):

@@ -99,7 +99,7 @@ def _start(tmp: Path, url: str, n_devices: int, rounds: int = 1, timeout: float 
     service = Service(ServiceConfig(state=tmp / "state", broker=url),
                       RoundSettings(rounds=rounds, min_clients=n_devices, round_timeout_s=timeout, training=TRAINING,
                                     **settings))
-    service.engine.running = False  # rounds start when the test says so
+    service.engine.pause()  # rounds start when the test says so
     devices = [EdgeDevice(service.admit(f"device{d}"), data, tmp / f"home{d}", export_onnx=False)
                for d, data in enumerate(device_datasets(tmp / "data", n_devices, 2, 4))]
     for device in devices:
@@ -130,7 +130,7 @@ def test_bad_inputs_are_rejected_with_reasons_while_a_round_completes(tmp_path, 
         replayed = mallory.send("heartbeat", Heartbeat())
         mallory.raw("heartbeat", replayed)
         # one round, in which mallory is a participant
-        service.engine.running = True
+        service.engine.resume()
         wait_for(lambda: service.engine.current is not None, 30, "round 1 to open")
         base = service.engine.version
         zeros = {k: np.zeros_like(v, dtype=np.float32) if v.dtype.kind == "f" else np.zeros_like(v)
@@ -182,7 +182,7 @@ def test_device_dropping_mid_upload_does_not_block_the_round(tmp_path, mosquitto
     flaky = RawDevice(mosquitto.url, service.admit("flaky"))
     try:
         flaky.register()
-        service.engine.running = True
+        service.engine.resume()
         wait_for(lambda: service.engine.current is not None, 30, "round 1 to open")
         zeros = {k: np.zeros_like(v) for k, v in service.engine.global_state.items()}
         enc = encode(zeros, "fp16")
@@ -201,7 +201,7 @@ def test_device_dropping_mid_upload_does_not_block_the_round(tmp_path, mosquitto
 def test_coordinator_restart_mid_round_resumes_the_open_round(tmp_path, mosquitto):
     service, devices = _start(tmp_path, mosquitto.url, 2, rounds=1)
     devices[1].stop()  # device1 is away: round 1 can only be completed after the restart
-    service.engine.running = True
+    service.engine.resume()
     wait_for(lambda: service.engine.store.update_accepted(1, "device0"), 120, "device0's update in round 1")
     service.close()  # stopped mid-round 1, one update already acknowledged
     restarted = Service(ServiceConfig(state=tmp_path / "state", broker=mosquitto.url),
@@ -360,7 +360,7 @@ def test_broker_restart_during_upload_is_survived(tmp_path):
     port = broker.port
     service, devices = _start(tmp_path, broker.url, 2)
     try:
-        service.engine.running = True
+        service.engine.resume()
         pending = tmp_path / "home0" / "pending" / "round1.json"
         wait_for(lambda: devices[0].model is not None, 120, "device0 to have the global model")
         broker.close()  # the network goes away while device0 trains and uploads

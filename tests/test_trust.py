@@ -332,12 +332,9 @@ def test_a_new_model_that_fails_its_checks_is_rolled_back(tmp_path):
     h.open_round()
     dev.upload(honest_delta(0))
 
-    class Broken:  # a fake strategy: the only way to produce a non-finite model past the update checks
-        name, server_lr = "broken", 1.0
+    from coordinator.aggregation import FedAvg
 
-        def client_config(self):
-            return {}
-
+    class Broken(FedAvg):  # a fake strategy: the only way to produce a non-finite model past the update checks
         def aggregate(self, global_state, delta):
             return {k: v * np.nan if v.dtype.kind == "f" else v for k, v in global_state.items()}
 

@@ -1,0 +1,160 @@
+"""From a closed round's accepted updates to the next global model, or the reason there is none.
+
+The order is fixed: combine the clipped updates by the run's rule, let the update filter finish the mean (DP's
+noise), step the strategy, check the result (finite, non-negative BatchNorm variances, a step within what the
+bound allows), then the quality gate; a gate refusal may still save the round without its worst updates
+(`leave_out`). The engine only hears the outcome: a model to publish, or a reason to roll back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from coordinator.aggregation import RunningMean, Strategy, capped_weights
+from coordinator.robust import combine, l2_norm
+from coordinator.round_state import OpenRound
+from coordinator.store import Store
+from coordinator.update_filters import UpdateFilter
+from protocol.codecs import decode_verified, payload_codec
+
+if TYPE_CHECKING:
+    from coordinator.engine import RoundSettings
+    from coordinator.quality_gate import QualityGate
+
+log = logging.getLogger("coordinator")
+State = dict[str, np.ndarray]
+VARIANCE_SLACK = 1e-6  # BatchNorm's eps is 1e-5: a variance this far below zero is rounding, not an attack
+
+
+@dataclass
+class Outcome:
+    state: State        # the new global model (the old one when `problem` is set)
+    problem: str        # '' when the model may be published, else why the round rolls back
+    metrics: dict
+
+
+class RoundAggregator:
+    def __init__(self, settings: "RoundSettings", store: Store, layout: tuple, update_filter: UpdateFilter,
+                 strategy: Strategy, gate: "QualityGate | None" = None):
+        self.settings, self.store, self.layout, self.filter = settings, store, layout, update_filter
+        self.strategy, self.gate = strategy, gate
+
+    def load_delta(self, current: OpenRound, device_id: str) -> State:
+        """A stored (already validated) update, decoded by the codec it was sent with, prepared for combining.
+        The file is read once; its header, parsed here for the codec, is parsed again from protocol's cache."""
+        data = self.store.update_path(current.round_id, device_id).read_bytes()
+        delta, scale = self.filter.prepare(decode_verified(data, payload_codec(data), *self.layout))
+        return delta if scale == 1.0 else {k: (v * scale if v.dtype.kind == "f" else v) for k, v in delta.items()}
+
+    def combine(self, current: OpenRound, devices: list[str]) -> State:
+        """The plain mean was folded in as updates arrived (memory O(model)); only the few updates whose weight
+        the round's median caps are read again. Robust rules need every update at once (O(n x model))."""
+        raw = [current.weights[d] for d in devices]
+        weights = capped_weights(raw, self.settings.weight_factor)
+        if self.settings.combine == "mean" and set(devices) != current.done:  # a subset: folded again from disk
+            mean = RunningMean()
+            for device, weight in zip(devices, weights):
+                mean.add(self.load_delta(current, device), weight)
+            return mean.mean()
+        if self.settings.combine == "mean":
+            for device, old, new in zip(devices, raw, weights):
+                if new != old:
+                    current.running.reweight(self.load_delta(current, device), old, new)
+            return current.running.mean()
+        deltas = [self.load_delta(current, d) for d in devices]
+        return combine(deltas, weights, self.settings.combine, self.settings.trim, self.settings.byzantine)
+
+    def run(self, current: OpenRound, global_state: State, global_sha: str, sampling_rate: float,
+            mean_delta: State | None = None) -> Outcome:
+        """Bound, combine, finish, step, check, gate. `mean_delta`: FV's adopted blend (not re-formed later)."""
+        started = time.perf_counter()
+        bound = self.filter.bound()
+        devices = sorted(current.done)
+        fresh_mean = mean_delta is None
+        mean_delta = self.combine(current, devices) if mean_delta is None else mean_delta
+        mean_delta, filter_metrics, noise_allowance = self.filter.on_mean(mean_delta, len(devices), sampling_rate)
+        server_state = self.strategy.state
+        new_state = self.strategy.aggregate(global_state, mean_delta)
+        problem = self.check_new_model(global_state, new_state, bound, noise_allowance)
+        new_state = non_negative_variances(new_state)
+        gate_metrics = {}
+        if not problem and self.gate is not None:
+            problem, gate_metrics = self.gate.check(global_state, global_sha, new_state)
+            if problem and fresh_mean and self.filter.allows_leave_out:  # may be saved without its poisoners
+                new_state, problem, gate_metrics = self.leave_out(current, global_state, global_sha, devices, bound,
+                                                                  problem, gate_metrics, server_state)
+        metrics = {**filter_metrics, **current.validation_metrics,
+                   "aggregation_seconds": time.perf_counter() - started, "codec": self.settings.training.codec,
+                   "fold_ms_per_update": 1000 * current.fold_seconds / max(1, len(devices)),
+                   "bytes_received": current.bytes_received, "norm_bound": bound,
+                   "clipped_updates": sum(current.norms[d] > bound for d in devices),
+                   "combine": self.settings.combine, **gate_metrics, **_mean_metrics(current.metrics)}
+        if problem and self.strategy.stateful:
+            self.strategy.state = server_state  # the server's momentum forgets the refused round too
+        return Outcome(global_state if problem else new_state, problem, metrics)
+
+    def leave_out(self, current: OpenRound, global_state: State, global_sha: str, devices: list[str], bound: float,
+                  problem: str, metrics: dict, server_state) -> tuple[State, str, dict]:
+        """The gate refused the round's model: leave out, one at a time, the update without which the round's model
+        accepts the fewest impostors, until the model passes, for at most half of the round's updates.
+        Returns (model, '' or why not, the gate's figures); when no such subset passes, the round rolls back."""
+        kept, left_out, first_problem = list(devices), [], problem
+        while problem and len(left_out) < len(devices) // 2:
+            trials = []
+            for device in kept:
+                state = self.model_of(current, global_state, [d for d in kept if d != device], server_state)
+                why, figures = self.gate.check(global_state, global_sha, state)
+                why = self.check_new_model(global_state, state, bound) or why
+                # FAR saturates at 1 while another poisoner remains: the mean impostor score still ranks them
+                trials.append((figures.get("gate_far_candidate", 1.0), figures.get("gate_impostor_mean_candidate", 1.0),
+                               device, state, why, figures))
+            _, _, device, state, problem, figures = min(trials, key=lambda t: t[:3])
+            kept.remove(device)
+            left_out.append(device)
+            metrics = {**metrics, **figures}
+        metrics.update(gate_excluded=len(left_out), gate_excluded_devices=sorted(left_out))
+        if problem:
+            return global_state, first_problem, metrics
+        if self.strategy.stateful:  # the kept model's momentum step, taken once
+            self.model_of(current, global_state, kept, server_state)
+        log.warning("round %d: quality gate left out %d update(s): %s", current.round_id, len(left_out),
+                    ", ".join(sorted(left_out)))
+        return state, "", metrics
+
+    def model_of(self, current: OpenRound, global_state: State, devices: list[str], server_state) -> State:
+        """The round's model from `devices`' updates alone (the server's state as it was before the round)."""
+        if self.strategy.stateful:
+            self.strategy.state = server_state
+        return non_negative_variances(self.strategy.aggregate(global_state, self.combine(current, devices)))
+
+    def check_new_model(self, global_state: State, new_state: State, bound: float,
+                        noise_allowance: float = 0.0) -> str:
+        """Why the new global model must not be published ('' when it may)."""
+        if any(not np.isfinite(v).all() for v in new_state.values() if np.issubdtype(v.dtype, np.floating)):
+            return "the new global model holds NaN or Inf"
+        bad_var = [k for k, v in new_state.items() if k.endswith("running_var") and (v < -VARIANCE_SLACK).any()]
+        if bad_var:  # BatchNorm divides by sqrt(running_var + eps): a negative variance makes embeddings NaN
+            return f"the new global model has negative BatchNorm variances ({bad_var[0]}, ...)"
+        step = l2_norm({k: new_state[k].astype(np.float64) - global_state[k] for k in new_state
+                        if np.issubdtype(new_state[k].dtype, np.floating)})
+        # a convex combination of clipped updates stays within the bound; a coordinate-wise rule may leave it by
+        # up to sqrt(n) in theory, 2x allows for that in practice; the strategy says how far its step may reach
+        spread = 1.0 if self.settings.combine in ("mean", "krum") else 2.0
+        limit = bound * spread * self.strategy.step_scale() + noise_allowance * self.strategy.server_lr
+        if step > limit * 1.001:
+            return f"the new global model moved {step:.4g}, beyond the bound {limit:.4g}"
+        return ""
+
+
+def non_negative_variances(state: State) -> State:
+    """fp16 rounding can leave -1e-8 where a BatchNorm variance is 0 (checked before: real negatives roll back)."""
+    return {k: (np.maximum(v, 0).astype(v.dtype) if k.endswith("running_var") else v) for k, v in state.items()}
+
+
+def _mean_metrics(per_device: dict[str, dict]) -> dict:
+    keys = {k for m in per_device.values() for k in m}
+    return {f"mean_{k}": float(np.mean([m[k] for m in per_device.values() if k in m])) for k in sorted(keys)}

@@ -1,0 +1,51 @@
+"""One open round's state: who was asked, what has arrived, and the running mean folded so far.
+
+The engine owns it; the intake, the aggregation and Federated Validation read and fill it in turn.
+Nothing outside the coordinator changes it (the simulator and the service drive the engine's methods).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from coordinator.aggregation import RunningMean
+from protocol.chunks import Reassembler
+from protocol.messages import UpdateHeader
+
+if TYPE_CHECKING:
+    from coordinator.validation_round import Validation
+
+
+@dataclass
+class OpenRound:
+    round_id: int
+    base_version: int
+    participants: list[str]
+    deadline: float
+    headers: dict[str, UpdateHeader] = field(default_factory=dict)
+    transfers: dict[str, Reassembler] = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)
+    weights: dict[str, float] = field(default_factory=dict)
+    norms: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, dict] = field(default_factory=dict)
+    bytes_received: int = 0
+    refused_transfers: OrderedDict = field(default_factory=OrderedDict)
+    running: RunningMean = field(default_factory=RunningMean)  # the plain mean, folded in as updates arrive
+    validation: "Validation | None" = None  # FV in progress: candidates sent, scores coming in
+    validation_metrics: dict = field(default_factory=dict)
+    fold_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What the service, the simulator and the dashboard may see of the open round (a copy)."""
+
+    round_id: int
+    participants: list[str]
+    received: list[str]
+    deadline: float
+
+    @classmethod
+    def of(cls, current: OpenRound) -> "RoundView":
+        return cls(current.round_id, list(current.participants), sorted(current.done), current.deadline)

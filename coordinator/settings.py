@@ -1,0 +1,66 @@
+"""A coordinator run's settings: rounds, quorum, limits, the combination rule and its defences, validated once.
+
+Every check a run's settings must pass lives here (`__post_init__`), named as `ffr coordinator serve` spells
+the options, so the service, the simulator and the tests all refuse the same things with the same words.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.robust import COMBINERS
+from protocol.messages import TrainingConfig
+
+ROUND_TIMEOUT_S = 3600.0  # devices on phones train when they can; the simulator's rounds take turns on a few cores
+
+
+@dataclass
+class RoundSettings:
+    rounds: int = 10
+    min_clients: int = 2
+    fraction: float = 1.0
+    round_timeout_s: float = ROUND_TIMEOUT_S
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    max_update_bytes: int = 64 * 1024 * 1024
+    max_inflight_bytes: int = 1024 * 1024 * 1024  # all half-received updates together
+    seed: int = 0
+    combine: str = "mean"          # mean | trimmed-mean | median | krum (coordinator.robust)
+    trim: float = 0.2              # trimmed mean: fraction dropped at each end
+    byzantine: int | None = None   # Krum's f; default (n - 3) // 2
+    norm_factor: float = 3.0       # an update may be at most this x the median recent update norm
+    norm_ceiling: float = 0.1      # ... and never above this fraction of the global model's norm
+    norm_action: str = "clip"      # clip | reject an update above the bound
+    weight_factor: float = 3.0     # no update weighs more than this x the round's median weight
+    errors_per_minute: int = 30    # replies to one device that explain a refusal
+    dp_noise: float = 0.0          # DP-FedAvg noise multiplier z (needs training.dp_clip); 0: no noise
+    dp_delta: float = 1e-5         # the delta at which epsilon is reported
+    model_dtype: str = "fp16"      # the global model on the wire: fp16 (half the bytes) or fp32
+    fv: bool = False               # FedFace's Federated Validation (coordinator.validation) when validators are online
+    fv_candidates: int = 3         # T
+    fv_phi: float = 0.01           # eq. 13's smoothing rate
+    fv_epsilon: float = 1e-3       # eq. 8, and the margin a candidate must win by
+    fv_timeout_s: float = 120.0    # how long validators have to score a round's candidates
+
+    def __post_init__(self):
+        """Settings that cannot work are refused here, named as `ffr coordinator serve` spells them."""
+        checks = [(self.rounds >= 1, f"--rounds must be at least 1 (got {self.rounds})"),
+                  (self.min_clients >= 1, f"--min-clients must be at least 1 (got {self.min_clients})"),
+                  (0 < self.fraction <= 1, f"--fraction must be in (0, 1] (got {self.fraction:g})"),
+                  (self.round_timeout_s > 0, f"--round-timeout must be positive (got {self.round_timeout_s:g})"),
+                  (0 <= self.trim < 0.5, f"--trim must be in [0, 0.5) (got {self.trim:g})"),
+                  (self.norm_factor > 0 and self.norm_ceiling > 0, "--norm-factor and --norm-ceiling must be positive"),
+                  (self.dp_noise >= 0, f"--dp-noise must not be negative (got {self.dp_noise:g})"),
+                  (self.fv_timeout_s > 0 and self.fv_candidates >= 2, "--fv-timeout must be positive and "
+                                                                       "--fv-candidates at least 2"),
+                  (self.combine in COMBINERS, f"unknown combination rule {self.combine!r}; "
+                                              f"choose one of {', '.join(COMBINERS)}"),
+                  (not self.fv or self.combine == "mean",
+                   "Federated Validation weighs a mean: use the mean combination rule with it"),
+                  (self.model_dtype in ("fp16", "fp32"), "model_dtype must be fp16 or fp32"),
+                  (self.norm_action in ("clip", "reject"), "norm_action must be clip or reject"),
+                  (self.dp_noise == 0 or self.training.dp_clip is not None,
+                   "differential privacy needs a clipping norm (dp_clip) as well as a noise multiplier"),
+                  (self.training.dp_clip is None or self.combine == "mean",
+                   "DP-FedAvg averages updates: use the mean combination rule with it")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
