@@ -24,6 +24,7 @@ demo: $(STAMP)
 	$(FFR) fleet simulate --clients 5 --rounds 5 --lr 1e-3 --holdout-identities 0.2 --out runs/demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra tests
 
 bench: bench-latency bench-train bench-federated bench-quality bench-fleet bench-device bench-fuzz bench-robust bench-fedfr

@@ -5,8 +5,8 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -31,9 +31,14 @@ def machine() -> dict:
     import onnxruntime
     import torch
 
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
 
 
 def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 3) -> dict:

@@ -47,10 +47,33 @@ def main(argv=None) -> int:
 
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        run = subprocess.Popen([sys.executable, "-m", "ffr.cli", "--quiet", "fleet", "simulate", "--clients", str(args.clients),
-                                "--rounds", str(args.rounds), "--fraction", "0.5", "--lr", "1e-3", "--no-centralised",
-                                "--no-mlflow", "--dashboard-port", str(port), "--out", f"{tmp}/run"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        run = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ffr.cli",
+                "--quiet",
+                "fleet",
+                "simulate",
+                "--clients",
+                str(args.clients),
+                "--rounds",
+                str(args.rounds),
+                "--fraction",
+                "0.5",
+                "--lr",
+                "1e-3",
+                "--no-centralised",
+                "--no-mlflow",
+                "--dashboard-port",
+                str(port),
+                "--out",
+                f"{tmp}/run",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(run.stdout), daemon=True).start()
         try:

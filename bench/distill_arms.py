@@ -82,11 +82,19 @@ def main(argv=None) -> int:
         result = run_arm(name, loss, views, args, data, eval_set)
         m, last = result["metrics"], result["metrics"]["history"][-1]
         hours = m["trained_s"] / 3600
-        rows.append({"arm": name, "samples": m["samples"], "train_cpu_h": round(hours * args.threads, 3),
-                     "cosine_to_teacher": last["val_teacher_cosine"], "glint24_auc": last[auc_key],
-                     "d_cosine_per_cpu_h": (last["val_teacher_cosine"] - start["val_teacher_cosine"]) / (hours * args.threads),
-                     "d_auc_per_cpu_h": (last[auc_key] - start[auc_key]) / (hours * args.threads),
-                     "teacher_fill": f"{m['teacher_embeddings_computed']} embeddings"})
+        rows.append(
+            {
+                "arm": name,
+                "samples": m["samples"],
+                "train_cpu_h": round(hours * args.threads, 3),
+                "cosine_to_teacher": last["val_teacher_cosine"],
+                "glint24_auc": last[auc_key],
+                "d_cosine_per_cpu_h": (last["val_teacher_cosine"] - start["val_teacher_cosine"])
+                / (hours * args.threads),
+                "d_auc_per_cpu_h": (last[auc_key] - start[auc_key]) / (hours * args.threads),
+                "teacher_fill": f"{m['teacher_embeddings_computed']} embeddings",
+            }
+        )
         detail[name] = {"history": m["history"], "wall_s": result["wall_s"]}
     command = (f"python -m bench.distill_arms --budget-minutes {args.budget_minutes} --max-images {args.max_images} "
                f"--lr {args.lr} --threads {args.threads}")

@@ -20,8 +20,8 @@ from torchvision.transforms import v2
 
 from models.backbone import FaceEmbedder
 from models.distillation import distillation_loss
-from models.fast_step import cpu_has_fast_bf16
 from models.faces.preprocess import INPUT_SIZE, MEAN, STD
+from models.fast_step import cpu_has_fast_bf16
 from models.online_views import photometric, student_input
 
 

@@ -4,7 +4,8 @@ python -m bench.federated --out bench/results
 - bytes: one device's backbone delta (the real MobileNetV2-1.0 embedder) under each codec,
   and the number of MQTT messages at the default 256 KiB chunk size;
 - aggregation: per update, what the coordinator does on accepting it (match the signed sha256,
-  decode and check, norm and clip, fold into the float32 running mean) for 10 to 1,000 updates per codec, split by phase,
+  decode and check, norm and clip, fold into the float32 running mean) for 10 to 1,000 updates per codec,
+  split by phase,
   beside two floors measured in the same run (numpy adding the same wire arrays into a float32
   accumulator; the bytes touched over the machine's copy bandwidth), and the peak Python-tracked
   memory of 1,000 (tracemalloc sees numpy's buffers); the robust rules' memory for n updates;
@@ -22,16 +23,16 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load
 
 from bench.common import write_results
 from coordinator.aggregation import FedAvg, RunningMean
+from coordinator.robust import combine, l2_norm
 from models.face_model import initial_global_state
+from models.state_norms import clip_scale
 from protocol.chunks import DEFAULT_CHUNK_BYTES, split
 from protocol.codecs import CODECS, TOPK_FRACTION, Staging, decode_update, decode_verified, encode_update, layout
-from coordinator.robust import combine, l2_norm
-from models.state_norms import clip_scale
 from protocol.tensors import check_sha256
-from safetensors.numpy import load
 
 
 def random_delta(state: dict[str, np.ndarray], seed: int = 0, scale: float = 2e-4) -> dict[str, np.ndarray]:
@@ -50,9 +51,17 @@ def bytes_rows(state: dict[str, np.ndarray]) -> list[dict]:
         encoded, _ = encode_update(random_delta(state), codec, fraction)
         chunks = split("bench", encoded.data, DEFAULT_CHUNK_BYTES)
         label = f"codec {codec}" + (f" {fraction:.0%} kept" if codec == "topk" else "")
-        rows.append({"payload": f"backbone delta, {label}", "fraction_of_fp32": len(encoded.data) / fp32, "parameters": n_params, "bytes": len(encoded.data),
-                     "MiB": len(encoded.data) / 2**20, "mqtt_messages_at_256KiB": len(chunks) + 1,
-                     "framing_overhead_bytes": sum(len(c.transfer_id) + 120 for c in chunks)})
+        rows.append(
+            {
+                "payload": f"backbone delta, {label}",
+                "fraction_of_fp32": len(encoded.data) / fp32,
+                "parameters": n_params,
+                "bytes": len(encoded.data),
+                "MiB": len(encoded.data) / 2**20,
+                "mqtt_messages_at_256KiB": len(chunks) + 1,
+                "framing_overhead_bytes": sum(len(c.transfer_id) + 120 for c in chunks),
+            }
+        )
     return rows
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from bench.common import face_set, write_results
 from fleet.config import SimConfig
 from fleet.report import mean_std
-from protocol.codecs import TOPK_FRACTION
 from fleet.simulate import simulate
+from protocol.codecs import TOPK_FRACTION
 
 SETTINGS = {"iid": ("iid", None), "dirichlet0.5": ("dirichlet", 0.5), "dirichlet0.1": ("dirichlet", 0.1)}
 # FedAvg on the IID partition again, with one thing changed: who runs the devices, or how updates travel
@@ -79,10 +79,10 @@ def initial_row(summary: dict, run: Path) -> dict:
     """The starting model (round 0) on the same unseen people: what training adds."""
     initial = summary.get("initial")
     if initial is None:  # a run made before round 0 was recorded: evaluate its version 0 now
+        from coordinator.store import Store
         from fleet.config import SimConfig
         from fleet.data import prepare
         from fleet.evaluation import flat
-        from coordinator.store import Store
         from models.face_model import FaceModel, ModelConfig, from_numpy_state, load_shareable_state
         from models.training import verification
 
@@ -112,11 +112,18 @@ def flower_peer(args, run: Path) -> dict | None:
 
 
 def peer_row(peer: dict) -> dict:
-    return {"run": "Flower 1.41 FedAvg (simulation), iid", "global AUC": peer["global_auc"],
-            "global EER": peer["global_eer"], "pers. TAR@1e-2 global": "-", "pers. TAR@1e-2 local": "-",
-            "pers. TAR@1e-2 local+DFC": "-", "s/round": peer["round_seconds_mean"],
-            "MB/round (up)": peer["bytes_up_per_round"] / 1e6, "MB/round (down)": peer["bytes_down"] / peer["rounds"] / 1e6,
-            "wall s": peer["wall_seconds"]}
+    return {
+        "run": "Flower 1.41 FedAvg (simulation), iid",
+        "global AUC": peer["global_auc"],
+        "global EER": peer["global_eer"],
+        "pers. TAR@1e-2 global": "-",
+        "pers. TAR@1e-2 local": "-",
+        "pers. TAR@1e-2 local+DFC": "-",
+        "s/round": peer["round_seconds_mean"],
+        "MB/round (up)": peer["bytes_up_per_round"] / 1e6,
+        "MB/round (down)": peer["bytes_down"] / peer["rounds"] / 1e6,
+        "wall s": peer["wall_seconds"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,12 +152,25 @@ def main(argv: list[str] | None = None) -> int:
     for scheme, alpha in (SETTINGS[p] for p in args.partitions):
         for algorithm in args.algorithms:
             name = f"{algorithm}-{scheme}" + (f"{alpha}" if alpha else "")
-            config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds, partition=scheme,
-                               alpha=alpha or 0.5, algorithm=algorithm, dfc=True, patience=0, workers=args.workers,
-                               centralized=central is None, init=args.init)
+            config = SimConfig(
+                data=str(data),
+                holdout_identities=0.1,
+                clients=args.clients,
+                rounds=args.rounds,
+                partition=scheme,
+                alpha=alpha or 0.5,
+                algorithm=algorithm,
+                dfc=True,
+                patience=0,
+                workers=args.workers,
+                centralized=central is None,
+                init=args.init,
+            )
             print(f"== {name}", flush=True)
             done = args.runs / name / "summary.json"
-            summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
+            summary = (
+                json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
+            )
             summaries[name] = summary
             if central is None:
                 central = summary
@@ -159,9 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants:
         label, change = VARIANTS[variant]
         name = f"fedavg-iid-{variant}"
-        config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds, partition="iid", alpha=0.5,
-                           algorithm="fedavg", dfc=True, patience=0, workers=args.workers, centralized=False,
-                           init=args.init, **change)
+        config = SimConfig(
+            data=str(data),
+            holdout_identities=0.1,
+            clients=args.clients,
+            rounds=args.rounds,
+            partition="iid",
+            alpha=0.5,
+            algorithm="fedavg",
+            dfc=True,
+            patience=0,
+            workers=args.workers,
+            centralized=False,
+            init=args.init,
+            **change,
+        )
         print(f"== {name}", flush=True)
         done = args.runs / name / "summary.json"
         summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
@@ -175,12 +207,35 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(peer_row(peer))
         phases.append(peer_phase_row(peer))
     command = "python -m bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(args.out, args.name, {"init": args.init, "data": str(data), "clients": args.clients, "rounds": args.rounds,
-                                      "runs": {k: {kk: v[kk] for kk in ("global", "personalized", "bytes",
-                                                                         "wall_seconds", "round_seconds_mean",
-                                                                         "partition", "centralized")}
-                                               for k, v in summaries.items()}, "flower": peer},
-                  rows, f"Fleet simulation on {data.name}: {args.clients} clients, {args.rounds} rounds", command)
+    write_results(
+        args.out,
+        args.name,
+        {
+            "init": args.init,
+            "data": str(data),
+            "clients": args.clients,
+            "rounds": args.rounds,
+            "runs": {
+                k: {
+                    kk: v[kk]
+                    for kk in (
+                        "global",
+                        "personalized",
+                        "bytes",
+                        "wall_seconds",
+                        "round_seconds_mean",
+                        "partition",
+                        "centralized",
+                    )
+                }
+                for k, v in summaries.items()
+            },
+            "flower": peer,
+        },
+        rows,
+        f"Fleet simulation on {data.name}: {args.clients} clients, {args.rounds} rounds",
+        command,
+    )
     write_results(args.out, f"{args.name}_phases", {}, phases,
                   f"Seconds per round by phase, {args.clients} clients on {data.name}, 2 cores", command)
     return 0

@@ -93,8 +93,14 @@ class Sampler(threading.Thread):
             roles.setdefault(role, []).append(rss)
         rows = [{"process": role, "processes": len(v), "peak_RSS_MiB (largest one)": max(v) / 1024,
                  "peak_RSS_MiB (sum of their peaks)": sum(v) / 1024} for role, v in sorted(roles.items())]
-        rows.append({"process": "all together (largest total at one moment)", "processes": len(self.peak),
-                     "peak_RSS_MiB (largest one)": "-", "peak_RSS_MiB (sum of their peaks)": self.peak_total_kib / 1024})
+        rows.append(
+            {
+                "process": "all together (largest total at one moment)",
+                "processes": len(self.peak),
+                "peak_RSS_MiB (largest one)": "-",
+                "peak_RSS_MiB (sum of their peaks)": self.peak_total_kib / 1024,
+            }
+        )
         return rows
 
 

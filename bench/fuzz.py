@@ -96,7 +96,7 @@ class Hostile:
             envelope[r.choice(["seq", "schema_version"])] = r.choice([2 ** 63, 2 ** 64 + 1, -(2 ** 63) - 1, 10 ** 400])
             return "heartbeat", json.dumps(envelope).encode()
         if family == "forged_signature":
-            envelope["signature"] = "%0128x" % r.getrandbits(512)
+            envelope["signature"] = f"{r.getrandbits(512):0128x}"
             return "heartbeat", json.dumps(envelope).encode()
         if family == "replay":
             if not self.captured:

@@ -82,8 +82,16 @@ def detection_rows(repeats: int) -> list[dict]:
             k = iter(range(10**9))
             t = time_calls(lambda: det.detect(images[next(k) % len(images)]), repeats)
             found = sum(bool(det.detect(f)) for f in images)
-            rows.append({"detector": name, "threads": threads, "frame": "640x480",
-                         "median_ms": t["median_ms"], "p95_ms": t["p95_ms"], "frames_with_face": f"{found}/{len(images)}"})
+            rows.append(
+                {
+                    "detector": name,
+                    "threads": threads,
+                    "frame": "640x480",
+                    "median_ms": t["median_ms"],
+                    "p95_ms": t["p95_ms"],
+                    "frames_with_face": f"{found}/{len(images)}",
+                }
+            )
     return rows
 
 

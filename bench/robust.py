@@ -14,8 +14,9 @@ device's adoption check (`edge_client.adoption`) kept its last good model instea
 
 Every run is a full `ffr fleet simulate` (real coordinator, Mosquitto, edge clients) on the
 CelebA subset from the shipped face init, IID, FedAvg on the devices, DFC off (only the
-global model is measured here: the model after the last round, on people no device has). The DP-FedAvg rows (`coordinator.dp`) show the cost in AUC
-of user-level differential privacy at this fleet size, with the epsilon spent. The malicious devices (`fleet.attacks`) are admitted,
+global model is measured here: the model after the last round, on people no device has). The DP-FedAvg rows
+(`coordinator.dp`) show the cost in AUC of user-level differential privacy at this fleet size, with the epsilon
+spent. The malicious devices (`fleet.attacks`) are admitted,
 sign correctly and follow the protocol: they only lie in their delta and sample count.
 Every row has the coordinator's per-update norm clipping and sample-count cap; the rule
 column is how the clipped updates are combined; a round whose new model fails the
@@ -32,15 +33,30 @@ from pathlib import Path
 from bench.common import face_set, faces_dir, write_results
 from fleet.config import SimConfig
 from fleet.simulate import simulate
+from models.evaluation.separation import Scores
 
 
 def run_one(args, data: Path, rule: str, attack: str | None, dp_noise: float | None = None) -> dict:
     name = f"{rule}-{attack or 'clean'}" + (f"-dp{dp_noise:g}" if dp_noise is not None else "")
-    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds, partition="iid",
-                       algorithm="fedavg", dfc=False, patience=0, workers=args.workers, centralized=False,
-                       init="face", malicious=args.malicious if attack else 0.0, attack=attack or "scaled",
-                       combine=rule, mlflow=False, dp_clip=args.dp_clip if dp_noise is not None else None,
-                       dp_noise=dp_noise or 0.0)
+    config = SimConfig(
+        data=str(data),
+        holdout_identities=0.1,
+        clients=args.clients,
+        rounds=args.rounds,
+        partition="iid",
+        algorithm="fedavg",
+        dfc=False,
+        patience=0,
+        workers=args.workers,
+        centralized=False,
+        init="face",
+        malicious=args.malicious if attack else 0.0,
+        attack=attack or "scaled",
+        combine=rule,
+        mlflow=False,
+        dp_clip=args.dp_clip if dp_noise is not None else None,
+        dp_noise=dp_noise or 0.0,
+    )
     done = args.runs / name / "summary.json"
     print(f"== {name}", flush=True)
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
@@ -59,7 +75,7 @@ def run_one(args, data: Path, rule: str, attack: str | None, dp_noise: float | N
             "s/round": summary["round_seconds_mean"]}
 
 
-def published_scores(run: Path, faces) -> "Scores":
+def published_scores(run: Path, faces) -> Scores:
     """The run's last published model, scored on `faces` (models.evaluation.separation)."""
     from coordinator.store import Store
     from models.evaluation.separation import score
@@ -70,7 +86,7 @@ def published_scores(run: Path, faces) -> "Scores":
 
 
 def run_collapse(args, set_name: str, clients: int, malicious: float, rule: str, attack: str | None, gate: bool,
-                 eval_faces, public: Path) -> tuple[dict, "Scores"]:
+                 eval_faces, public: Path) -> tuple[dict, Scores]:
     data = face_set(None, set_name)
     name = f"{set_name}-{rule}-{attack or 'clean'}-{'gate' if gate else 'nogate'}"
     config = SimConfig(data=str(data), clients=clients, rounds=args.rounds, partition="iid", algorithm="fedavg",

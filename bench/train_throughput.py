@@ -3,7 +3,8 @@
 python -m bench.train_throughput --out bench/results
 Two tables. The distillation step (`ffr pretrain`'s, whose trunk settings `ffr train` and device
 training share through `models.fast_step`) before and after each speed change (`bench.distill_step`).
-Then the trainer's loop against a bare PyTorch loop: both loops read the same DataLoader (weak augmentation) and take the same Adam steps; the
+Then the trainer's loop against a bare PyTorch loop: both loops read the same DataLoader (weak augmentation)
+and take the same Adam steps; the
 difference is what the trainer adds (loss parts, accuracy, progress). The full Trainer
 epoch (with validation, verification metrics and checkpoints) is reported beside them.
 """

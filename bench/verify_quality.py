@@ -30,6 +30,7 @@ from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.faces.crops import FaceCrops
 from models.training import TrainConfig
 
+
 def measure(scores: np.ndarray, same: np.ndarray) -> dict:
     report = roc_report(scores, same)
     tar = report["tar_at_far"]
@@ -90,8 +91,12 @@ def bench_set(name: str, root: Path, args, fr) -> list[dict]:
     if args.epochs > 0:
         start = time.perf_counter()
         tuned = finetune(split, args, args.out / "quality_runs" / name / "face-cosface")
-        add(f"ffr-edge, face init + fine-tuned ({args.epochs} ep. CosFace, anchor {args.anchor_weight:g}, other 70%)", crop_name,
-            ours(tuned, held, pairs), time.perf_counter() - start)
+        add(
+            f"ffr-edge, face init + fine-tuned ({args.epochs} ep. CosFace, anchor {args.anchor_weight:g}, other 70%)",
+            crop_name,
+            ours(tuned, held, pairs),
+            time.perf_counter() - start,
+        )
     add("teacher: SFace (OpenCV Zoo, int8 folded to fp32)", crop_name, teacher_scores(held, pairs))
     if fr is not None:
         from bench.peer import peer_embeddings
@@ -157,10 +162,14 @@ def main(argv=None) -> int:
     command = ("python -m bench.verify_quality " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     if earlier:
         command = f"{earlier}`, then for {', '.join(args.sets)}: `{command}"
-    write_results(args.out, "verify_quality", {"epochs": args.epochs, "lr": args.lr, "anchor_weight": args.anchor_weight,
-                                                "weights_sha256": SHIPPED_SHA256},
-                  rows, "Verification on held-out people: ImageNet vs face init, fine-tuned, teacher, dlib",
-                  command)
+    write_results(
+        args.out,
+        "verify_quality",
+        {"epochs": args.epochs, "lr": args.lr, "anchor_weight": args.anchor_weight, "weights_sha256": SHIPPED_SHA256},
+        rows,
+        "Verification on held-out people: ImageNet vs face init, fine-tuned, teacher, dlib",
+        command,
+    )
     return 0
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from protocol.auth import Signer, new_token
 from protocol.credential import Credential
 
+
 def coordinator_signer(state: Path) -> Signer:
     """The coordinator's Ed25519 identity, created (mode 0600) in its state folder on first use."""
     return Signer.load_or_create(Path(state) / "coordinator.key")
@@ -32,10 +33,10 @@ def recorded_broker(state: Path) -> str | None:
 
 def admit(state: Path, device_id: str, broker: str | None = None) -> Credential:
     """Issue (or reissue, replacing an unused one) a device's credential; the token is stored in the state."""
+    import re
+
     from coordinator.broker_acl import BrokerUsers
     from coordinator.store import Store
-
-    import re
 
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", device_id):
         raise ValueError(f"device id {device_id!r} must be 1-64 characters of [A-Za-z0-9_.-]")

@@ -105,7 +105,9 @@ def apply_delta(global_state: State, delta: State, scale: float = 1.0) -> State:
     out = {}
     for name, value in global_state.items():
         step = value.astype(np.float64) + scale * delta[name]
-        cast = step.astype(value.dtype) if np.issubdtype(value.dtype, np.floating) else np.rint(step).astype(value.dtype)
+        cast = (
+            step.astype(value.dtype) if np.issubdtype(value.dtype, np.floating) else np.rint(step).astype(value.dtype)
+        )
         out[name] = np.asarray(cast)  # 0-d results come back as numpy scalars otherwise
     return out
 

@@ -6,8 +6,8 @@ splits and publishes (`protocol.chunks`, `protocol.tensors`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

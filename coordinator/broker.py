@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 MOSQUITTO_PATHS = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024 + 64 * 1024  # the largest chunk frame the protocol allows (TrainingConfig.chunk_bytes)
+MAX_MESSAGE_BYTES = (
+    8 * 1024 * 1024 + 64 * 1024
+)  # the largest chunk frame the protocol allows (TrainingConfig.chunk_bytes)
 PACKET_OVERHEAD = 64 * 1024                       # topic and MQTT headers on top of the payload
 MAX_QUEUED_MESSAGES = 20_000
 MAX_QUEUED_BYTES = 256 * 1024 * 1024
@@ -29,7 +31,9 @@ MAX_INFLIGHT = 100
 
 
 def find_mosquitto() -> str | None:
-    return next((p for p in (shutil.which(c) or (c if Path(c).is_file() else None) for c in MOSQUITTO_PATHS) if p), None)
+    return next(
+        (p for p in (shutil.which(c) or (c if Path(c).is_file() else None) for c in MOSQUITTO_PATHS) if p), None
+    )
 
 
 def free_port() -> int:
@@ -111,7 +115,7 @@ class EmbeddedBroker:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def __enter__(self) -> "EmbeddedBroker":
+    def __enter__(self) -> EmbeddedBroker:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -44,5 +44,7 @@ def epsilon(sampling_rates: list[float], noise_multiplier: float, delta: float) 
 
     accountant = RdpAccountant()
     for q in sampling_rates:
-        accountant.compose(dp_accounting.PoissonSampledDpEvent(min(1.0, q), dp_accounting.GaussianDpEvent(noise_multiplier)))
+        accountant.compose(
+            dp_accounting.PoissonSampledDpEvent(min(1.0, q), dp_accounting.GaussianDpEvent(noise_multiplier))
+        )
     return float(accountant.get_epsilon(delta))

@@ -20,7 +20,8 @@ import logging
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,8 +40,19 @@ from coordinator.validation_round import ValidationPhase
 from protocol import topics
 from protocol.auth import Signer
 from protocol.codecs import layout
-from protocol.messages import (Ack, Error, Heartbeat, Hello, MessageError, ModelRelease, Registered,
-                               RoundAnnouncement, UpdateHeader, ValidationScore, seal)
+from protocol.messages import (
+    Ack,
+    Error,
+    Heartbeat,
+    Hello,
+    MessageError,
+    ModelRelease,
+    Registered,
+    RoundAnnouncement,
+    UpdateHeader,
+    ValidationScore,
+    seal,
+)
 from protocol.tensors import PayloadError
 
 if TYPE_CHECKING:
@@ -54,7 +66,7 @@ SENDER = COORDINATOR
 class Engine:
     def __init__(self, store: Store, strategy: Strategy, settings: RoundSettings, publish: Publish,
                  initial_model: Callable[[], dict[str, np.ndarray]], signer: Signer,
-                 now: Callable[[], float] = time.time, gate: "QualityGate | None" = None):
+                 now: Callable[[], float] = time.time, gate: QualityGate | None = None):
         """`gate`: scores each candidate global model on the coordinator's faces before it is published
         (coordinator.quality_gate); None publishes whatever passes the numeric checks."""
         self.store, self.settings, self.publish, self.now, self.signer = store, settings, publish, now, signer
@@ -159,9 +171,15 @@ class Engine:
 
     def _announcement(self, current: OpenRound) -> RoundAnnouncement:
         config = self.settings.training.model_copy(update=self.strategy.client_config())
-        return RoundAnnouncement(round_id=current.round_id, model_version=self.version, total_rounds=self.settings.rounds,
-                                 deadline_unix=current.deadline, config=config, participants=current.participants,
-                                 **self.broadcast.announcement_fields())
+        return RoundAnnouncement(
+            round_id=current.round_id,
+            model_version=self.version,
+            total_rounds=self.settings.rounds,
+            deadline_unix=current.deadline,
+            config=config,
+            participants=current.participants,
+            **self.broadcast.announcement_fields(),
+        )
 
     def _release(self) -> ModelRelease:
         model = self.broadcast.model

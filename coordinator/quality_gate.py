@@ -67,7 +67,7 @@ class QualityGate:
         return ("" if verdict.ok else f"quality gate: {verdict.reason}"), metrics
 
     @classmethod
-    def from_path(cls, path: Path, settings: GateSettings | None = None) -> "QualityGate":
+    def from_path(cls, path: Path, settings: GateSettings | None = None) -> QualityGate:
         settings = settings or GateSettings()
         return cls(load_faces(Path(path), settings.limit, settings.seed), settings, str(path))
 

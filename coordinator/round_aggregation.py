@@ -17,12 +17,12 @@ import numpy as np
 from coordinator.aggregation import RunningMean, Strategy, capped_weights
 from coordinator.robust import combine, l2_norm
 from coordinator.round_state import OpenRound
+from coordinator.settings import RoundSettings
 from coordinator.store import Store
 from coordinator.update_filters import UpdateFilter
 from protocol.codecs import decode_verified, payload_codec
 
 if TYPE_CHECKING:
-    from coordinator.engine import RoundSettings
     from coordinator.quality_gate import QualityGate
 
 log = logging.getLogger("coordinator")
@@ -38,8 +38,8 @@ class Outcome:
 
 
 class RoundAggregator:
-    def __init__(self, settings: "RoundSettings", store: Store, layout: tuple, update_filter: UpdateFilter,
-                 strategy: Strategy, gate: "QualityGate | None" = None):
+    def __init__(self, settings: RoundSettings, store: Store, layout: tuple, update_filter: UpdateFilter,
+                 strategy: Strategy, gate: QualityGate | None = None):
         self.settings, self.store, self.layout, self.filter = settings, store, layout, update_filter
         self.strategy, self.gate = strategy, gate
 

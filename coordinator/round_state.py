@@ -7,14 +7,30 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from coordinator.aggregation import RunningMean
 from protocol.chunks import Reassembler
 from protocol.messages import UpdateHeader
 
-if TYPE_CHECKING:
-    from coordinator.validation_round import Validation
+
+@dataclass
+class Validation:
+    """One round's Federated Validation: the candidates sent to the validators and the scores back."""
+
+    devices: list[str]
+    base: np.ndarray                 # the devices' FedAvg weights
+    current: np.ndarray              # the current weighting over them
+    candidates: list[np.ndarray]
+    requested: set[str]
+    deadline: float
+    chunks: list[int]                # retained chunk count of each candidate's model, to clear afterwards
+    means: list[dict]                # each candidate's mean delta: the adopted one is their blend, no re-read
+    scores: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def complete(self) -> bool:
+        return all(len(self.scores.get(v, {})) == len(self.candidates) for v in self.requested)
 
 
 @dataclass
@@ -32,7 +48,7 @@ class OpenRound:
     bytes_received: int = 0
     refused_transfers: OrderedDict = field(default_factory=OrderedDict)
     running: RunningMean = field(default_factory=RunningMean)  # the plain mean, folded in as updates arrive
-    validation: "Validation | None" = None  # FV in progress: candidates sent, scores coming in
+    validation: Validation | None = None  # FV in progress: candidates sent, scores coming in
     validation_metrics: dict = field(default_factory=dict)
     fold_seconds: float = 0.0
 
@@ -47,5 +63,5 @@ class RoundView:
     deadline: float
 
     @classmethod
-    def of(cls, current: OpenRound) -> "RoundView":
+    def of(cls, current: OpenRound) -> RoundView:
         return cls(current.round_id, list(current.participants), sorted(current.done), current.deadline)

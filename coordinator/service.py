@@ -54,7 +54,7 @@ class ServiceConfig:
     tls: bool = False           # the embedded broker speaks TLS with a CA generated in STATE/tls
     public_set: Path | None = None  # FedFR's D_g, served at GET /public-set (coordinator.public_set)
     gate_data: Path | None = None   # faces the quality gate scores candidates on; default: the public set
-    gate: "GateSettings | None" = None  # None: the gate's defaults; the gate runs when it has faces
+    gate: GateSettings | None = None  # None: the gate's defaults; the gate runs when it has faces
     no_gate: bool = False
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from coordinator.store import Store
 from protocol.auth import ReplayGuard, proof_matches

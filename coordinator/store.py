@@ -123,7 +123,9 @@ class Store:
         return {r["device_id"]: r["last_seq"] for r in self._q("SELECT device_id, last_seq FROM devices")}
 
     def seen(self, device_id: str, seq: int) -> None:
-        self._q("UPDATE devices SET last_seen=?, last_seq=MAX(last_seq, ?) WHERE device_id=?", (time.time(), seq, device_id))
+        self._q(
+            "UPDATE devices SET last_seen=?, last_seq=MAX(last_seq, ?) WHERE device_id=?", (time.time(), seq, device_id)
+        )
 
     def devices(self) -> list[dict]:
         return [dict(r) for r in self._q("SELECT * FROM devices ORDER BY device_id")]
@@ -148,8 +150,11 @@ class Store:
 
     # rounds ---------------------------------------------------------------
     def open_round(self, round_id: int, base_version: int, deadline: float, participants: list[str]) -> None:
-        self._q("INSERT OR REPLACE INTO rounds (round_id, status, base_version, started_at, deadline, participants) "
-                "VALUES (?,?,?,?,?,?)", (round_id, "open", base_version, time.time(), deadline, json.dumps(participants)))
+        self._q(
+            "INSERT OR REPLACE INTO rounds (round_id, status, base_version, started_at, deadline, participants) "
+            "VALUES (?,?,?,?,?,?)",
+            (round_id, "open", base_version, time.time(), deadline, json.dumps(participants)),
+        )
 
     def close_round(self, round_id: int, status: str, new_version: int | None, n_updates: int, n_dropped: int,
                     metrics: dict, reason: str = "") -> None:
@@ -195,7 +200,9 @@ class Store:
         return [{**dict(r), "metrics": json.loads(r["metrics"] or "{}")} for r in rows]
 
     def update_accepted(self, round_id: int, device_id: str) -> bool:
-        return bool(self._q("SELECT 1 FROM updates WHERE round_id=? AND device_id=? AND accepted=1", (round_id, device_id)))
+        return bool(
+            self._q("SELECT 1 FROM updates WHERE round_id=? AND device_id=? AND accepted=1", (round_id, device_id))
+        )
 
     def record_rejection(self, sender: str, topic: str, reason: str) -> None:
         """Truncated and capped: a flood of hostile messages cannot fill the disk."""
@@ -216,7 +223,9 @@ class Store:
 
     def dropped_rounds(self) -> dict[str, int]:
         """Per device: finished rounds it was selected for but delivered no accepted update to."""
-        rows = self._q("SELECT round_id, participants FROM rounds WHERE status IN ('completed', 'rolled_back', 'failed')")
+        rows = self._q(
+            "SELECT round_id, participants FROM rounds WHERE status IN ('completed', 'rolled_back', 'failed')"
+        )
         accepted = {(r["round_id"], r["device_id"]) for r in self._q("SELECT round_id, device_id FROM updates "
                                                                      "WHERE accepted=1")}
         dropped: dict[str, int] = {}
@@ -228,8 +237,13 @@ class Store:
 
     def rejections(self, offset: int = 0, limit: int | None = None) -> list[dict]:
         """Oldest first, one page at a time."""
-        return [dict(r) for r in self._q("SELECT at, sender, topic, reason FROM rejections ORDER BY id LIMIT ? OFFSET ?",
-                                         (-1 if limit is None else limit, offset))]
+        return [
+            dict(r)
+            for r in self._q(
+                "SELECT at, sender, topic, reason FROM rejections ORDER BY id LIMIT ? OFFSET ?",
+                (-1 if limit is None else limit, offset),
+            )
+        ]
 
     def count_rejections(self) -> int:
         return self._q("SELECT COUNT(*) FROM rejections")[0][0]

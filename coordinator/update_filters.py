@@ -14,7 +14,8 @@ mean; a wrapper (DP-FedAvg) changes what it must and delegates the rest to the f
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from coordinator import dp
 from coordinator.robust import NormBound

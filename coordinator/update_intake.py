@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -89,7 +89,9 @@ class UpdateIntake:
     def _verified_delta(self, header: UpdateHeader, payload: bytes) -> tuple[dict, float]:
         """The delta (layout, dtype, finite norm, the filter's screen) or PayloadError."""
         if header.codec != self.settings.training.codec:
-            raise PayloadError(f"update sent with codec {header.codec}; this round takes {self.settings.training.codec}")
+            raise PayloadError(
+                f"update sent with codec {header.codec}; this round takes {self.settings.training.codec}"
+            )
         # the reassembler matched these bytes to the signed header's sha256 (chunk.sha256 is checked against it)
         delta = decode_verified(payload, header.codec, *self.layout, into=self.staging)
         norm = l2_norm(delta)

@@ -9,37 +9,18 @@ blended towards it (eq. 13); the round's mean delta is that blend. The weighting
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from coordinator.aggregation import RunningMean, apply_delta, capped_weights
 from coordinator.broadcast import ModelBroadcast
-from coordinator.round_state import OpenRound
+from coordinator.round_state import OpenRound, Validation
 from coordinator.validation import FederatedValidation, choose
 from protocol.messages import Ack, MessageError, ValidationRequest, ValidationScore
 
 log = logging.getLogger("coordinator")
 State = dict[str, np.ndarray]
-
-
-@dataclass
-class Validation:
-    """One round's Federated Validation: the candidates sent to the validators and the scores back."""
-
-    devices: list[str]
-    base: np.ndarray                 # the devices' FedAvg weights
-    current: np.ndarray              # the current weighting over them
-    candidates: list[np.ndarray]
-    requested: set[str]
-    deadline: float
-    chunks: list[int]                # retained chunk count of each candidate's model, to clear afterwards
-    means: list[dict]                # each candidate's mean delta: the adopted one is their blend, no re-read
-    scores: dict[str, dict[int, float]] = field(default_factory=dict)
-
-    def complete(self) -> bool:
-        return all(len(self.scores.get(v, {})) == len(self.candidates) for v in self.requested)
 
 
 class ValidationPhase:

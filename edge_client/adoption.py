@@ -22,8 +22,8 @@ import numpy as np
 from models.evaluation.separation import FaceSet, Verdict, compare, score
 
 log = logging.getLogger("edge_client")
-ADOPTED_METRIC = "global_adopted"
-ADOPTED_FILE = "adopted.safetensors"  # its hash is kept in the device's sealed settings  # 1: the announced model passed the device's check, 0: the device kept its last
+ADOPTED_METRIC = "global_adopted"  # 1: the announced model passed the device's check, 0: it kept its last
+ADOPTED_FILE = "adopted.safetensors"  # its hash is kept in the device's sealed settings
 
 
 @dataclass(frozen=True)

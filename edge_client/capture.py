@@ -8,9 +8,9 @@ recognise, or a face too blurred (variance of the Laplacian of the crop, the usu
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import cv2
 import numpy as np
@@ -44,7 +44,9 @@ def frames(camera: int | None = None, video: Path | None = None, images: Path | 
     what = f"camera {camera}" if camera is not None else f"video {video}"
     try:
         if not capture.isOpened():
-            raise SourceError(f"no camera at index {camera}" if camera is not None else f"cannot read video file {video}")
+            raise SourceError(
+                f"no camera at index {camera}" if camera is not None else f"cannot read video file {video}"
+            )
         width, height = (int(capture.get(p)) for p in (cv2.CAP_PROP_FRAME_WIDTH, cv2.CAP_PROP_FRAME_HEIGHT))
         if width * height > MAX_PIXELS:  # from the container's header, before a frame is decoded
             raise SourceError(f"{what}: {width} x {height} frames, above the limit of {MAX_PIXELS:,} pixels")

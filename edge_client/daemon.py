@@ -28,20 +28,37 @@ from edge_client.error_feedback import ErrorFeedback
 from edge_client.home import DeviceHome
 from edge_client.local_training import LocalObjective, train_round
 from edge_client.public_set import fetch_public_set
-from models.public_set import PublicSet, PublicSetError, load_public_set
-from models.face_model import (FaceModel, ModelConfig, from_numpy_state, load_shareable_state, private_state,
-                               shareable_state)
+from models.face_model import (
+    FaceModel,
+    ModelConfig,
+    from_numpy_state,
+    load_shareable_state,
+    private_state,
+    shareable_state,
+)
 from models.faces.crops import CropConfig, FaceCrops, decoded_crops, resolve_detector
-from models.state_norms import clip_to_norm, without_running_stats
 from models.faces.datasets import load_index
+from models.public_set import PublicSet, PublicSetError, load_public_set
+from models.state_norms import clip_to_norm, without_running_stats
 from protocol import topics
-from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.auth import Signer, token_proof
+from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.credential import Credential
-from protocol.messages import (Ack, Error, Hello, MessageError, ModelRelease, Registered, RoundAnnouncement,
-                               TrainingConfig,
-                               UpdateHeader, ValidationRequest, ValidationScore,
-                               open_envelope, seal)
+from protocol.messages import (
+    Ack,
+    Error,
+    Hello,
+    MessageError,
+    ModelRelease,
+    Registered,
+    RoundAnnouncement,
+    TrainingConfig,
+    UpdateHeader,
+    ValidationRequest,
+    ValidationScore,
+    open_envelope,
+    seal,
+)
 from protocol.tensors import PayloadError, decode
 from protocol.transport import BrokerAddress, make_client
 
@@ -502,10 +519,9 @@ class EdgeDevice:
                 path.unlink(missing_ok=True)
 
     def _export(self, model: FaceModel) -> None:
-        from models.onnx_export import export_onnx
-
         from edge_client.recognizer import seal_model
         from edge_client.vault import Vault
+        from models.onnx_export import export_onnx
 
         vault = Vault.open(self.home.root / "store")
         export_onnx(model, self.home.generic_onnx, personalised=False, extra={"device": self.device_id})

@@ -13,16 +13,16 @@ import os
 import shutil
 import sys
 import time
-from typing import NamedTuple
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from edge_client.capture import QualityGate, SourceError, check_face, device_detector, frames
 from edge_client.home import DeviceHome
 from edge_client.recognizer import Recognizer, calibrate, file_sha256, install_default_model, seal_model
-from edge_client.vault import Vault, VaultError
+from edge_client.vault import Vault
 from models.cli_common import add_detector_option
 
 MATCH, NO_MATCH, ERROR = 0, 1, 2
@@ -257,8 +257,14 @@ def cmd_calibrate(args) -> int:
         embeddings, names = embeddings + [e for _, e in more], names + [n for n, _ in more]
     cal = calibrate(embeddings, args.far, recognizer.model_sha256)
     problems = calibration_problems(cal, embeddings, names)
-    note = "" if cal.measurable else (f"; only {cal.impostor_pairs} impostor pairs, too few to measure FAR {args.far:g}:"
-                                      " the threshold is the highest impostor score (add people or --data DIR)")
+    note = (
+        ""
+        if cal.measurable
+        else (
+            f"; only {cal.impostor_pairs} impostor pairs, too few to measure FAR {args.far:g}:"
+            " the threshold is the highest impostor score (add people or --data DIR)"
+        )
+    )
     line = (f"threshold {cal.threshold:.3f} for FAR {args.far:g}: expected false-reject rate {cal.expected_frr:.3f} "
             f"({cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor pairs){note}")
     if problems and not args.force:
@@ -338,8 +344,12 @@ def _installed(args, home: DeviceHome, target: Path, kind: str) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--home", type=Path, default=DEFAULT_HOME,
-                   help=f"the device's private state (shared with `ffr edge run`; default $FFR_DEVICE_HOME or {DEFAULT_HOME})")
+    p.add_argument(
+        "--home",
+        type=Path,
+        default=DEFAULT_HOME,
+        help=f"the device's private state (shared with `ffr edge run`; default $FFR_DEVICE_HOME or {DEFAULT_HOME})",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (default 1)")
 
@@ -413,9 +423,12 @@ def add_commands(dsub) -> None:
                    help=f"target false-accept rate, in (0, {MAX_CALIBRATION_FAR:g}] (default 1e-3)")
     p.add_argument("--data", type=Path, help="more of the device's people: one folder of face photos each")
     p.add_argument("--dry-run", action="store_true", help="say what the threshold would be; change nothing")
-    p.add_argument("--force", action="store_true",
-                   help=f"apply a threshold that would refuse more than {MAX_EXPECTED_FRR * 100:.0f}%% of genuine faces, or "
-                        "whose impostors look like enrolled people")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help=f"apply a threshold that would refuse more than {MAX_EXPECTED_FRR * 100:.0f}%% of genuine faces, or "
+        "whose impostors look like enrolled people",
+    )
     _common(p)
     _faces(p.add_argument_group("faces in --data"))
     p.set_defaults(func=cmd_calibrate)

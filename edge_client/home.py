@@ -26,7 +26,7 @@ class DeviceHome:
         os.chmod(self.root, 0o700)
         self._lock_fd: int | None = None
 
-    def lock(self) -> "DeviceHome":
+    def lock(self) -> DeviceHome:
         """Hold the home for this process (released when it exits); refused, naming the holder, while another has it."""
         import fcntl
 

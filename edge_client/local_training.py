@@ -24,14 +24,14 @@ import torch.nn.functional as F
 
 from models.dfc import NEGATIVE, fit_dfc
 from models.face_model import FaceModel, load_shareable_state, shareable_state
-from models.fast_step import accelerate
 from models.faces import augment
-from models.heads import CosineHead, class_centres, imprint
-from models.public_set import PublicSet
 from models.faces.crops import FaceCrops
+from models.fast_step import accelerate
 from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
+from models.heads import CosineHead, class_centres, imprint
 from models.hfmaml import anchored_to, hf_maml_step
 from models.pfm import apply_global_momentum
+from models.public_set import PublicSet
 from models.training import TrainConfig, as_chw, frozen_copy, frozen_features, train_epoch, train_loader
 
 
@@ -56,7 +56,7 @@ class LocalObjective:
     embedding_reg: float = 0.0    # C of eq. 4: pull the local embedding toward the round's global one
 
     @classmethod
-    def from_config(cls, config) -> "LocalObjective":
+    def from_config(cls, config) -> LocalObjective:
         return cls(**{k: getattr(config, k) for k in cls.__dataclass_fields__})
 
     @property

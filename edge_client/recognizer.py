@@ -91,7 +91,7 @@ class Settings:
     models: dict[str, str] = field(default_factory=dict)  # model file name -> sha256 when this device installed it
 
     @classmethod
-    def load(cls, home: DeviceHome, vault: Vault) -> "Settings":
+    def load(cls, home: DeviceHome, vault: Vault) -> Settings:
         path, sealed = home.root / "device.json", vault.manifest().get("settings_mac")
         if not path.exists():
             if sealed is not None:

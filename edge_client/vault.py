@@ -60,7 +60,7 @@ class Person:
             self.template.astype("<f4").tobytes()
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> "Person":
+    def from_bytes(cls, blob: bytes) -> Person:
         n = int.from_bytes(blob[:4], "big")
         header = json.loads(blob[4:4 + n])
         shape, dim = tuple(header["crops_shape"]), header["template_dim"]
@@ -157,7 +157,7 @@ class Vault:
         self._save_manifest({**self.manifest(), "settings_mac": mac})
 
     @classmethod
-    def open(cls, root: Path) -> "Vault":
+    def open(cls, root: Path) -> Vault:
         return cls(root, load_key(root))
 
     def _check_key(self) -> None:
@@ -192,8 +192,13 @@ class Vault:
         manifest = self.manifest()
         blob = self._seal(person.to_bytes(), path.name)
         _atomic_write(path, blob)
-        self._save_manifest({**manifest, "records": {**manifest["records"], path.name: hashlib.sha256(blob).hexdigest()},
-                             "names": {**manifest.get("names", {}), path.name: person.name}})
+        self._save_manifest(
+            {
+                **manifest,
+                "records": {**manifest["records"], path.name: hashlib.sha256(blob).hexdigest()},
+                "names": {**manifest.get("names", {}), path.name: person.name},
+            }
+        )
 
     def get(self, name: str) -> Person:
         path = self._path(name)

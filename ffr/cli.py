@@ -18,7 +18,9 @@ LOGGERS = ("ffr", "models", "edge_client", "coordinator", "protocol")
 
 def command_group(sub, name: str, help: str):
     """`ffr NAME COMMAND ...`: a group of related subcommands."""
-    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".").add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
+    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".").add_subparsers(
+        dest=f"{name}_command", required=True, metavar="COMMAND"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator_cli.add_commands(command_group(sub, "coordinator", "the federation coordinator service"))
     edge_cli.add_commands(command_group(sub, "edge", "the edge device daemon"))
     fleet_cli.add_commands(command_group(sub, "fleet", "fleet simulation: partition, simulate, report"))
-    device_cli.add_commands(command_group(sub, "device", "enrol, verify and identify people on this device (ONNX only)"))
+    device_cli.add_commands(
+        command_group(sub, "device", "enrol, verify and identify people on this device (ONNX only)")
+    )
     return parser
 
 

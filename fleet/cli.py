@@ -45,8 +45,7 @@ from coordinator.engine import ROUND_TIMEOUT_S  # noqa: E402
 from coordinator.robust import COMBINERS  # noqa: E402 - numpy only
 from fleet.attacks import ATTACKS  # noqa: E402
 from models.cli_common import add_detector_option  # noqa: E402
-from models.objective_cli import (add_codec_options, add_method_options, add_objective_options,  # noqa: E402
-                                  aggregation_algorithm)
+from models.objective_cli import add_codec_options, add_method_options, add_objective_options, aggregation_algorithm  # noqa: E402
 
 
 def _config(args):

@@ -110,7 +110,9 @@ class SimConfig:
         if self.rounds < 1:
             raise ValueError("--rounds must be at least 1")
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown aggregation {self.algorithm!r} (--method); choose one of {', '.join(ALGORITHMS)}")
+            raise ValueError(
+                f"unknown aggregation {self.algorithm!r} (--method); choose one of {', '.join(ALGORITHMS)}"
+            )
         if not 0 < self.fraction <= 1:
             raise ValueError("--fraction must be in (0, 1]")
         if self.backend not in ("pool", "ray"):
@@ -176,14 +178,14 @@ class SimConfig:
         path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, path: Path) -> "SimConfig":
+    def load(cls, path: Path) -> SimConfig:
         raw = json.loads(path.read_text())
         known = {f.name for f in fields(cls)}
         config = cls(**{k: v for k, v in raw.items() if k in known})
         config.split = tuple(config.split)
         return config
 
-    def differences(self, other: "SimConfig") -> list[str]:
+    def differences(self, other: SimConfig) -> list[str]:
         """Options that differ from `other` and may not change when resuming."""
         mine, theirs = asdict(self), asdict(other)
         return [f"{k}: {theirs[k]!r} -> {mine[k]!r}" for k in mine

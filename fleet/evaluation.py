@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from safetensors.torch import load_file
@@ -110,7 +110,9 @@ def evaluate_clients(data: FleetData, verifiers: dict[str, Callable[[int], Calla
         others = np.setdiff1d(test_idx, np.flatnonzero(data.client_mask(k)))
         others = np.setdiff1d(others, np.flatnonzero(data.holdout_mask()))
         rng = np.random.default_rng(seed + k)
-        others = np.sort(rng.choice(others, min(impostor_images, len(others)), replace=False)) if len(others) else others
+        others = (
+            np.sort(rng.choice(others, min(impostor_images, len(others)), replace=False)) if len(others) else others
+        )
         pairs, same = client_pairs(data.crops.labels[own], len(others))
         row = {"client": k, "held_out": k in data.partition.heldout_clients,
                "identities": len(data.partition.clients[k]), "test_images": int(len(own))}
@@ -153,7 +155,7 @@ def confusion(emb: np.ndarray, labels: np.ndarray, names: list[str], max_identit
     (their mean embedding), the other half are probes. Returns (confusion matrix, names, accuracy)."""
     from sklearn.metrics import confusion_matrix
 
-    usable = [l for l in np.unique(labels) if (labels == l).sum() >= 2]
+    usable = [label for label in np.unique(labels) if (labels == label).sum() >= 2]
     if len(usable) < 2:
         return None
     rng = np.random.default_rng(seed)
@@ -168,4 +170,4 @@ def confusion(emb: np.ndarray, labels: np.ndarray, names: list[str], max_identit
         truth += [c] * (len(idx) - half)
     predicted = np.argmax(np.concatenate(probes) @ np.stack(templates).T, axis=1)
     matrix = confusion_matrix(truth, predicted, labels=list(range(len(chosen))))
-    return matrix, [names[l] for l in chosen], float(np.mean(predicted == np.array(truth)))
+    return matrix, [names[label] for label in chosen], float(np.mean(predicted == np.array(truth)))

@@ -9,8 +9,8 @@ the broker's address, mount the run folder at the same path, and have ffr-edge i
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from fleet.devices import Turn, run_turn
 

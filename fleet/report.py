@@ -79,14 +79,24 @@ def summary_markdown(summary: dict) -> str:
         for name in VERIFIERS:
             if name in stats:
                 s = stats[name]
-                lines.append(f"| {name} | {s['clients']} | {mean_std(s, 'auc')} | {mean_std(s, 'eer')} | {mean_std(s, 'tar@1e-2')} | "
-                             f"{mean_std(s, 'tar@1e-3')} |")
+                lines.append(
+                    f"| {name} | {s['clients']} | {mean_std(s, 'auc')} | {mean_std(s, 'eer')} | "
+                    f"{mean_std(s, 'tar@1e-2')} | "
+                    f"{mean_std(s, 'tar@1e-3')} |"
+                )
     b = summary["bytes"]
-    lines += ["", "## Cost", "",
-              f"- bytes up (device -> coordinator): {b['up'] / 1e6:.1f} MB in all, {b['per_round_up_mean'] / 1e6:.1f} MB per round",
-              f"- bytes down (model downloads): {b['down'] / 1e6:.1f} MB in all",
-              f"- wall time: {summary['wall_seconds']:.0f} s; {_f(summary.get('round_seconds_mean'), 1)} s per round",
-              "", "## Plots", ""] + [f"- {k}: `{v}`" for k, v in summary["plots"].items()]
+    lines += [
+        "",
+        "## Cost",
+        "",
+        f"- bytes up (device -> coordinator): {b['up'] / 1e6:.1f} MB in all, "
+        f"{b['per_round_up_mean'] / 1e6:.1f} MB per round",
+        f"- bytes down (model downloads): {b['down'] / 1e6:.1f} MB in all",
+        f"- wall time: {summary['wall_seconds']:.0f} s; {_f(summary.get('round_seconds_mean'), 1)} s per round",
+        "",
+        "## Plots",
+        "",
+    ] + [f"- {k}: `{v}`" for k, v in summary["plots"].items()]
     return "\n".join(lines) + "\n"
 
 

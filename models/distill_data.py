@@ -106,7 +106,7 @@ class TeacherTargets:
     done: np.ndarray
 
     @classmethod
-    def open(cls, root: Path, n: int, dim: int, views: int = N_VIEWS, meta: dict | None = None) -> "TeacherTargets":
+    def open(cls, root: Path, n: int, dim: int, views: int = N_VIEWS, meta: dict | None = None) -> TeacherTargets:
         root.mkdir(parents=True, exist_ok=True)
         meta_file = root / "meta.json"
         expected = {"n": n, "dim": dim, "views": views, **(meta or {})}

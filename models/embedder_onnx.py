@@ -70,7 +70,8 @@ class _Graph:
 
 
 def _inverted_residual(g: _Graph, x: str, prefix: str, stride: int) -> str:
-    """One torchvision InvertedResidual: [expand 1x1] -> depthwise 3x3 -> project 1x1 (linear), + x when shapes match."""
+    """One torchvision InvertedResidual: [expand 1x1] -> depthwise 3x3 -> project 1x1 (linear), + x when shapes
+    match."""
     expanded = f"{prefix}.conv.0.0.weight" in g.state and g.state[f"{prefix}.conv.0.0.weight"].shape[1] != 1
     y, k = x, 0
     if expanded:
@@ -103,9 +104,13 @@ def build_embedder_onnx(state: dict[str, np.ndarray], metadata: dict | None = No
                           g.const("eps", np.array(1e-12, np.float32))], "norm")
     g.nodes.append(helper.make_node("Div", [x, norm], ["embedding"]))
     dim = weight.shape[0]
-    graph = helper.make_graph(g.nodes, "ffr_embedder",
-                              [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, INPUT_SIZE, INPUT_SIZE])],
-                              [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", dim])], g.inits)
+    graph = helper.make_graph(
+        g.nodes,
+        "ffr_embedder",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, INPUT_SIZE, INPUT_SIZE])],
+        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", dim])],
+        g.inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="ffr-edge")
     model.ir_version = 8
     meta = {"kind": "generic", "input_size": INPUT_SIZE, "mean": MEAN, "std": STD, "color": "RGB", "layout": "NCHW",

@@ -5,15 +5,14 @@ the embedder's parameters and buffers and nothing else (no head, no DFC, no data
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import numpy as np
 
 from models.backbone import FaceEmbedder
 from models.dfc import DFCBranch, personalised_embedding
@@ -48,7 +47,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
+    def from_dict(cls, data: dict) -> ModelConfig:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 

@@ -14,7 +14,7 @@ round's starting (global) model: loss + C * (1 - cos(f_global(x), f_local(x))).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F

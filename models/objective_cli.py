@@ -44,7 +44,9 @@ def add_objective_options(group) -> None:
                        help="FedFR's contrastive regulariser, eq. 5 (default: on with --method fedfr)")
     group.add_argument("--tau", type=float, default=0.5, help="contrastive temperature (default 0.5)")
     group.add_argument("--alpha-cos", type=float, default=1.0, help="alpha_1: weight of the CosFace loss (default 1)")
-    group.add_argument("--alpha-con", type=float, default=5.0, help="alpha_2: weight of the contrastive term (default 5)")
+    group.add_argument(
+        "--alpha-con", type=float, default=5.0, help="alpha_2: weight of the contrastive term (default 5)"
+    )
     group.add_argument("--dfc-steps", type=int, default=300,
                        help="steps fitting the DFC branch on frozen features after local training (default 300)")
     group.add_argument("--dfc-lr", type=float, default=1e-2, help="learning rate of that fit (default 1e-2)")

@@ -108,7 +108,8 @@ def _erase(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 def photometric(x01: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Float (N,3,H,W) in 0..1 -> the same under the student's photometric augmentation, in 0..1: colour jitter
-    (p 0.5), greyscale (p 0.05), blur (p 0.1), erasing (p 0.1): moderate, since far from the teacher's input its target stops being the right
+    (p 0.5), greyscale (p 0.05), blur (p 0.1), erasing (p 0.1): moderate, since far from the teacher's input its
+    target stops being the right
     answer (Beyer et al., CVPR 2022)."""
     x = x01.clone()
     for p, op in ((0.5, lambda v: _colour(v, generator)), (0.05, lambda v: _grey(v).expand_as(v)),

@@ -7,9 +7,9 @@ the preprocessing is written into the file's metadata (`ffr.*`), read by `models
 from __future__ import annotations
 
 import io
-import threading
 import json
 import logging
+import threading
 import warnings
 from pathlib import Path
 
@@ -68,9 +68,16 @@ def _to_onnx(wrapper: nn.Module) -> onnx.ModelProto:
         warnings.simplefilter("ignore")
         try:
             buffer = io.BytesIO()
-            torch.onnx.export(wrapper, (example,), buffer, dynamo=False, input_names=["image"],
-                              output_names=["embedding"], dynamic_axes={"image": {0: "batch"}, "embedding": {0: "batch"}},
-                              opset_version=OPSET)
+            torch.onnx.export(
+                wrapper,
+                (example,),
+                buffer,
+                dynamo=False,
+                input_names=["image"],
+                output_names=["embedding"],
+                dynamic_axes={"image": {0: "batch"}, "embedding": {0: "batch"}},
+                opset_version=OPSET,
+            )
             return onnx.load_from_string(buffer.getvalue())
         except Exception:  # noqa: BLE001 - the legacy exporter is deprecated; fall back to the supported one
             batch = torch.export.Dim("batch", min=1, max=4096)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the device side uses torch; the coordinator imports this mo
 NOT_TRAINED = ("running_mean", "running_var", "num_batches_tracked")  # buffers: no gradient, no momentum
 
 
-def apply_global_momentum(params: "dict[str, torch.nn.Parameter]", momentum: "dict[str, torch.Tensor]", lr: float,
+def apply_global_momentum(params: dict[str, torch.nn.Parameter], momentum: dict[str, torch.Tensor], lr: float,
                           beta: float, steps: int) -> None:
     """Eq. 3's momentum part of one local step, in place: theta -= eta * beta * M / K (the gradient part is the
     optimiser's plain SGD step). Parameters without a momentum tensor (the first round) are left alone."""
@@ -34,7 +34,9 @@ def apply_global_momentum(params: "dict[str, torch.nn.Parameter]", momentum: "di
                 p.sub_(scale * m.to(p.dtype))
 
 
-def global_momentum(previous: dict[str, np.ndarray], current: dict[str, np.ndarray], lr: float) -> dict[str, np.ndarray]:
+def global_momentum(
+    previous: dict[str, np.ndarray], current: dict[str, np.ndarray], lr: float
+) -> dict[str, np.ndarray]:
     """Eq. 6: M_r = (Theta_{r-1} - Theta_r) / eta over the trained (floating, non-buffer) tensors."""
     return {k: ((previous[k].astype(np.float64) - current[k]) / lr).astype(current[k].dtype) for k in current
             if np.issubdtype(current[k].dtype, np.floating) and not k.endswith(NOT_TRAINED)}

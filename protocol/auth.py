@@ -46,11 +46,11 @@ class Signer:
         self.public_hex = raw.hex()
 
     @classmethod
-    def generate(cls) -> "Signer":
+    def generate(cls) -> Signer:
         return cls(Ed25519PrivateKey.generate())
 
     @classmethod
-    def load_or_create(cls, path: Path) -> "Signer":
+    def load_or_create(cls, path: Path) -> Signer:
         """The key at `path`, created (mode 0600, atomically) on first use."""
         path = Path(path)
         if path.exists():
@@ -60,7 +60,7 @@ class Signer:
         return signer
 
     @classmethod
-    def load(cls, path: Path) -> "Signer":
+    def load(cls, path: Path) -> Signer:
         key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
         if not isinstance(key, Ed25519PrivateKey):
             raise AuthError(f"{path} does not hold an Ed25519 private key")

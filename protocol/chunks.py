@@ -55,7 +55,7 @@ class Reassembler:
     received_bytes: int = 0
 
     @classmethod
-    def for_chunk(cls, chunk: Chunk, max_bytes: int = 256 * 1024 * 1024) -> "Reassembler":
+    def for_chunk(cls, chunk: Chunk, max_bytes: int = 256 * 1024 * 1024) -> Reassembler:
         if chunk.total_bytes > max_bytes:
             raise PayloadError(f"payload of {chunk.total_bytes} bytes exceeds the {max_bytes}-byte limit")
         return cls(chunk.transfer_id, chunk.count, chunk.total_bytes, chunk.sha256, max_bytes)

@@ -50,7 +50,9 @@ Kinds = dict[str, str]  # name -> 'f' (floating) or 'i' (integer)
 
 # -- encoding (the device's side) ---------------------------------------------------------------------------
 
-def encode_update(delta: State, codec: str = "fp16", topk_fraction: float = TOPK_FRACTION) -> tuple[EncodedTensors, State]:
+def encode_update(
+    delta: State, codec: str = "fp16", topk_fraction: float = TOPK_FRACTION
+) -> tuple[EncodedTensors, State]:
     """The payload, and the dense delta the receiver will reconstruct from it (for error feedback)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
@@ -63,7 +65,9 @@ def encode_update(delta: State, codec: str = "fp16", topk_fraction: float = TOPK
     data = save(wire, metadata={CODEC_METADATA: codec})
     shapes = {k: tuple(np.shape(v)) for k, v in delta.items()}
     kinds = {k: np.asarray(v).dtype.kind for k, v in delta.items()}
-    return EncodedTensors(data, sha256_hex(data), codec), _reconstruct(safetensors_view.read(data), codec, shapes, kinds)
+    return EncodedTensors(data, sha256_hex(data), codec), _reconstruct(
+        safetensors_view.read(data), codec, shapes, kinds
+    )
 
 
 def _cast(value: np.ndarray, dtype) -> np.ndarray:
@@ -99,7 +103,9 @@ def layout(state: State) -> tuple[Shapes, Kinds]:
 
 def sparse_names(shapes: Shapes, kinds: Kinds) -> list[str]:
     """The tensors top-k sparsifies, in the order their coordinates are concatenated (both sides agree)."""
-    return sorted(k for k, shape in shapes.items() if kinds[k] == "f" and not (k.endswith(DENSE_SUFFIXES) or shape == ()))
+    return sorted(
+        k for k, shape in shapes.items() if kinds[k] == "f" and not (k.endswith(DENSE_SUFFIXES) or shape == ())
+    )
 
 
 def _topk_tensors(delta: State, fraction: float) -> State:
@@ -108,7 +114,9 @@ def _topk_tensors(delta: State, fraction: float) -> State:
     shapes = {k: tuple(np.shape(v)) for k, v in delta.items()}
     kinds = {k: np.asarray(v).dtype.kind for k, v in delta.items()}
     names = sparse_names(shapes, kinds)
-    flat = np.concatenate([np.asarray(delta[k], np.float32).ravel() for k in names]) if names else np.zeros(0, np.float32)
+    flat = (
+        np.concatenate([np.asarray(delta[k], np.float32).ravel() for k in names]) if names else np.zeros(0, np.float32)
+    )
     k = min(flat.size, max(1, int(round(fraction * flat.size))))
     indices = np.sort(np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]).astype(np.int32)
     wire = {TOPK_VALUES: flat[indices].astype(np.float16)}

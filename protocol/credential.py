@@ -26,7 +26,7 @@ class Credential(BaseModel):
     ca_pem: str | None = None   # the broker's CA when it speaks TLS
 
     @classmethod
-    def load(cls, path: Path) -> "Credential":
+    def load(cls, path: Path) -> Credential:
         try:
             credential = cls.model_validate_json(Path(path).read_bytes())
         except OSError as exc:

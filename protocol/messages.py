@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, TypeAdapter, ValidationError,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from protocol import SCHEMA_VERSION
+from protocol.auth import MAX_SEQ, PUBLIC_KEY_PATTERN, SIGNATURE_PATTERN, AuthError, ReplayGuard, Signer, verify
 from protocol.codecs import TOPK_FRACTION
-from protocol.auth import (MAX_SEQ, PUBLIC_KEY_PATTERN, SIGNATURE_PATTERN, AuthError, ReplayGuard, Signer,
-                           verify)
 
 MAX_MESSAGE_BYTES = 256 * 1024     # a round announcement for thousands of participants still fits
 MAX_DEVICES_PER_ROUND = 4096
@@ -109,7 +116,7 @@ class TrainingConfig(_Body):
     public_set_bytes: int | None = Field(None, ge=1, le=MAX_PUBLIC_SET_BYTES)
 
     @model_validator(mode="after")
-    def _public_set_complete(self) -> "TrainingConfig":
+    def _public_set_complete(self) -> TrainingConfig:
         return _together(self, "public_set_url", "public_set_sha256", "public_set_bytes")
 
 
@@ -130,7 +137,7 @@ class RoundAnnouncement(_Body):
     momentum_chunks: int | None = Field(None, ge=1, le=1 << 20)
 
     @model_validator(mode="after")
-    def _momentum_complete(self) -> "RoundAnnouncement":
+    def _momentum_complete(self) -> RoundAnnouncement:
         return _together(self, "momentum_sha256", "momentum_bytes", "momentum_chunks")
 
 
@@ -194,9 +201,19 @@ class Error(_Body):
     resume_seq: int | None = Field(None, ge=-1, le=MAX_SEQ)  # a refused counter: number from here
 
 
-Body = Annotated[Union[Hello, Registered, Heartbeat, RoundAnnouncement, ModelRelease, UpdateHeader,
-                       ValidationRequest, ValidationScore, Ack, Error],
-                 Field(discriminator="type")]
+Body = Annotated[
+    Hello
+    | Registered
+    | Heartbeat
+    | RoundAnnouncement
+    | ModelRelease
+    | UpdateHeader
+    | ValidationRequest
+    | ValidationScore
+    | Ack
+    | Error,
+    Field(discriminator="type"),
+]
 
 
 class Envelope(BaseModel):

@@ -67,7 +67,9 @@ def decode(data: bytes, sha256: str, expected: dict[str, tuple[int, ...]] | None
     for name, kind in (expected_kinds or {}).items():
         actual = tensors[name].dtype
         if (kind == "f") != np.issubdtype(actual, np.floating):
-            raise PayloadError(f"tensor {name} has dtype {actual}, expected a {'floating' if kind == 'f' else 'integer'} type")
+            raise PayloadError(
+                f"tensor {name} has dtype {actual}, expected a {'floating' if kind == 'f' else 'integer'} type"
+            )
     out = {}
     for name, value in tensors.items():
         if np.issubdtype(value.dtype, np.floating):

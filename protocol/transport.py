@@ -18,7 +18,7 @@ class BrokerAddress:
     password: str | None = None
 
     @classmethod
-    def parse(cls, url: str, username: str | None = None, password: str | None = None) -> "BrokerAddress":
+    def parse(cls, url: str, username: str | None = None, password: str | None = None) -> BrokerAddress:
         """`mqtt://host:1883` or `mqtts://host:8883` (credentials may also sit in the URL)."""
         parsed = urlparse(url if "://" in url else f"mqtt://{url}")
         if parsed.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):

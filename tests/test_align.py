@@ -71,7 +71,8 @@ def test_face_selection_center_vs_largest():
 
 
 def test_photo_without_a_face_falls_back_and_is_counted(tmp_path):
-    """No face: the centre square when asked for (counted, also when read back from the cache), else skipped and named."""
+    """No face: the centre square when asked for (counted, also when read back from the cache), else skipped and
+    named."""
     from models.faces.crops import CropConfig, crop_index
     from models.faces.datasets import load_index
     from models.faces.imageio import write_image
@@ -85,8 +86,9 @@ def test_photo_without_a_face_falls_back_and_is_counted(tmp_path):
     for _ in range(2):  # the second pass reads the cache: the counts must not change
         crops = crop_index(index, CropConfig(fallback_center=True), cache_dir=tmp_path / "cache", progress=False)
         assert len(crops) == 4 and crops.report.n_center_fallback == 4 and crops.report.n_aligned == 0
+    from models.faces.crops import CropConfig as Config
+    from models.faces.crops import build_detectors, crop_face
     from models.faces.datasets import DatasetError
-    from models.faces.crops import CropConfig as Config, build_detectors, crop_face
 
     thumbnail = rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)  # too small to detect anything in: never "aligned"
     assert crop_face(thumbnail, build_detectors(Config()), Config(fallback_center=True))[1] == "center"

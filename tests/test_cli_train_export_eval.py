@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from ffr.cli import build_parser, main
 from models.embedders import TorchEmbedder

@@ -6,11 +6,21 @@ import pytest
 from safetensors.numpy import load, save
 
 from edge_client.error_feedback import ErrorFeedback
-from protocol.codecs import (CODECS, SCALE_SUFFIX, TOPK_INDICES, TOPK_MASK, TOPK_VALUES, decode_update, decode_verified,
-                             encode_update, layout, payload_codec,
-                             sparse_names)
-from protocol.messages import MessageError, UpdateHeader, parse, seal
 from protocol.auth import Signer
+from protocol.codecs import (
+    CODECS,
+    SCALE_SUFFIX,
+    TOPK_INDICES,
+    TOPK_MASK,
+    TOPK_VALUES,
+    decode_update,
+    decode_verified,
+    encode_update,
+    layout,
+    payload_codec,
+    sparse_names,
+)
+from protocol.messages import MessageError, UpdateHeader, parse, seal
 from protocol.tensors import PayloadError, sha256_hex
 
 RNG = np.random.default_rng(0)
@@ -298,8 +308,8 @@ def test_the_coordinator_refuses_an_update_whose_payload_names_another_codec(tmp
 def test_a_topk_round_aggregates_what_the_devices_sent(tmp_path):
     from test_trust import GLOBAL, Dev, Harness, honest_delta
 
-    from protocol.messages import TrainingConfig
     from protocol.chunks import split, to_bytes
+    from protocol.messages import TrainingConfig
 
     h = Harness(tmp_path, min_clients=2, training=TrainingConfig(epochs=1, codec="topk", topk_fraction=0.25))
     devs = [Dev(h, f"dev{i}").join() for i in range(2)]

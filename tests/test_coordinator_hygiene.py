@@ -61,16 +61,20 @@ def _status(port: int, path: str, body: bytes | None = None, headers: dict | Non
 
 def test_token_is_checked_before_a_body_is_read(live):
     service, port = live
-    head = "POST /evaluations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 200000000\r\n\r\n"
+    head = (
+        "POST /evaluations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 200000000\r\n\r\n"
+    )
     assert " 401 " in _raw(port, head)  # answered at once, not after 200 MB
 
 
 def test_bodies_are_capped_even_with_the_token(live):
     service, port = live
     auth = f"Authorization: Bearer {service.api_token}\r\n"
-    head = f"POST /evaluations HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: 200000000\r\n\r\n"
+    head = (f"POST /evaluations HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+            "Content-Length: 200000000\r\n\r\n")
     assert " 413 " in _raw(port, head)
-    chunked = f"POST /evaluations HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked = (f"POST /evaluations HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+               "Transfer-Encoding: chunked\r\n\r\n")
     piece = b"x" * 32768
     body = b"".join(b"%x\r\n" % len(piece) + piece + b"\r\n" for _ in range(4))  # 128 KiB, no length given
     assert " 413 " in _raw(port, chunked, body)

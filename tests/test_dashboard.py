@@ -1,5 +1,6 @@
 """The coordinator dashboard in a real headless browser (Playwright driving Debian's chromium) against a live
-coordinator whose devices are training: the page loads nothing from elsewhere and runs under its own Content-Security-Policy (waits use
+coordinator whose devices are training: the page loads nothing from elsewhere and runs under its own
+Content-Security-Policy (waits use
 Playwright's locators, which need no eval in the page), asks for the token, shows the
 fleet and the rounds advancing, plots quality, pages rejections, and stops training."""
 from __future__ import annotations
@@ -10,8 +11,8 @@ import threading
 import time
 
 import pytest
-
 from conftest import device_datasets
+
 from coordinator.api import create_app
 from coordinator.engine import RoundSettings
 from coordinator.quality_gate import GateSettings

@@ -9,7 +9,7 @@ import pytest
 import models.faces.crops as crops_module
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
-from models.faces.detect import Box, HaarDetector, YuNetDetector, center_crop, make_detector, square_crop
+from models.faces.detect import Box, HaarDetector, center_crop, make_detector, square_crop
 from models.faces.imageio import read_rgb, write_image
 
 
@@ -88,9 +88,13 @@ def test_crops_are_cached_so_a_dataset_is_detected_once(faces_dir, tmp_path, det
         (root / photo.parent.name / photo.name).symlink_to(photo)
     calls = detections
     index = load_index(root)
-    first = crop_index(index, CropConfig(detector="haar", fallback_center=True), cache_dir=tmp_path / "cache", progress=False)
+    first = crop_index(
+        index, CropConfig(detector="haar", fallback_center=True), cache_dir=tmp_path / "cache", progress=False
+    )
     assert len(calls) == 3
-    second = crop_index(index, CropConfig(detector="haar", fallback_center=True), cache_dir=tmp_path / "cache", progress=False)
+    second = crop_index(
+        index, CropConfig(detector="haar", fallback_center=True), cache_dir=tmp_path / "cache", progress=False
+    )
     assert len(calls) == 3, "second pass ran the detector again"
     assert np.array_equal(first.images, second.images) and first.images.shape[1:] == (128, 128, 3)
     crop_index(index, CropConfig(detector="haar", margin=0.3, fallback_center=True), cache_dir=tmp_path / "cache",

@@ -16,7 +16,6 @@ import cv2
 import numpy as np
 import pytest
 
-from ffr.cli import main
 from edge_client.vault import Vault
 
 PEOPLE = ["s1", "s2", "s3", "s4"]
@@ -81,11 +80,15 @@ def home(tmp_path_factory, videos) -> Path:
 
 
 def test_enrolled_person_verifies_and_another_does_not(home, videos):
-    rc, out, err = ffr("device", "verify", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][1]), "--json")
+    rc, out, err = ffr(
+        "device", "verify", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][1]), "--json"
+    )
     result = json.loads(out)
     assert rc == 0 and result["match"] is True, (out, err)
     assert result["score"] > result["threshold"] and result["latency_ms"] > 0
-    rc, out, err = ffr("device", "verify", "--home", str(home), "--name", "s1", "--video", str(videos["s4"][1]), "--json")
+    rc, out, err = ffr(
+        "device", "verify", "--home", str(home), "--name", "s1", "--video", str(videos["s4"][1]), "--json"
+    )
     assert rc == 1 and json.loads(out)["match"] is False, (out, err)
 
 
@@ -113,7 +116,9 @@ def test_store_holds_no_plaintext_images_or_templates(home):
 
 def test_a_fresh_home_gets_the_shipped_model_on_first_use(tmp_path, videos):
     home = tmp_path / "fresh"
-    rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][0]), "--json")
+    rc, out, err = ffr(
+        "device", "enroll", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][0]), "--json"
+    )
     assert rc == 0, err
     assert (home / "models" / "generic.onnx").is_file() and json.loads(out)["model"].endswith("generic.onnx")
 
@@ -132,10 +137,10 @@ def test_list_remove_and_templates_follow_a_new_model(tmp_path, home, videos):
     rc, out, err = ffr("device", "verify", "--home", str(copy), "--name", "s3", "--video", str(videos["s3"][1]))
     assert rc == 2 and "unknown name 's3'" in err
     # a new model (as a federated round delivers): the templates are recomputed from the stored crops
+    import torch
+
     from models.face_model import FaceModel, ModelConfig
     from models.onnx_export import export_onnx
-
-    import torch
 
     torch.manual_seed(1)
     export_onnx(FaceModel(ModelConfig(n_classes=2, pretrained=False)), tmp_path / "new.onnx", personalised=False)

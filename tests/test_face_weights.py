@@ -111,7 +111,9 @@ def test_round_zero_reads_the_weights_without_torch():
     import json
 
     shapes = json.loads(proc.stdout)
-    expected = {k: list(v.shape) for k, v in shareable_state(FaceModel(ModelConfig(n_classes=2, pretrained=False))).items()}
+    expected = {
+        k: list(v.shape) for k, v in shareable_state(FaceModel(ModelConfig(n_classes=2, pretrained=False))).items()
+    }
     assert shapes == expected
 
 

@@ -29,7 +29,9 @@ def test_precision_follows_the_cpus_flags_and_what_is_asked():
     assert resolve_precision("auto", "cpu", AMX_FLAGS) is torch.bfloat16
     assert resolve_precision("auto", "cpu", OLD_CPU_FLAGS) is None
     assert resolve_precision("auto", "cuda") is torch.bfloat16
-    assert resolve_precision("fp32", "cuda") is None and resolve_precision("bf16", "cpu", OLD_CPU_FLAGS) is torch.bfloat16
+    assert (
+        resolve_precision("fp32", "cuda") is None and resolve_precision("bf16", "cpu", OLD_CPU_FLAGS) is torch.bfloat16
+    )
     with pytest.raises(ValueError, match="precision must be one of"):
         resolve_precision("fp8", "cpu")
     assert optimiser_options("cuda") == {"fused": True} and optimiser_options("cpu") == {"foreach": True}

@@ -6,11 +6,10 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+from conftest import device_datasets
 from safetensors.numpy import load
 
-from conftest import device_datasets
 from coordinator.engine import RoundSettings
 from coordinator.service import Service, ServiceConfig
 from edge_client.daemon import EdgeDevice
@@ -85,8 +84,8 @@ def run_fleet(tmp: Path, broker_url: str | None, rounds: int = 2, n_devices: int
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, mosquitto):
-    from models.public_set import build_public_set
     from models.faces.synthetic import write_dataset
+    from models.public_set import build_public_set
 
     tmp = tmp_path_factory.mktemp("fleet")
     public = write_dataset(tmp / "public_faces", n_identities=6, n_images=4, seed=99)  # nobody's people
@@ -131,7 +130,9 @@ def test_each_device_personalised_model_verifies_its_own_people(fleet):
         model = device.home.personalised_onnx
         from edge_client.recognizer import current_model
 
-        assert current_model(device.home, Vault.open(device.home.root / "store")) == model, "`ffr device verify/calibrate` use the personalised model"
+        assert current_model(device.home, Vault.open(device.home.root / "store")) == model, (
+            "`ffr device verify/calibrate` use the personalised model"
+        )
         embedder = OnnxEmbedder(model)
         assert embedder.info.kind == "personalised"
         crops = crop_index(load_index(data), CropConfig(detector="none"), use_cache=False, progress=False)

@@ -14,9 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-import pytest
-
 from conftest import REPO, device_datasets
+from test_federated import TRAINING, wait_for
+
 from coordinator.broker import free_port
 from coordinator.engine import RoundSettings
 from coordinator.service import Service, ServiceConfig
@@ -28,7 +28,6 @@ from protocol.credential import Credential
 from protocol.messages import Heartbeat, Hello, UpdateHeader, open_envelope, seal
 from protocol.tensors import encode
 from protocol.transport import BrokerAddress, make_client
-from test_federated import TRAINING, wait_for
 
 
 class RawDevice:
@@ -143,7 +142,10 @@ def test_bad_inputs_are_rejected_with_reasons_while_a_round_completes(tmp_path, 
         bad_payloads = {
             "t-names": {**zeros, "head.weight": np.zeros((3, 128), np.float32)},
             "t-shapes": {**zeros, "backbone.embedding.weight": np.zeros((7, 7), np.float32)},
-            "t-dtype": {**zeros, "backbone.embedding.weight": np.zeros_like(zeros["backbone.embedding.weight"], np.int32)},
+            "t-dtype": {
+                **zeros,
+                "backbone.embedding.weight": np.zeros_like(zeros["backbone.embedding.weight"], np.int32),
+            },
             "t-nan": {**zeros, "backbone.bn.weight": np.full_like(zeros["backbone.bn.weight"], np.nan)},
         }
         for transfer, tensors in bad_payloads.items():

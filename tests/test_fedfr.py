@@ -4,9 +4,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
-import pytest
 
 from edge_client.local_training import LocalObjective, train_round
 from models.dfc import NEGATIVE, BinaryClassifiers
@@ -118,15 +118,17 @@ def test_a_fedfr_round_samples_hard_negatives_and_keeps_them_on_the_device(faces
 
 
 def test_public_set_file_round_trip_and_refusals(tmp_path, synthetic_dir, capsys):
-    from models.public_set import PublicSetError, load_public_set
     from ffr.cli import main
+    from models.public_set import PublicSetError, load_public_set
 
     out = tmp_path / "public.safetensors"
     assert main(["-q", "edge", "public-set", "--data", str(synthetic_dir), "--out", str(out), "--limit", "7"]) == 0
     sha = capsys.readouterr().out.split("sha256 ")[1].strip()
     public = load_public_set(out, sha)
     assert public.images.shape == (7, 128, 128, 3) and public.images.dtype == np.uint8
-    names = sorted({p.parent.name for p in synthetic_dir.rglob("*.png")} | {p.parent.name for p in synthetic_dir.rglob("*.jpg")})
+    names = sorted(
+        {p.parent.name for p in synthetic_dir.rglob("*.png")} | {p.parent.name for p in synthetic_dir.rglob("*.jpg")}
+    )
     assert public.labels is not None and public.labels.dtype == np.int64 and public.labels.max() < len(names), \
         "one folder per person: a labelled set"
     flat = tmp_path / "flat"

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ffr.cli import main
 from fleet.data import TEST, TRAIN
 from fleet.evaluation import client_pairs, fairness
 from fleet.report import compare
 from fleet.simulate import best_round, should_stop
-from ffr.cli import main
 
 # small but real: 12 SYNTHETIC people x 10 images, a narrow MobileNetV2, 3 devices
 TINY = ["--synthetic-identities", "12", "--synthetic-images", "10", "--holdout-identities", "0.25",
@@ -94,7 +94,9 @@ def test_mlflow_has_the_run(simulated):
     db = sqlite3.connect(simulated / "mlflow.db")
     steps = {r[0] for r in db.execute("SELECT step FROM metrics WHERE key='holdout_auc'")}
     assert steps == {0, 1, 2}
-    assert db.execute("SELECT COUNT(*) FROM metrics WHERE key LIKE 'final_personalized_local_dfc_auc%'").fetchone()[0] == 2
+    assert (
+        db.execute("SELECT COUNT(*) FROM metrics WHERE key LIKE 'final_personalized_local_dfc_auc%'").fetchone()[0] == 2
+    )
 
 
 def test_report_puts_runs_side_by_side(simulated, capsys):

@@ -25,7 +25,7 @@ def _exact_hvp(loss_fn, params, vector, batch):
 
 
 def _rel(a, b) -> float:
-    return float(torch.sqrt(sum(((x - y) ** 2).sum() for x, y in zip(a, b))) / torch.sqrt(sum((y ** 2).sum() for y in b)))
+    return float(torch.sqrt(sum(((x - y) ** 2).sum() for x, y in zip(a, b))) / torch.sqrt(sum((y**2).sum() for y in b)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -83,6 +83,7 @@ def test_the_embedding_regulariser_is_zero_when_local_equals_global():
 
 def test_a_device_round_with_hf_maml_and_the_regulariser(tmp_path):
     from conftest import device_datasets
+
     from edge_client.local_training import LocalObjective, train_round
     from models.face_model import FaceModel, ModelConfig, from_numpy_state, initial_global_state
     from models.faces.crops import CropConfig, crop_index
@@ -106,10 +107,42 @@ def test_hf_maml_through_the_cli(tmp_path, mosquitto):
     from ffr.cli import main
 
     out = tmp_path / "run"
-    rc = main(["-q", "fleet", "simulate", "--clients", "2", "--rounds", "1", "--method", "hfmaml", "--embedding-reg",
-               "1.0", "--maml-beta", "0.02", "--synthetic-identities", "8", "--synthetic-images", "10", "--tune-steps", "2",
-               "--holdout-identities", "0.25", "--width-mult", "0.35", "--init", "none", "--batch-size", "8",
-               "--broker", mosquitto.url, "--no-centralised", "--out", str(out)])
+    rc = main(
+        [
+            "-q",
+            "fleet",
+            "simulate",
+            "--clients",
+            "2",
+            "--rounds",
+            "1",
+            "--method",
+            "hfmaml",
+            "--embedding-reg",
+            "1.0",
+            "--maml-beta",
+            "0.02",
+            "--synthetic-identities",
+            "8",
+            "--synthetic-images",
+            "10",
+            "--tune-steps",
+            "2",
+            "--holdout-identities",
+            "0.25",
+            "--width-mult",
+            "0.35",
+            "--init",
+            "none",
+            "--batch-size",
+            "8",
+            "--broker",
+            mosquitto.url,
+            "--no-centralised",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds_completed"] == 1 and summary["history"][1]["updates"] == 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 import ast
 
 import pytest
-
 from conftest import REPO
 
 LAYERS = ("protocol", "models", "coordinator", "edge_client", "fleet", "ffr")
@@ -40,4 +39,7 @@ def test_a_package_imports_only_itself_and_the_layers_below(package):
 
 
 def test_the_checker_sees_imports_inside_functions():
-    assert imported_packages("def f():\n    from fleet.cli import add_commands\nimport models.cli\n") == {"fleet", "models"}
+    assert imported_packages("def f():\n    from fleet.cli import add_commands\nimport models.cli\n") == {
+        "fleet",
+        "models",
+    }

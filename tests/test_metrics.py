@@ -5,8 +5,16 @@ import numpy as np
 import pytest
 
 from models.evaluation.lfw import read_pairs
-from models.evaluation.metrics import (best_threshold, eer, kfold_accuracy, make_pairs, roc_report, tar_at_far,
-                                       tpir_at_fpir, verification_report)
+from models.evaluation.metrics import (
+    best_threshold,
+    eer,
+    kfold_accuracy,
+    make_pairs,
+    roc_report,
+    tar_at_far,
+    tpir_at_fpir,
+    verification_report,
+)
 
 
 def test_perfect_separation():

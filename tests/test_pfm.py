@@ -57,8 +57,9 @@ def test_pfm_rounds_over_the_broker_send_the_momentum_and_devices_apply_it(tmp_p
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds_completed"] == 2 and all(h["updates"] == 2 for h in summary["history"][1:])
-    from coordinator.store import Store
     from safetensors.numpy import load_file
+
+    from coordinator.store import Store
 
     store = Store(out / "coordinator")
     momentum = load_file(str(out / "coordinator" / "strategy_state.safetensors"))

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, device_datasets
+
 from coordinator.broker import free_port
 from edge_client.public_set import cached_path, fetch_public_set
 from models.public_set import PublicSetError, build_public_set, sha256_of

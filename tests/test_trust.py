@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import device_datasets
+
 from coordinator import store as store_module
 from coordinator.aggregation import make_strategy
 from coordinator.engine import Engine, RoundSettings
@@ -22,8 +22,16 @@ from coordinator.store import Store
 from protocol import topics
 from protocol.auth import Signer, token_proof
 from protocol.chunks import split, to_bytes
-from protocol.messages import (Ack, Heartbeat, Hello, RoundAnnouncement, TrainingConfig, UpdateHeader,
-                               open_envelope, seal)
+from protocol.messages import (
+    Ack,
+    Heartbeat,
+    Hello,
+    RoundAnnouncement,
+    TrainingConfig,
+    UpdateHeader,
+    open_envelope,
+    seal,
+)
 from protocol.tensors import encode, sha256_hex
 
 RNG = np.random.default_rng(0)
@@ -81,7 +89,7 @@ class Dev:
         return Hello(n_identities=2, n_images=self.n_images, public_key=key.public_hex,
                      token_proof=token_proof(self.token, self.id, key.public_hex) if proof else None)
 
-    def join(self) -> "Dev":
+    def join(self) -> Dev:
         self.send("hello", self.hello())
         assert self.id in self.h.engine.keys, self.h.engine.store.rejections()[-3:]
         return self
@@ -195,20 +203,37 @@ def test_every_single_message_crash_is_survived_and_the_round_completes(tmp_path
     hostile = {
         "heartbeat": [
             json.dumps({**good, "signature": "\u00e9" * 128}).encode(),
-            json.dumps({**good, "seq": 2 ** 63}).encode(),
+            json.dumps({**good, "seq": 2**63}).encode(),
             b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
             b"\xff" * 1000,
             b"",
         ],
-        "hello": [seal("newbie", 1, Hello(n_identities=1, n_images=1, public_key=devs[0].signer.public_hex),
-                       devs[0].signer).replace(b'"n_images":1', b'"n_images":9223372036854775808')],
-        "update": [json.dumps({**good, "body": {"type": "update", "round_id": 1, "base_version": 0,
-                                                "n_samples": 2 ** 63, "transfer_id": "t", "payload_sha256": "0" * 64,
-                                                "payload_bytes": 1}}).encode()],
+        "hello": [
+            seal(
+                "newbie", 1, Hello(n_identities=1, n_images=1, public_key=devs[0].signer.public_hex), devs[0].signer
+            ).replace(b'"n_images":1', b'"n_images":9223372036854775808')
+        ],
+        "update": [
+            json.dumps(
+                {
+                    **good,
+                    "body": {
+                        "type": "update",
+                        "round_id": 1,
+                        "base_version": 0,
+                        "n_samples": 2**63,
+                        "transfer_id": "t",
+                        "payload_sha256": "0" * 64,
+                        "payload_bytes": 1,
+                    },
+                }
+            ).encode()
+        ],
         "update/chunks": [
             (60).to_bytes(4, "big") + b'{"transfer_id":"t","index":Infinity,"count":1,"total_bytes":1}',
             (100_000).to_bytes(4, "big") + b"[" * 100_000,
-            (80).to_bytes(4, "big") + b'{"transfer_id":"t","index":0,"count":10000000,"total_bytes":10000000,"sha256":1}',
+            (80).to_bytes(4, "big")
+            + b'{"transfer_id":"t","index":0,"count":10000000,"total_bytes":10000000,"sha256":1}',
             b"\x00",
         ],
     }
@@ -400,12 +425,15 @@ def test_device_drops_coordinator_messages_not_signed_by_the_pinned_key(tmp_path
                 signer)
 
         time.sleep(1.0)
-        for payload, topic in ((announce(2, attacker), topics.round_announcements()),
-                               (announce(3, attacker).replace(b'"signature":"', b'"signature":"0'), topics.round_announcements()),
-                               (seal("coordinator", 9, Ack(of="update", round_id=2), attacker, to="dev1"),
-                                topics.device("dev1", "inbox")),
-                               (seal("coordinator", 10, Ack(of="update", round_id=2), coordinator, to="dev2"),
-                                topics.device("dev1", "inbox"))):
+        for payload, topic in (
+            (announce(2, attacker), topics.round_announcements()),
+            (announce(3, attacker).replace(b'"signature":"', b'"signature":"0'), topics.round_announcements()),
+            (seal("coordinator", 9, Ack(of="update", round_id=2), attacker, to="dev1"), topics.device("dev1", "inbox")),
+            (
+                seal("coordinator", 10, Ack(of="update", round_id=2), coordinator, to="dev2"),
+                topics.device("dev1", "inbox"),
+            ),
+        ):
             client.publish(topic, payload, qos=1).wait_for_publish(5)
         deadline = time.monotonic() + 10
         while device.dropped_messages < 4 and time.monotonic() < deadline:
@@ -578,7 +606,11 @@ def test_a_model_with_negative_batchnorm_variance_is_rolled_back(tmp_path):
     dev.upload(delta)
     h.engine.tick()
     row = h.engine.store.rounds()[0]
-    assert (row["status"], h.engine.version) == ("rolled_back", 0) and "BatchNorm" in row["reason"] and "negative" in row["reason"]
+    assert (
+        (row["status"], h.engine.version) == ("rolled_back", 0)
+        and "BatchNorm" in row["reason"]
+        and "negative" in row["reason"]
+    )
 
 
 def test_dp_leaves_batchnorm_statistics_alone():

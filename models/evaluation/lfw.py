@@ -34,9 +34,13 @@ def read_pairs(path: str | Path) -> PairList:
     a, b, same = [], [], []
     for k, parts in enumerate(body, 2):
         if len(parts) == 3:
-            a.append(_image(parts[0], parts[1])); b.append(_image(parts[0], parts[2])); same.append(True)
+            a.append(_image(parts[0], parts[1]))
+            b.append(_image(parts[0], parts[2]))
+            same.append(True)
         elif len(parts) == 4:
-            a.append(_image(parts[0], parts[1])); b.append(_image(parts[2], parts[3])); same.append(False)
+            a.append(_image(parts[0], parts[1]))
+            b.append(_image(parts[2], parts[3]))
+            same.append(False)
         else:
             raise ValueError(f"{path}:{k}: expected 3 or 4 fields, got {' '.join(parts)!r}")
     per_fold = 2 * per_class if per_class else int(np.ceil(len(a) / n_folds))

@@ -125,7 +125,9 @@ def best_threshold(scores: np.ndarray, same: np.ndarray) -> float:
     # accuracy(t) = (#genuine > t + #impostor <= t) / n, computed for all t at once
     gen = np.sort(scores[same])
     imp = np.sort(scores[~same])
-    correct = (len(gen) - np.searchsorted(gen, candidates, side="right")) + np.searchsorted(imp, candidates, side="right")
+    correct = (len(gen) - np.searchsorted(gen, candidates, side="right")) + np.searchsorted(
+        imp, candidates, side="right"
+    )
     return float(candidates[int(np.argmax(correct))])
 
 
@@ -146,7 +148,11 @@ def tpir_at_fpir(emb: np.ndarray, labels: np.ndarray, fpirs=FARS, enrolled_fract
     is_enrolled = np.isin(labels, enrolled)
     mated = np.setdiff1d(np.flatnonzero(is_enrolled), gallery_idx)
     non_mated = np.flatnonzero(~is_enrolled)
-    out = {"n_gallery": int(len(gallery_idx)), "n_mated_probes": int(len(mated)), "n_non_mated_probes": int(len(non_mated))}
+    out = {
+        "n_gallery": int(len(gallery_idx)),
+        "n_mated_probes": int(len(mated)),
+        "n_non_mated_probes": int(len(non_mated)),
+    }
     if len(mated) == 0 or len(non_mated) == 0:
         out["tpir_at_fpir"] = {f"{f:g}": "n/a" for f in fpirs}
         return out

@@ -10,7 +10,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from sklearn.metrics import roc_curve  # noqa: E402
 
-
 SYNTHETIC_NOTE = "SYNTHETIC faces (no real people): these figures show the pipeline works, not real-world accuracy"
 
 

@@ -152,14 +152,21 @@ def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: fl
         return Verdict(True, "", metrics)
     rise = metrics["impostor_mean_candidate"] - metrics["impostor_mean_current"]
     if not measurable and rise > mean_margin:
-        return Verdict(False, f"the candidate's mean impostor score rose by {rise:.3f} (from "
-                              f"{metrics['impostor_mean_current']:.3f}; {len(current.impostor)} impostor pairs, too few "
-                              f"to measure FAR {far:g})", metrics)
+        return Verdict(
+            False,
+            f"the candidate's mean impostor score rose by {rise:.3f} (from "
+            f"{metrics['impostor_mean_current']:.3f}; {len(current.impostor)} impostor pairs, too few "
+            f"to measure FAR {far:g})",
+            metrics,
+        )
     if measurable and far_new > limit:
-        return Verdict(False, f"the candidate accepts {far_new:.2%} of impostors at the current threshold "
-                              f"{threshold:.3f} (current model {far_now:.2%}, limit {limit:.2%}; mean impostor "
-                              f"score {metrics['impostor_mean_current']:.3f} -> {metrics['impostor_mean_candidate']:.3f})",
-                       metrics)
+        return Verdict(
+            False,
+            f"the candidate accepts {far_new:.2%} of impostors at the current threshold "
+            f"{threshold:.3f} (current model {far_now:.2%}, limit {limit:.2%}; mean impostor "
+            f"score {metrics['impostor_mean_current']:.3f} -> {metrics['impostor_mean_candidate']:.3f})",
+            metrics,
+        )
     # one genuine pair (or impostor pair) moving past every pair of the other kind moves the AUC by 1/n: a margin
     # below that is noise a device with a few people cannot resolve
     margin = max(auc_margin, 1.0 / max(1, min(len(candidate.genuine), len(candidate.impostor))))

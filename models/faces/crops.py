@@ -102,7 +102,7 @@ class FaceCrops:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def select(self, mask: np.ndarray) -> "FaceCrops":
+    def select(self, mask: np.ndarray) -> FaceCrops:
         idx = np.flatnonzero(mask) if mask.dtype == bool else mask
         return FaceCrops(self.images[idx], self.labels[idx], self.identities,
                          [self.paths[i] for i in idx], self.report, self.synthetic)
@@ -272,7 +272,9 @@ def _assemble(crops, names, paths, report, index, config, min_images) -> FaceCro
     return FaceCrops(images, labels, keep_names, [paths[i] for i in keep], report, index.synthetic)
 
 
-def decoded_crops(index: FaceIndex, config: CropConfig, cache_dir: Path, folder: Path, min_images: int = 1) -> FaceCrops:
+def decoded_crops(
+    index: FaceIndex, config: CropConfig, cache_dir: Path, folder: Path, min_images: int = 1
+) -> FaceCrops:
     """`crop_index`, kept decoded in `folder` as one uncompressed .npz keyed by the files (path, size, mtime) and
     the crop settings: a device's later runs load its crops in milliseconds instead of decoding every PNG again."""
     files = "\n".join(f"{s.path}|{s.identity}|{s.path.stat().st_size}|{s.path.stat().st_mtime_ns}"

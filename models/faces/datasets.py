@@ -53,7 +53,7 @@ class FaceIndex:
     def counts(self) -> Counter:
         return Counter(s.identity for s in self.samples)
 
-    def subset(self, identities: set[str]) -> "FaceIndex":
+    def subset(self, identities: set[str]) -> FaceIndex:
         kept = [s for s in self.samples if s.identity in identities]
         return FaceIndex(self.root, self.layout, kept, self.synthetic, self.pairs_file, self.attributes_file)
 
@@ -74,7 +74,8 @@ def load_index(root: str | Path, layout: str = "auto") -> FaceIndex:
     if not index.samples:
         raise DatasetError(
             f"no images found in {root} (layout {layout}); expected one folder per identity holding "
-            f"image files ({'/'.join(sorted(e.lstrip('.') for e in IMAGE_EXTENSIONS))}), LFW, or CelebA's {CELEBA_IDENTITY_FILE}"
+            f"image files ({'/'.join(sorted(e.lstrip('.') for e in IMAGE_EXTENSIONS))}), LFW, "
+            f"or CelebA's {CELEBA_IDENTITY_FILE}"
         )
     return index
 
@@ -132,7 +133,9 @@ def _index_celeba(root: Path) -> FaceIndex:
             samples.append(FaceSample(path, parts[1]))
         else:
             missing += 1
-    attributes = next((p for p in (root / "list_attr_celeba.txt", root / "Anno" / "list_attr_celeba.txt") if p.exists()), None)
+    attributes = next(
+        (p for p in (root / "list_attr_celeba.txt", root / "Anno" / "list_attr_celeba.txt") if p.exists()), None
+    )
     index = FaceIndex(root, "celeba", samples, attributes_file=attributes)
     if missing:
         index.notes.append(f"{missing} images listed in {identity_file.name} are not in {image_dir}")

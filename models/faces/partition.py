@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 SCHEMES = ("iid", "dirichlet", "lognormal", "equal", "attribute")
 
 
@@ -43,7 +42,7 @@ class Partition:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "Partition":
+    def load(cls, path: str | Path) -> Partition:
         return cls(**json.loads(Path(path).read_text()))
 
     def summary(self, images_per_identity: dict[str, int]) -> dict:
@@ -87,10 +86,20 @@ def client_shares(scheme: str, n_clients: int, rng: np.random.Generator, alpha: 
     raise PartitionError(f"unknown partition {scheme!r}; choose one of {', '.join(SCHEMES)}")
 
 
-def partition(identities: list[str], n_clients: int, scheme: str = "iid", seed: int = 0,
-              holdout_fraction: float = 0.1, heldout_clients: int = 0, alpha: float = 0.5,
-              alpha_x100: bool = False, mu: float = 3.0, sigma: float = 3.0,
-              identity_attributes: dict[str, dict[str, int]] | None = None, rules: list[dict] | None = None) -> Partition:
+def partition(
+    identities: list[str],
+    n_clients: int,
+    scheme: str = "iid",
+    seed: int = 0,
+    holdout_fraction: float = 0.1,
+    heldout_clients: int = 0,
+    alpha: float = 0.5,
+    alpha_x100: bool = False,
+    mu: float = 3.0,
+    sigma: float = 3.0,
+    identity_attributes: dict[str, dict[str, int]] | None = None,
+    rules: list[dict] | None = None,
+) -> Partition:
     """Split `identities` over `n_clients`; see the module docstring for the schemes."""
     if n_clients < 1:
         raise PartitionError("need at least one client")
@@ -108,7 +117,9 @@ def partition(identities: list[str], n_clients: int, scheme: str = "iid", seed: 
         if scheme == "equal":
             per = len(pool) // n_clients
             if per == 0:
-                raise PartitionError(f"cannot give each of {n_clients} clients an identity: only {len(pool)} identities")
+                raise PartitionError(
+                    f"cannot give each of {n_clients} clients an identity: only {len(pool)} identities"
+                )
             holdout, pool = holdout + pool[per * n_clients:], pool[:per * n_clients]
         shares = client_shares(scheme, n_clients, rng, alpha, alpha_x100, mu, sigma)
         counts = allocate(len(pool), shares)
@@ -120,7 +131,9 @@ def partition(identities: list[str], n_clients: int, scheme: str = "iid", seed: 
     return Partition(scheme, params, seed, clients, sorted(holdout), held)
 
 
-def _by_attributes(pool: list[str], attributes: dict[str, dict[str, int]] | None, rules: list[dict] | None) -> list[list[str]]:
+def _by_attributes(
+    pool: list[str], attributes: dict[str, dict[str, int]] | None, rules: list[dict] | None
+) -> list[list[str]]:
     """Each identity goes to the first rule its (majority) attributes satisfy; unmatched ones go nowhere."""
     if not attributes:
         raise PartitionError("the attribute partition needs per-image attributes (e.g. CelebA's list_attr_celeba.txt); "

@@ -23,7 +23,7 @@ def relabel(crops: FaceCrops, keep_ids: np.ndarray) -> FaceCrops:
     mask = np.isin(crops.labels, keep_ids)
     out = crops.select(mask)
     mapping = {old: new for new, old in enumerate(keep_ids)}
-    out.labels = np.array([mapping[l] for l in out.labels], dtype=np.int64)
+    out.labels = np.array([mapping[label] for label in out.labels], dtype=np.int64)
     out.identities = [crops.identities[i] for i in keep_ids]
     return out
 
