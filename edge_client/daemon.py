@@ -68,14 +68,12 @@ log = logging.getLogger("edge_client")
 class EdgeDevice:
     def __init__(self, credential: Credential | Path | str, data: Path, home: Path, detector: str | None = None,
                  broker: str | None = None, ca_file: str | None = None, export_onnx: bool = True, seed: int = 0,
-                 crop_cache: Path | None = None, delta_hook=None, public_set: Path | None = None,
+                 crop_cache: Path | None = None, public_set: Path | None = None,
                  validation: Path | FaceCrops | None = None):
-        """`delta_hook(delta, n_samples, global_state) -> (delta, n_samples)`: a fleet experiment's malicious
-        device (fleet.attacks); None on every real device. `public_set`: FedFR's D_g (models.public_set),
+        """`public_set`: FedFR's D_g (models.public_set),
         read when a round asks for hard negatives. `validation`: this device's private validation images
         (a folder, or crops): it then scores FedFace's candidate models (Federated Validation) and sends only
         the score."""
-        self.delta_hook = delta_hook
         self.public_set_path = None if public_set is None else Path(public_set)
         self._public: PublicSet | None = None
         self._public_sha: str | None = None  # the hash of the coordinator's set held in self._public
@@ -449,8 +447,7 @@ class EdgeDevice:
         delta, n_samples = result.delta, result.n_samples
         if cfg.dp_clip is not None:  # DP-FedAvg: the coordinator adds the noise (coordinator.dp)
             delta, _ = clip_to_norm(without_running_stats(delta), cfg.dp_clip)
-        if self.delta_hook is not None:
-            delta, n_samples = self.delta_hook(delta, n_samples, {k: v.numpy() for k, v in global_state.items()})
+        delta, n_samples = self.outgoing(delta, n_samples, global_state)
         encoded = ErrorFeedback(self.home.codec_residual).encode(delta, cfg.codec, cfg.topk_fraction)
         header = UpdateHeader(round_id=job.round_id, base_version=job.model_version, n_samples=n_samples,
                               transfer_id=f"{self.device_id}-r{job.round_id}-{encoded.sha256[:12]}",
@@ -482,6 +479,10 @@ class EdgeDevice:
                  len(encoded.data) / 1e6, "acked" if acked else "not acked (kept to resend)",
                  "adopted" if self.adopted else "kept the last good model (this device's check refused it)")
         self.done_rounds.add(job.round_id)  # last: whoever waits on it finds the round logged
+
+    def outgoing(self, delta: dict, n_samples: int, global_state: dict) -> tuple[dict, int]:
+        """The update as sent: as trained. The one seam a fleet experiment's attacker overrides (fleet.attacks)."""
+        return delta, n_samples
 
     def _await_ack(self, job: RoundAnnouncement, header: UpdateHeader, data: bytes, resend_s: float = 8.0) -> bool:
         """Wait for the coordinator's ack, sending the update again every `resend_s` (the coordinator

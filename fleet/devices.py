@@ -77,23 +77,20 @@ def release_memory() -> None:
 def run_turn(turn: Turn) -> dict:
     """One device's turn; returns its round log entry (loss, accuracy, bytes sent) or why it failed."""
     from edge_client.daemon import EdgeDevice
+    from fleet.poisoning_device import PoisoningDevice
 
     freeze_imports()
     started = time.perf_counter()
     result = {"device_id": Path(turn.credential).parent.name, "round_id": turn.round_id, "ok": False}
     try:
-        device = EdgeDevice(Path(turn.credential), Path(turn.data), Path(turn.home), broker=turn.broker,
-                            detector=turn.detector, export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache),
-                            public_set=None if turn.public_set is None else Path(turn.public_set))
+        kind = EdgeDevice if turn.attack is None else PoisoningDevice
+        device = kind(Path(turn.credential), Path(turn.data), Path(turn.home), broker=turn.broker,
+                      detector=turn.detector, export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache),
+                      public_set=None if turn.public_set is None else Path(turn.public_set))
     except Exception as exc:  # noqa: BLE001 - a device that cannot start is reported, not fatal to the pool
         return {**result, "error": f"{type(exc).__name__}: {exc}", "turn_seconds": time.perf_counter() - started}
     if turn.attack is not None:
-        from functools import partial
-
-        from fleet.attacks import poison
-
-        device.delta_hook = partial(poison, turn.attack, images=device.crops.images, bound=turn.attack_bound,
-                                    claim=len(device.crops) * turn.attack_epochs)
+        device.arm(turn.attack, turn.attack_bound, len(device.crops) * turn.attack_epochs)
     device.start()
     try:
         deadline = time.monotonic() + turn.timeout_s
