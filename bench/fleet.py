@@ -112,18 +112,12 @@ def flower_peer(args, run: Path) -> dict | None:
 
 
 def peer_row(peer: dict) -> dict:
-    return {
-        "run": "Flower 1.41 FedAvg (simulation), iid",
-        "global AUC": peer["global_auc"],
-        "global EER": peer["global_eer"],
-        "pers. TAR@1e-2 global": "-",
-        "pers. TAR@1e-2 local": "-",
-        "pers. TAR@1e-2 local+DFC": "-",
-        "s/round": peer["round_seconds_mean"],
-        "MB/round (up)": peer["bytes_up_per_round"] / 1e6,
-        "MB/round (down)": peer["bytes_down"] / peer["rounds"] / 1e6,
-        "wall s": peer["wall_seconds"],
-    }
+    return {"run": "Flower 1.41 FedAvg (simulation), iid", "global AUC": peer["global_auc"],
+            "global EER": peer["global_eer"], "pers. TAR@1e-2 global": "-", "pers. TAR@1e-2 local": "-",
+            "pers. TAR@1e-2 local+DFC": "-", "s/round": peer["round_seconds_mean"],
+            "MB/round (up)": peer["bytes_up_per_round"] / 1e6,
+            "MB/round (down)": peer["bytes_down"] / peer["rounds"] / 1e6,
+            "wall s": peer["wall_seconds"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,25 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     for scheme, alpha in (SETTINGS[p] for p in args.partitions):
         for algorithm in args.algorithms:
             name = f"{algorithm}-{scheme}" + (f"{alpha}" if alpha else "")
-            config = SimConfig(
-                data=str(data),
-                holdout_identities=0.1,
-                clients=args.clients,
-                rounds=args.rounds,
-                partition=scheme,
-                alpha=alpha or 0.5,
-                algorithm=algorithm,
-                dfc=True,
-                patience=0,
-                workers=args.workers,
-                centralized=central is None,
-                init=args.init,
-            )
+            config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds,
+                               partition=scheme, alpha=alpha or 0.5, algorithm=algorithm, dfc=True, patience=0,
+                               workers=args.workers, centralized=central is None, init=args.init)
             print(f"== {name}", flush=True)
             done = args.runs / name / "summary.json"
-            summary = (
-                json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
-            )
+            reuse = args.reuse and done.exists()
+            summary = json.loads(done.read_text()) if reuse else simulate(config, args.runs / name)
             summaries[name] = summary
             if central is None:
                 central = summary
@@ -179,21 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants:
         label, change = VARIANTS[variant]
         name = f"fedavg-iid-{variant}"
-        config = SimConfig(
-            data=str(data),
-            holdout_identities=0.1,
-            clients=args.clients,
-            rounds=args.rounds,
-            partition="iid",
-            alpha=0.5,
-            algorithm="fedavg",
-            dfc=True,
-            patience=0,
-            workers=args.workers,
-            centralized=False,
-            init=args.init,
-            **change,
-        )
+        config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds,
+                           partition="iid", alpha=0.5,
+                           algorithm="fedavg", dfc=True, patience=0, workers=args.workers, centralized=False,
+                           init=args.init, **change)
         print(f"== {name}", flush=True)
         done = args.runs / name / "summary.json"
         summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
@@ -207,35 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(peer_row(peer))
         phases.append(peer_phase_row(peer))
     command = "python -m bench.fleet " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(
-        args.out,
-        args.name,
-        {
-            "init": args.init,
-            "data": str(data),
-            "clients": args.clients,
-            "rounds": args.rounds,
-            "runs": {
-                k: {
-                    kk: v[kk]
-                    for kk in (
-                        "global",
-                        "personalized",
-                        "bytes",
-                        "wall_seconds",
-                        "round_seconds_mean",
-                        "partition",
-                        "centralized",
-                    )
-                }
-                for k, v in summaries.items()
-            },
-            "flower": peer,
-        },
-        rows,
-        f"Fleet simulation on {data.name}: {args.clients} clients, {args.rounds} rounds",
-        command,
-    )
+    write_results(args.out, args.name, {"init": args.init, "data": str(data), "clients": args.clients,
+                                        "rounds": args.rounds,
+                                      "runs": {k: {kk: v[kk] for kk in ("global", "personalized", "bytes",
+                                                                         "wall_seconds", "round_seconds_mean",
+                                                                         "partition", "centralized")}
+                                               for k, v in summaries.items()}, "flower": peer},
+                  rows, f"Fleet simulation on {data.name}: {args.clients} clients, {args.rounds} rounds", command)
     write_results(args.out, f"{args.name}_phases", {}, phases,
                   f"Seconds per round by phase, {args.clients} clients on {data.name}, 2 cores", command)
     return 0

@@ -128,15 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         strategy = TimedFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=len(clients),
                                min_available_nodes=len(clients))
         started = time.perf_counter()
-        result = strategy.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(from_numpy_state(initial)),
-            train_config=ConfigRecord({}),
-            num_rounds=sum(
-                h["round"] > 0
-                for h in json.loads((args.run / "state.json").read_text())["history"]  # round 0 is the starting model
-            ),
-        )
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(from_numpy_state(initial)),
+                                train_config=ConfigRecord({}),
+                                num_rounds=sum(h["round"] > 0 for h in  # round 0 is the starting model
+                                               json.loads((args.run / "state.json").read_text())["history"]))
         final["seconds"] = time.perf_counter() - started
         final["arrays"] = result.arrays
 
@@ -148,21 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     load_shareable_state(model, final["arrays"].to_torch_state_dict())  # integer buffers are cast back on load
     report, _ = verification(model.eval(), data.holdout(), config.max_eval_pairs, config.seed)
     rounds = len(stats["round_s"])
-    out = {
-        "framework": "flwr",
-        "rounds": rounds,
-        "clients": len(clients),
-        "wall_seconds": wall,
-        "strategy_seconds": final["seconds"],
-        "round_seconds_mean": float(np.mean(stats["round_s"])),
-        "bytes_down": stats["bytes_down"],
-        "bytes_up": stats["bytes_up"],
-        "bytes_up_per_round": stats["bytes_up"] / max(1, rounds),
-        "train_seconds_mean": float(np.mean(stats["train_s"])),
-        "aggregation_seconds_mean": float(np.mean(stats["aggregation_s"])),
-        "global_auc": report.get("auc"),
-        "global_eer": report.get("eer"),
-    }
+    out = {"framework": "flwr", "rounds": rounds, "clients": len(clients), "wall_seconds": wall,
+           "strategy_seconds": final["seconds"], "round_seconds_mean": float(np.mean(stats["round_s"])),
+           "bytes_down": stats["bytes_down"], "bytes_up": stats["bytes_up"],
+           "bytes_up_per_round": stats["bytes_up"] / max(1, rounds),
+           "train_seconds_mean": float(np.mean(stats["train_s"])),
+           "aggregation_seconds_mean": float(np.mean(stats["aggregation_s"])),
+           "global_auc": report.get("auc"), "global_eer": report.get("eer")}
     args.out.write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
     return 0

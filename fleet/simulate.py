@@ -112,19 +112,9 @@ class Simulation:
 
     def _service(self) -> Service:
         c = self.config
-        training = TrainingConfig(
-            epochs=c.local_epochs,
-            batch_size=c.batch_size,
-            lr=c.lr,
-            dfc=c.dfc,
-            codec=c.codec,
-            topk_fraction=c.topk_fraction,
-            width_mult=c.width_mult,
-            dp_clip=c.dp_clip,
-            algorithm=c.algorithm,
-            prox_mu=c.prox_mu,
-            **objective_settings(c),
-        )
+        training = TrainingConfig(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, dfc=c.dfc,
+                                  codec=c.codec, topk_fraction=c.topk_fraction, width_mult=c.width_mult,
+                                  dp_clip=c.dp_clip, algorithm=c.algorithm, prox_mu=c.prox_mu, **objective_settings(c))
         settings = RoundSettings(rounds=c.rounds, min_clients=1, fraction=c.fraction, round_timeout_s=c.round_timeout,
                                  training=training, seed=c.seed, combine=c.combine, dp_noise=c.dp_noise, fv=c.fv,
                                  fv_candidates=c.fv_candidates, fv_phi=c.fv_phi, fv_epsilon=c.fv_epsilon)
@@ -326,25 +316,20 @@ class Simulation:
         m = row["metrics"]
         version = row["new_version"]
         model = self._global_model(version)
-        record = {
-            "round": len(self.state.history),
-            "round_id": row["round_id"],
-            "model_version": version,
-            "updates": row["n_updates"],
-            "dropped": row["n_dropped"],
-            "train_loss": m.get("mean_train_loss"),
-            "train_acc": m.get("mean_train_acc"),
-            "bytes_up": m.get("bytes_received", 0),
-            "bytes_down": self.service.engine.broadcast.model.size * len(row["participants"]),  # the wire (fp16) size
-            "wall_s": wall_s if wall_s is not None else (row["closed_at"] or 0) - (row["started_at"] or 0),
-            "aggregation_s": m.get("aggregation_seconds"),
-            "hn_fraction": self._device_mean(row, "hn_fraction"),
-            **{f"{phase}_s": self._device_mean(row, f"{phase}_seconds") for phase in ("fetch", "train", "upload")},
-            # the device's start (connect, register, wait for the job) and stop are the rest of its turn
-            "turn_s": float(np.mean(self.turn_seconds[row["round_id"]]))
-            if self.turn_seconds.get(row["round_id"])
-            else None,
-        }
+        record = {"round": len(self.state.history), "round_id": row["round_id"], "model_version": version,
+                  "updates": row["n_updates"], "dropped": row["n_dropped"],
+                  "train_loss": m.get("mean_train_loss"), "train_acc": m.get("mean_train_acc"),
+                  "bytes_up": m.get("bytes_received", 0),
+                  # the wire (fp16) size
+                  "bytes_down": self.service.engine.broadcast.model.size * len(row["participants"]),
+                  "wall_s": wall_s if wall_s is not None else (row["closed_at"] or 0) - (row["started_at"] or 0),
+                  "aggregation_s": m.get("aggregation_seconds"),
+                  "hn_fraction": self._device_mean(row, "hn_fraction"),
+                  **{f"{phase}_s": self._device_mean(row, f"{phase}_seconds")
+                     for phase in ("fetch", "train", "upload")},
+                  # the device's start (connect, register, wait for the job) and stop are the rest of its turn
+                  "turn_s": float(np.mean(self.turn_seconds[row["round_id"]]))
+                  if self.turn_seconds.get(row["round_id"]) else None}
         evaluating = time.perf_counter()
         self._eval_threads()
         val_report, _ = verification(model, self.val, self.config.max_eval_pairs, self.config.seed)
@@ -380,9 +365,8 @@ class Simulation:
         if c.centralized:
             from fleet.centralized import budget_epochs, train_centralized
 
-            tqdm.write(
-                f"centralised upper bound: {budget_epochs(c)} epochs on the union of the clients' training images"
-            )
+            tqdm.write(f"centralised upper bound: {budget_epochs(c)} epochs on the union of the clients' training "
+                       "images")
             central_model, central_metrics = train_centralized(self.data, c, self.run_dir / "centralized")
         out = self.run_dir
         holdout = self.holdout
@@ -395,46 +379,30 @@ class Simulation:
         self.state.elapsed_s += time.time() - started
         self.state.save(self.state_path)
         summary = {
-            "run": str(out),
-            "status": self.state.status,
+            "run": str(out), "status": self.state.status,
             "data_kind": "synthetic" if self.data.crops.synthetic else "real",
             "config": asdict(c),
             "partition": self.data.partition.summary(self._images_per_identity()),
-            "rounds_completed": len(trained),
-            "best_round": best,
-            "global": {
-                **flat(global_report),
-                "evaluated_on": "unseen identities (on no device)",
-                "model_version": chosen["model_version"] if chosen else 0,
-                "n_genuine_pairs": global_report.get("n_genuine_pairs"),
-                "n_impostor_pairs": global_report.get("n_impostor_pairs"),
-            },
-            "personalized": {
-                "training_clients": clients["training"],
-                "held_out_clients": clients["held_out"],
-                "per_client": clients["clients"],
-            },
-            "centralized": None
-            if central_model is None
-            else {
-                "global": flat(central_report),
-                "epochs": central_metrics["epochs_run"],
+            "rounds_completed": len(trained), "best_round": best,
+            "global": {**flat(global_report), "evaluated_on": "unseen identities (on no device)",
+                       "model_version": chosen["model_version"] if chosen else 0,
+                       "n_genuine_pairs": global_report.get("n_genuine_pairs"),
+                       "n_impostor_pairs": global_report.get("n_impostor_pairs")},
+            "personalized": {"training_clients": clients["training"], "held_out_clients": clients["held_out"],
+                             "per_client": clients["clients"]},
+            "centralized": None if central_model is None else {
+                "global": flat(central_report), "epochs": central_metrics["epochs_run"],
                 "best_epoch": central_metrics["best_epoch"],
-                "train_seconds": float(sum(h.get("train_seconds", 0.0) for h in central_metrics["history"])),
-            },
+                "train_seconds": float(sum(h.get("train_seconds", 0.0) for h in central_metrics["history"]))},
             "initial": {k.removeprefix("holdout_"): v for k, v in history[0].items() if k.startswith("holdout_")}
-            if history
-            else None,
-            "bytes": {
-                "up": int(sum(h["bytes_up"] for h in trained)),
-                "down": int(sum(h["bytes_down"] for h in trained)),
-                "per_round_up_mean": float(np.mean([h["bytes_up"] for h in trained])) if trained else 0.0,
-                "per_round_down_mean": float(np.mean([h["bytes_down"] for h in trained])) if trained else 0.0,
-            },
+            if history else None,
+            "bytes": {"up": int(sum(h["bytes_up"] for h in trained)),
+                      "down": int(sum(h["bytes_down"] for h in trained)),
+                      "per_round_up_mean": float(np.mean([h["bytes_up"] for h in trained])) if trained else 0.0,
+                      "per_round_down_mean": float(np.mean([h["bytes_down"] for h in trained])) if trained else 0.0},
             "wall_seconds": self.state.elapsed_s,
             "round_seconds_mean": float(np.mean([h["wall_s"] for h in trained])) if trained else None,
-            "history": history,
-            "plots": {k: str(v) for k, v in figures.items()},
+            "history": history, "plots": {k: str(v) for k, v in figures.items()},
             "mlflow_run_id": tracker.run_id,
             "privacy": self._privacy(),
         }
