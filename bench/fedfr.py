@@ -40,25 +40,12 @@ def _partition(name: str) -> dict:
 def run_one(args, data: Path, partition: str, row: tuple) -> dict:
     label, method, hn, con, dfc = row
     name = f"{partition}-{label.replace(' ', '').replace('+', '_').replace('(', '').replace(')', '')}"
-    config = SimConfig(
-        data=str(data),
-        holdout_identities=0.1,
-        clients=args.clients,
-        rounds=args.rounds,
-        **_partition(partition),
-        method=method,
-        algorithm="fedavg",
-        hard_negatives=hn,
-        contrastive=con,
-        dfc=dfc,
-        patience=0,
-        workers=args.workers,
-        centralized=args.centralized and method == "fedavg",
-        init="face",
-        mlflow=False,
-        public_data=str(args.public_data) if method == "fedfr" else None,
-        public_limit=args.public_limit,
-    )
+    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds,
+                       **_partition(partition), method=method, algorithm="fedavg", hard_negatives=hn, contrastive=con,
+                       dfc=dfc, patience=0, workers=args.workers,
+                       centralized=args.centralized and method == "fedavg", init="face", mlflow=False,
+                       public_data=str(args.public_data) if method == "fedfr" else None,
+                       public_limit=args.public_limit)
     done = args.runs / name / "summary.json"
     print(f"== {partition}: {label}", flush=True)
     return json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
@@ -165,20 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                                               "complete": False}, done,
                           f"FedFR ablation: {args.clients} clients, {args.rounds} rounds, {data.name}", command)
         rows += rows_for(partition, summaries)
-    write_results(
-        args.out,
-        args.name,
-        {
-            "data": str(data),
-            "public_data": str(args.public_data),
-            "clients": args.clients,
-            "rounds": args.rounds,
-            "complete": True,
-        },
-        rows,
-        f"FedFR ablation: {args.clients} clients, {args.rounds} rounds, {data.name}",
-        command,
-    )
+    write_results(args.out, args.name, {"data": str(data), "public_data": str(args.public_data),
+                                      "clients": args.clients,
+                                      "rounds": args.rounds, "complete": True}, rows,
+                  f"FedFR ablation: {args.clients} clients, {args.rounds} rounds, {data.name}", command)
     plot(rows, args.out / f"{args.name}.png")
     return 0
 

@@ -37,18 +37,9 @@ def _run(args, data: Path, name: str, **options) -> dict:
     done = args.runs / name / "summary.json"
     if args.reuse and done.exists():
         return json.loads(done.read_text())
-    config = SimConfig(
-        data=str(data),
-        holdout_identities=0.1,
-        clients=args.clients,
-        rounds=args.rounds,
-        dfc=False,
-        patience=0,
-        workers=args.workers,
-        init=args.init,
-        fraction=args.fraction,
-        **options,
-    )
+    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds, dfc=False,
+                       patience=0,
+                       workers=args.workers, init=args.init, fraction=args.fraction, **options)
     print(f"== {name}", flush=True)
     return simulate(config, args.runs / name)
 
@@ -121,24 +112,16 @@ def main(argv=None) -> int:
         return 2
     command = "python -m bench.metafed " + " ".join(argv if argv is not None else sys.argv[1:])
     if 1 in args.part:
-        write_results(
-            args.out,
-            "metafed_hfmaml",
-            {"clients": args.clients, "rounds": args.rounds, "fraction": args.fraction},
-            part1_rows(args, data),
-            f"HF-MAML vs FedAvg on {data.name}: per-client TAR (mean ± std over "
-            f"clients), global and tuned (5 local batches), {args.clients} clients, {args.rounds} rounds",
-            command,
-        )
+        write_results(args.out, "metafed_hfmaml",
+                      {"clients": args.clients, "rounds": args.rounds, "fraction": args.fraction},
+                      part1_rows(args, data), f"HF-MAML vs FedAvg on {data.name}: per-client TAR (mean ± std over "
+                      f"clients), global and tuned (5 local batches), {args.clients} clients, {args.rounds} rounds",
+                      command)
     if 2 in args.part:
-        write_results(
-            args.out,
-            "metafed_fedface",
-            {"clients": args.clients, "rounds": args.rounds, "fraction": args.fraction},
-            part2_rows(args, data),
-            f"PFM vs FedAvg on {data.name} (IID), unseen people, {args.clients} clients, {args.rounds} rounds",
-            command,
-        )
+        write_results(args.out, "metafed_fedface",
+                      {"clients": args.clients, "rounds": args.rounds, "fraction": args.fraction},
+                      part2_rows(args, data), f"PFM vs FedAvg on {data.name} (IID), unseen people, "
+                      f"{args.clients} clients, {args.rounds} rounds", command)
     return 0
 
 

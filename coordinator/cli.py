@@ -24,21 +24,11 @@ def cmd_coordinator_serve(args) -> int:
     elif objective_settings(args)["hard_negatives"]:
         print("hard negatives are on but this coordinator serves no public set (--public-set): each device needs "
               "its own (`ffr edge run --public-set FILE`)", flush=True)
-    training = TrainingConfig(
-        epochs=args.local_epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        dfc=args.dfc,
-        codec=args.codec,
-        topk_fraction=args.topk_fraction,
-        chunk_bytes=args.chunk_kib * 1024,
-        width_mult=args.width_mult,
-        algorithm=args.strategy,
-        prox_mu=args.prox_mu,
-        dp_clip=args.dp_clip,
-        **objective_settings(args),
-        **public,
-    )
+    training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
+                              codec=args.codec, topk_fraction=args.topk_fraction, chunk_bytes=args.chunk_kib * 1024,
+                              width_mult=args.width_mult,
+                              algorithm=args.strategy, prox_mu=args.prox_mu, dp_clip=args.dp_clip,
+                              **objective_settings(args), **public)
     settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
                              round_timeout_s=args.round_timeout, training=training, seed=args.seed,
                              combine=args.combine, trim=args.trim, byzantine=args.byzantine,
@@ -130,12 +120,10 @@ def add_commands(csub) -> None:
     p.add_argument("--dfc-weight", type=float, default=None,
                    help="alpha_3: weight of the DFC loss on devices (default 1; 10 with --method fedfr)")
     add_codec_options(p)
-    p.add_argument(
-        "--fv",
-        action="store_true",
-        help="FedFace's Federated Validation: devices run with `ffr edge run --validation DIR` score candidate "
-        "aggregation weightings every round (they send only the score; they do not train)",
-    )
+    p.add_argument("--fv", action="store_true",
+                   help="FedFace's Federated Validation: devices run with `ffr edge run --validation DIR` "
+                        "score candidate aggregation weightings every round (they send only the score; "
+                        "they do not train)")
     p.add_argument("--fv-candidates", type=int, default=3, help="T: candidate weightings per round (default 3)")
     p.add_argument("--fv-phi", type=float, default=0.01, help="eq. 13's smoothing rate (default 0.01)")
     p.add_argument("--fv-epsilon", type=float, default=1e-3, help="eq. 8's epsilon (default 1e-3)")

@@ -32,12 +32,10 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fallback-center", action="store_true",
                    help="when no face is found, use the centre square instead of skipping the image "
                         "(for roughly pre-cropped datasets such as ORL)")
-    g.add_argument(
-        "--margin", type=float, default=0.2, help="margin around the detected face, as a fraction of its side"
-    )
-    g.add_argument(
-        "--cache-dir", type=Path, help="where cropped faces are cached (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)"
-    )
+    g.add_argument("--margin", type=float, default=0.2,
+                   help="margin around the detected face, as a fraction of its side")
+    g.add_argument("--cache-dir", type=Path,
+                   help="where cropped faces are cached (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)")
     g.add_argument("--no-cache", action="store_true", help="do not read or write the crop cache")
 
 
@@ -139,35 +137,18 @@ def cmd_pretrain(args) -> int:
     if online:
         return _pretrain_online(args, spec)
     if (out / "latest.pt").exists() and not (args.resume or args.force):
-        raise SystemExit(
-            f"ffr pretrain: {out} already holds a run; pass --resume to continue it or --force to start over"
-        )
-    config = PretrainConfig(
-        data=[str(d) for d in args.data],
-        teacher=str(args.teacher),
-        teacher_spec=spec,
-        init=args.init,
-        labelled=[str(d) for d in args.labelled],
-        margin_weight=args.margin_weight,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        sim_weight=args.sim_weight,
-        warmup_steps=args.warmup_steps,
-        loss=args.loss,
-        views=args.views or PretrainConfig.views,
-        bank_weight=args.bank_weight,
-        bank_temperature=args.bank_temperature,
-        budget_minutes=args.budget_minutes,
-        precision=args.precision,
-        device=args.device,
-        threads=args.threads,
-        eval_data=[str(d) for d in args.eval_data],
-        max_images=args.max_images,
-        checkpoint_every_s=args.checkpoint_every,
-        seed=args.seed,
-        progress=not args.quiet,
-    )
+        raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it "
+                         "or --force to start over")
+    config = PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
+                            init=args.init, labelled=[str(d) for d in args.labelled], margin_weight=args.margin_weight,
+                            epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
+                            warmup_steps=args.warmup_steps, loss=args.loss,
+                            views=args.views or PretrainConfig.views,
+                            bank_weight=args.bank_weight, bank_temperature=args.bank_temperature,
+                            budget_minutes=args.budget_minutes, precision=args.precision, device=args.device,
+                            threads=args.threads,
+                            eval_data=[str(d) for d in args.eval_data], max_images=args.max_images,
+                            checkpoint_every_s=args.checkpoint_every, seed=args.seed, progress=not args.quiet)
     trainer = Pretrainer(config, out, args.cache_dir)
     if args.resume and (out / "latest.pt").exists():
         trainer.resume()
@@ -184,9 +165,8 @@ def _pretrain_online(args, spec: dict) -> int:
 
     out: Path = args.out
     if (out / "progress.json").exists() and not (args.resume or args.force):
-        raise SystemExit(
-            f"ffr pretrain: {out} already holds a run; pass --resume to continue it or --force to start over"
-        )
+        raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it "
+                         "or --force to start over")
     if args.labelled or args.loss != "cosine" or args.views is not None:
         raise SystemExit("ffr pretrain: --labelled, --loss bank and --views need the cached path (--no-online); "
                          "--online draws a fresh view every step")
@@ -407,21 +387,18 @@ def add_commands(sub) -> None:
                    help="labelled folder of aligned crops (one folder per person) for the learning curve; "
                         "never people in --data")
     p.add_argument("--max-images", type=int, help="use a random subset of this many images")
-    p.add_argument(
-        "--cache-dir", type=Path, help="teacher-embedding cache (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)"
-    )
+    p.add_argument("--cache-dir", type=Path,
+                   help="teacher-embedding cache (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)")
     p.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds between checkpoints")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling, augmentation and initialisation")
     p.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from latest.pt")
     p.add_argument("--force", action="store_true", help="start over even if RUN_DIR holds a run")
     p.set_defaults(func=cmd_pretrain)
 
-    p = sub.add_parser(
-        "pack-crops",
-        help="pack folders of aligned crops into one small file (to carry to a GPU machine)",
-        description="Re-encodes every aligned crop under --data as WebP into one .npz of plain "
-        "arrays (no pickle) that `ffr pretrain --online --data FILE.npz` reads.",
-    )
+    p = sub.add_parser("pack-crops",
+                       help="pack folders of aligned crops into one small file (to carry to a GPU machine)",
+                       description="Re-encodes every aligned crop under --data as WebP into one .npz of plain "
+                                   "arrays (no pickle) that `ffr pretrain --online --data FILE.npz` reads.")
     p.add_argument("--data", required=True, type=Path, action="append", help="folder of aligned crops; repeatable")
     p.add_argument("--out", required=True, type=Path, help="the pack to write (FILE.npz)")
     p.add_argument("--quality", type=int, default=75, help="WebP quality 1-100 (default 75: about 1.3 kB a crop)")
@@ -437,16 +414,13 @@ def add_commands(sub) -> None:
     deprecated_alias(p, "--personalized", personal)
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser(
-        "eval",
-        help="verification metrics of a model on a dataset",
-        description="AUC, EER, TAR@FAR, 10-fold accuracy and 1:N TPIR@FPIR; with --pairs, LFW's protocol.",
-    )
+    p = sub.add_parser("eval", help="verification metrics of a model on a dataset",
+                       description="AUC, EER, TAR@FAR, 10-fold accuracy and 1:N TPIR@FPIR; "
+                                   "with --pairs, LFW's protocol.")
     p.add_argument("--model", required=True, type=Path, help="checkpoint (.pt) or exported .onnx")
     _add_data_options(p)
-    p.add_argument(
-        "--pairs", type=Path, help="LFW-style pairs.txt: 10-fold accuracy with thresholds from the other folds"
-    )
+    p.add_argument("--pairs", type=Path,
+                   help="LFW-style pairs.txt: 10-fold accuracy with thresholds from the other folds")
     p.add_argument("--use-dataset-pairs", action="store_true", help="use the pairs.txt found beside an LFW dataset")
     personal = p.add_argument("--personalised", action="store_true",
                               help="checkpoints only: use the DFC-personalised embedding")
