@@ -34,10 +34,10 @@ class ModelBroadcast:
         self.model: Published | None = None
         self.server_state: Published | None = None  # PFM's global momentum, when the strategy broadcasts one
 
-    def _put(self, name: str, topic: Callable[[], str], state: State, dtype: str) -> Published:
+    def _put(self, name: str, topic: str, state: State, dtype: str) -> Published:
         wire = encode(state, dtype)
         for chunk in split(name, wire.data, self.chunk_bytes):
-            self.publish(f"{topic()}/{chunk.index}", to_bytes(chunk), True)
+            self.publish(f"{topic}/{chunk.index}", to_bytes(chunk), True)
         return Published(wire.sha256, len(wire.data), -(-len(wire.data) // self.chunk_bytes))
 
     def _clear(self, topic: str, chunks: int) -> None:
@@ -47,11 +47,11 @@ class ModelBroadcast:
     def publish_model(self, version: int, state: State, server_state: State | None) -> None:
         """The global backbone in the wire dtype (fp16 by default: half the download; the coordinator keeps the
         float32 master), and the strategy's broadcast state beside it (fp16 when it fits)."""
-        self.model = self._put(f"model-{version}", lambda: topics.model_chunks(version), state, self.model_dtype)
+        self.model = self._put(f"model-{version}", topics.model_chunks(version), state, self.model_dtype)
         self.server_state = None
         if server_state is not None:
             dtype = "fp16" if max(float(np.abs(v).max(initial=0.0)) for v in server_state.values()) < 6e4 else "fp32"
-            self.server_state = self._put(f"momentum-{version}", lambda: topics.momentum_chunks(version),
+            self.server_state = self._put(f"momentum-{version}", topics.momentum_chunks(version),
                                           server_state, dtype)
 
     def retract_model(self, version: int) -> None:
@@ -62,7 +62,7 @@ class ModelBroadcast:
 
     def publish_candidate(self, round_id: int, index: int, state: State) -> Published:
         """Federated Validation's candidate `index` of a round, for the validators to score."""
-        return self._put(f"candidate-{round_id}-{index}", lambda: topics.candidate_chunks(round_id, index), state,
+        return self._put(f"candidate-{round_id}-{index}", topics.candidate_chunks(round_id, index), state,
                          self.model_dtype)
 
     def retract_candidate(self, round_id: int, index: int, chunks: int) -> None:
