@@ -60,7 +60,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("coordinator")
 Publish = Callable[[str, bytes, bool], None]
-SENDER = COORDINATOR
 
 
 class Engine:
@@ -158,7 +157,7 @@ class Engine:
     # outgoing ---------------------------------------------------------------------------------------------
     def _send(self, topic: str, body, retain: bool = False, to: str | None = None) -> None:
         self._seq += 1
-        self.publish(topic, seal(SENDER, self._seq, body, self.signer, to), retain)
+        self.publish(topic, seal(COORDINATOR, self._seq, body, self.signer, to), retain)
 
     def _tell(self, device_id: str, body) -> None:
         self._send(topics.device(device_id, "inbox"), body, to=device_id)

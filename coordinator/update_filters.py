@@ -38,8 +38,7 @@ class NormBoundFilter:
     allows_leave_out = True
 
     def __init__(self, norms: NormBound, action: str = "clip"):
-        if action not in ("clip", "reject"):
-            raise ValueError("norm_action must be clip or reject")
+        """`action`: clip | reject (checked with the run's settings, `coordinator.settings`)."""
         self.norms, self.action = norms, action
 
     def bound(self) -> float:
@@ -74,8 +73,6 @@ class DPFedAvg:
     def __init__(self, inner: UpdateFilter, clip: float, noise: float, delta: float,
                  past_rates: Callable[[], list[float]]):
         """`past_rates`: the sampling rates of the rounds completed so far, for the accountant."""
-        if noise < 0:
-            raise ValueError(f"--dp-noise must not be negative (got {noise:g})")
         self.inner, self.clip, self.noise, self.delta, self.past_rates = inner, clip, noise, delta, past_rates
 
     def bound(self) -> float:

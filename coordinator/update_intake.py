@@ -15,6 +15,7 @@ import numpy as np
 
 from coordinator.robust import l2_norm
 from coordinator.round_state import OpenRound
+from coordinator.settings import RoundSettings
 from coordinator.store import Store
 from coordinator.update_filters import UpdateFilter
 from protocol.chunks import Reassembler, from_bytes
@@ -27,7 +28,7 @@ REFUSED_TRANSFERS_KEPT = 1024
 
 
 class UpdateIntake:
-    def __init__(self, settings, store: Store, layout: tuple, update_filter: UpdateFilter,
+    def __init__(self, settings: RoundSettings, store: Store, layout: tuple, update_filter: UpdateFilter,
                  tell: Callable[[str, object], None], images: dict[str, int]):
         """`images`: each device's registered image count (the engine's dict, kept current on admission)."""
         self.settings, self.store, self.layout, self.filter = settings, store, layout, update_filter
