@@ -23,6 +23,7 @@ from models.distillation import distillation_loss
 from models.faces.preprocess import INPUT_SIZE, MEAN, STD
 from models.fast_step import cpu_has_fast_bf16
 from models.online_views import photometric, student_input
+from models.train_loop import Step, optimise
 
 
 def per_image_augmentation() -> v2.Compose:
@@ -120,7 +121,4 @@ def distill_step_rows(batch: int = 64, steps: int = 8, rounds: int = 2, n_crops:
 
 
 def _step(model, optimiser, x: torch.Tensor, target: torch.Tensor) -> None:
-    loss, _ = distillation_loss(model(x), target)
-    optimiser.zero_grad(set_to_none=True)
-    loss.backward()
-    optimiser.step()
+    optimise([(x, target)], lambda batch: Step(distillation_loss(model(batch[0]), batch[1])[0]), optimiser)

@@ -83,14 +83,13 @@ def initial_row(summary: dict, run: Path) -> dict:
         from fleet.config import SimConfig
         from fleet.data import prepare
         from fleet.evaluation import flat
-        from models.face_model import FaceModel, ModelConfig, from_numpy_state, load_shareable_state
-        from models.training import verification
+        from models.evaluation.evaluate import verification
+        from models.face_model import global_embedder
 
         config = SimConfig.load(run / "config.json")
         config.progress = False
-        model = FaceModel(ModelConfig(n_classes=1, width_mult=config.width_mult, pretrained=False))
-        load_shareable_state(model, from_numpy_state(Store(run / "coordinator").load_model(0)))
-        report, _ = verification(model.eval(), prepare(config, run).holdout(), config.max_eval_pairs, config.seed)
+        model = global_embedder(Store(run / "coordinator").load_model(0), config.width_mult)
+        report, _ = verification(model, prepare(config, run).holdout(), config.max_eval_pairs, config.seed)
         initial = flat(report)
     init = json.loads((run / "config.json").read_text()).get("init", "imagenet")
     return {"run": f"starting model ({init} init, round 0)", "global AUC": initial["auc"],

@@ -40,18 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     from edge_client.local_training import LocalObjective, train_round
     from fleet.config import SimConfig
     from fleet.data import TRAIN, prepare
+    from models.evaluation.evaluate import verification
     from models.face_model import (
         FaceModel,
         ModelConfig,
         from_numpy_state,
+        global_embedder,
         initial_global_state,
-        load_shareable_state,
         private_state,
         shareable_state,
     )
     from models.faces.splits import relabel
     from models.objective_cli import objective_settings
-    from models.training import verification
 
     config = SimConfig.load(args.run / "config.json")
     config.progress = False
@@ -139,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=len(clients),
                    backend_config={"client_resources": {"num_cpus": max(1, (os.cpu_count() or 2) // args.workers)}})
     wall = time.perf_counter() - started
-    model = FaceModel(ModelConfig(n_classes=1, width_mult=config.width_mult, pretrained=False))
-    load_shareable_state(model, final["arrays"].to_torch_state_dict())  # integer buffers are cast back on load
-    report, _ = verification(model.eval(), data.holdout(), config.max_eval_pairs, config.seed)
+    model = global_embedder(final["arrays"].to_torch_state_dict(), config.width_mult)  # integer buffers cast back
+    report, _ = verification(model, data.holdout(), config.max_eval_pairs, config.seed)
     rounds = len(stats["round_s"])
     out = {"framework": "flwr", "rounds": rounds, "clients": len(clients), "wall_seconds": wall,
            "strategy_seconds": final["seconds"], "round_seconds_mean": float(np.mean(stats["round_s"])),

@@ -21,21 +21,21 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import write_results
+from models.crop_batches import train_loader
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
 from models.faces.splits import training_split
 from models.faces.synthetic import write_dataset
 from models.fast_step import accelerate, optimiser_options
-from models.training import TrainConfig, Trainer, build_model, train_epoch, train_loader
+from models.train_loop import Step, optimise, train_epoch
+from models.training import TrainConfig, Trainer, build_model
 
 
 def bare_epoch(model, loader, optimiser) -> None:
+    """The margin loss alone through the shared loop: what `train_epoch`'s accuracy and hooks cost on top."""
     model.train()
-    for x, y in loader:
-        loss = F.cross_entropy(model.head(model.backbone(x), y), y)
-        optimiser.zero_grad(set_to_none=True)
-        loss.backward()
-        optimiser.step()
+    optimise(loader, lambda batch: Step(F.cross_entropy(model.head(model.backbone(batch[0]), batch[1]), batch[1])),
+             optimiser)
 
 
 def images_per_second(fn, n_images: int) -> float:
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         config = TrainConfig(batch_size=args.batch_size, lr=1e-4, progress=False)
         model = build_model(config, split.train)
         optimiser = torch.optim.Adam(model.parameters(), lr=config.lr)
-        loader = train_loader(split.train, config, torch.Generator().manual_seed(0))
+        loader = train_loader(split.train, config.batch_size, config.aug, torch.Generator().manual_seed(0))
         n = len(loader) * args.batch_size if loader.drop_last else len(split.train)
         bare_epoch(model, loader, optimiser)  # warm-up
         fast = copy.deepcopy(model)  # the same loop with the trunk settings ffr train now uses (models.fast_step)

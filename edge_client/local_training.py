@@ -20,19 +20,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from edge_client.local_algorithms import LOCAL_ALGORITHMS, LocalRound, local_algorithm
+from models.crop_batches import as_chw, frozen_copy, frozen_features, train_loader
 from models.dfc import NEGATIVE, fit_dfc
 from models.face_model import FaceModel, load_shareable_state, shareable_state
-from models.faces import augment
 from models.faces.crops import FaceCrops
 from models.fast_step import accelerate
-from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
+from models.fedfr import hard_negatives
 from models.heads import CosineHead, class_centres, imprint
-from models.hfmaml import anchored_to, hf_maml_step
-from models.pfm import apply_global_momentum
+from models.hfmaml import anchored_to
 from models.public_set import PublicSet
-from models.training import TrainConfig, as_chw, frozen_copy, frozen_features, train_epoch, train_loader
 
 
 @dataclass
@@ -107,113 +105,6 @@ def sample_hard_negatives(backbone: torch.nn.Module, public: PublicSet, local_fe
     return sample
 
 
-def _fedfr_epoch(model: FaceModel, loader, optimiser: torch.optim.Optimizer, objective: LocalObjective,
-                 negatives: HardNegatives | None, global_net, previous_net, generator: torch.Generator,
-                 regulariser=None) -> dict:
-    """One pass of eq. 7 over the local data, each batch joined by as many hard negatives as half its size:
-    with a labelled D_g as members of their own classes (balanced CosFace, eq. 3), else as negatives to
-    every local class (`negative_margin_loss`)."""
-    model.train()
-    weak = augment.build("weak")
-    sums = {"train_loss": 0.0, "total_loss": 0.0, "cos_loss": 0.0, "con_loss": 0.0, "neg_loss": 0.0}
-    correct = seen = 0
-    n_local = model.head.weight.shape[0] if hasattr(model.head, "weight") else 0
-    for x, y in loader:
-        n_pub = 0 if negatives is None or len(negatives) == 0 else max(1, len(y) // 2)
-        if n_pub:
-            pick = torch.randint(0, len(negatives), (n_pub,), generator=generator)
-            x = torch.cat([x, torch.stack([weak(im) for im in negatives.images[pick]])])
-        features = model.backbone(x)
-        f, f_pub = features[:len(y)], features[len(y):]
-        if n_pub and negatives.centres is not None:
-            labels = torch.cat([y, negatives.labels[pick] + n_local])
-            weight = torch.ones(len(labels)) if model.class_weights is None else \
-                torch.cat([model.class_weights, torch.ones(len(negatives.centres))])[labels]
-            per_row = F.cross_entropy(model.head(features, labels, extra=negatives.centres), labels,
-                                      reduction="none") * weight
-            cos_loss = per_row.sum() / weight.sum()
-            local_cos = per_row[:len(y)].sum() / weight[:len(y)].sum()  # the figure that may be sent
-        else:
-            cos_loss = local_cos = F.cross_entropy(model.head(f, y), y, weight=model.class_weights)
-        loss = objective.alpha_cos * cos_loss
-        local_loss = objective.alpha_cos * local_cos.detach()
-        if n_pub and negatives.centres is None and hasattr(model.head, "weight"):
-            neg_loss = negative_margin_loss(f_pub, model.head.weight, objective.t_hn)
-            loss = loss + objective.alpha_cos * neg_loss
-            sums["neg_loss"] += float(neg_loss.detach()) * len(y)
-        if objective.contrastive:
-            with torch.no_grad():
-                f_global, f_previous = global_net(x[:len(y)]), previous_net(x[:len(y)])
-            con_loss = contrastive_loss(f, f_global, f_previous, objective.tau)
-            loss = loss + objective.alpha_con * con_loss
-            local_loss = local_loss + objective.alpha_con * con_loss.detach()
-            sums["con_loss"] += float(con_loss.detach()) * len(y)
-        if model.dfc is not None:
-            labels = torch.cat([y, torch.full((n_pub,), NEGATIVE, dtype=y.dtype)])
-            loss = loss + model.config.dfc_weight * model.dfc.loss(features, labels)
-        if regulariser is not None:
-            loss = loss + regulariser()
-        optimiser.zero_grad(set_to_none=True)
-        loss.backward()
-        optimiser.step()
-        sums["total_loss"] += float(loss.detach()) * len(y)
-        sums["train_loss"] += float(local_loss) * len(y)  # local images' terms only: nothing about D_g
-        sums["cos_loss"] += float(local_cos.detach()) * len(y)
-        with torch.no_grad():
-            correct += int((model.head.logits(f).argmax(1) == y).sum())
-        seen += len(y)
-    return {**{k: v / max(seen, 1) for k, v in sums.items()}, "train_acc": correct / max(seen, 1)}
-
-
-def _batch_triples(loader):
-    """Consecutive batches as HF-MAML's (D, D', D''); a device with fewer than three batches reuses its own."""
-    group, produced = [], False
-    for batch in loader:
-        group.append(batch)
-        if len(group) == 3:
-            yield tuple(group)
-            group, produced = [], True
-    if group and not produced:
-        yield tuple((group * 3)[:3])
-
-
-def _hfmaml_epoch(model: FaceModel, loader, objective: LocalObjective, extra) -> dict:
-    """One pass of HF-MAML over the local data (eq. 1-3): each step reads three batches and takes four
-    gradients of the local loss (margin head, DFC, eq. 4's regulariser) over every trainable parameter."""
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    seen_logits: list = []
-
-    def loss_fn(batch):
-        loss, logits, _ = model.losses(batch[0], batch[1], extra)
-        seen_logits.append(logits)
-        return loss
-
-    loss_sum = correct = seen = 0
-    for triple in _batch_triples(loader):
-        seen_logits.clear()
-        losses = hf_maml_step(loss_fn, params, triple, objective.maml_alpha, objective.maml_beta, objective.maml_delta)
-        x, y = triple[0]
-        loss_sum += losses["inner_loss"] * len(y)
-        correct += int((seen_logits[0].argmax(1) == y).sum())
-        seen += len(y)
-    return {"train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1)}
-
-
-def _pfm_epochs(model: FaceModel, loader, epochs: int, lr: float, beta: float, momentum: dict[str, torch.Tensor],
-                regulariser, extra) -> list[dict]:
-    """PFM's local steps (Algorithm 1, lines 6-10): SGD on the backbone plus beta * M / K per step (eq. 3),
-    classical momentum SGD on the classifier and the DFC branch (eq. 1-2)."""
-    backbone = dict(model.backbone.named_parameters())
-    others = [p for n, p in model.named_parameters() if not n.startswith("backbone.")]
-    optimiser = torch.optim.SGD([{"params": list(backbone.values())}, {"params": others, "momentum": beta}], lr=lr)
-    steps = epochs * len(loader)
-    local_momentum = {n: momentum[f"backbone.{n}"] for n in backbone if f"backbone.{n}" in momentum}
-    push = lambda: apply_global_momentum(backbone, local_momentum, lr, beta, steps)  # noqa: E731
-    return [train_epoch(model, loader, optimiser, regulariser=regulariser, extra=extra, after_step=push)
-            for _ in range(epochs)]
-
-
 def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torch.Tensor], epochs: int,
                 batch_size: int, lr: float, prox_mu: float = 0.0, seed: int = 0,
                 objective: LocalObjective | None = None, public: PublicSet | None = None,
@@ -223,62 +114,68 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     `previous_state` the device's last local backbone (keys `backbone.*`), for the contrastive term.
     With `pfm_beta`, FedFace's PFM: plain SGD at `lr` for the backbone plus the global momentum
     `pfm_momentum` (keys `backbone.*`; None in the first round) spread over the round's steps, and classical
-    momentum SGD for the classifier (`models.pfm`)."""
+    momentum SGD for the classifier (`models.pfm`). The steps themselves are `edge_client.local_algorithms`'."""
     objective = objective or LocalObjective()
+    name = local_algorithm("pfm" if pfm_beta is not None else "fedavg", objective)
     # the trunk in bf16 where the CPU has it (models.fast_step); HF-MAML's finite-difference Hessian products
     # (eq. 3) take the difference of two nearby gradients, which bf16 would drown, so it stays fp32
     accelerate(model, "fp32" if objective.hfmaml else "auto")
     load_shareable_state(model, global_state)
     start = {k: v.clone() for k, v in shareable_state(model).items()}
     anchor = {n: p.detach().clone() for n, p in model.backbone.named_parameters()}
-    use_public = objective.hard_negatives and public is not None and len(public) > 0
-    local_features = None
-    if objective.imprint_head or use_public:
-        local_features = frozen_features(model.backbone, crops.images, seed=seed)
-    if objective.imprint_head:  # the head's centres from the received model, not last round's backbone
-        imprint(model.head, local_features, torch.from_numpy(crops.labels))
     private: dict[str, float] = {}
-    negatives = None
-    if use_public:
-        negatives = sample_hard_negatives(model.backbone, public, local_features, objective.t_hn, seed,
-                                          isinstance(model.head, CosineHead))
-        private.update({"hn_fraction": len(negatives) / len(public), "hn_sampled": float(len(negatives))})
-        if negatives.centres is not None:
-            private["hn_classes"] = float(len(negatives.centres))
-    extra = [negatives.centres] if negatives is not None and negatives.centres is not None else []
-    optimiser = torch.optim.Adam(list(model.parameters()) + extra, lr=lr)
+    negatives = _imprint_and_sample(model, crops, objective, public, seed, private)
     generator = torch.Generator().manual_seed(seed)
-    loader = train_loader(crops, TrainConfig(batch_size=batch_size, aug="weak"), generator)
-    regulariser = (lambda: prox_mu / 2.0 * proximal_term(model, anchor)) if prox_mu > 0 else None
-    extra = None
+    contrastive = objective.contrastive and name == "fedfr"
+    round_ = LocalRound(model, train_loader(crops, batch_size, "weak", generator), epochs, lr, objective, generator,
+                        regulariser=(lambda: prox_mu / 2.0 * proximal_term(model, anchor)) if prox_mu > 0 else None,
+                        negatives=negatives, pfm_beta=pfm_beta if pfm_beta is not None else 0.9,
+                        pfm_momentum=pfm_momentum,
+                        global_net=frozen_copy(model.backbone) if contrastive else None,
+                        previous_net=frozen_copy(model.backbone, previous_state) if contrastive else None)
     if objective.embedding_reg > 0:  # eq. 4 against the round's starting model
-        extra = anchored_to(frozen_copy(model.backbone), objective.embedding_reg)
-    if pfm_beta is not None:
-        history = _pfm_epochs(model, loader, epochs, lr, pfm_beta, pfm_momentum or {}, regulariser, extra)
-    elif objective.hfmaml:
-        history = [_hfmaml_epoch(model, loader, objective, extra) for _ in range(epochs)]
-    elif objective.fedfr_loop:
-        global_net = frozen_copy(model.backbone) if objective.contrastive else None
-        previous_net = frozen_copy(model.backbone, previous_state) if objective.contrastive else None
-        history = [_fedfr_epoch(model, loader, optimiser, objective, negatives, global_net, previous_net, generator,
-                                regulariser) for _ in range(epochs)]
-    else:
-        history = [train_epoch(model, loader, optimiser, regulariser=regulariser, extra=extra) for _ in range(epochs)]
-    metrics = dict(history[-1])
+        round_.extra = anchored_to(frozen_copy(model.backbone), objective.embedding_reg)
+    metrics = dict(LOCAL_ALGORITHMS[name](round_)[-1])
     for key in ("neg_loss", "total_loss"):  # figures that involve D_g: the device's log only
         if key in metrics:
             private[key] = metrics.pop(key)
     if model.dfc is not None and objective.dfc_steps > 0:
-        features = frozen_features(model.backbone, crops.images, objective.dfc_views, seed)
-        labels = torch.from_numpy(np.tile(crops.labels, objective.dfc_views)).long()
-        if negatives is not None and len(negatives):
-            public_features = frozen_features(model.backbone, negatives.images.permute(0, 2, 3, 1).numpy(), seed=seed)
-            features = torch.cat([features, public_features])
-            labels = torch.cat([labels, torch.full((len(public_features),), NEGATIVE)])
-        fit_loss = fit_dfc(model.dfc, features, labels, objective.dfc_steps, objective.dfc_lr, seed=seed)
+        fit_loss = _fit_dfc(model, crops, objective, negatives, seed)
         (private if negatives is not None else metrics)["dfc_fit_loss"] = fit_loss
     model.eval()
     end = shareable_state(model)
     delta = {k: (end[k].double() - start[k].double()).numpy() if end[k].is_floating_point()
              else (end[k] - start[k]).numpy() for k in end}  # integer buffers keep an integer delta
     return LocalResult(delta, len(crops), metrics, private)
+
+
+def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: LocalObjective, public: PublicSet | None,
+                        seed: int, private: dict[str, float]) -> HardNegatives | None:
+    """The head's centres from the received model (not last round's backbone), and FedFR's sample of D_g
+    under it; what the sample says about D_g goes to `private`, the device's log only."""
+    use_public = objective.hard_negatives and public is not None and len(public) > 0
+    local_features = None
+    if objective.imprint_head or use_public:
+        local_features = frozen_features(model.backbone, crops.images, seed=seed)
+    if objective.imprint_head:
+        imprint(model.head, local_features, torch.from_numpy(crops.labels))
+    if not use_public:
+        return None
+    negatives = sample_hard_negatives(model.backbone, public, local_features, objective.t_hn, seed,
+                                      isinstance(model.head, CosineHead))
+    private.update({"hn_fraction": len(negatives) / len(public), "hn_sampled": float(len(negatives))})
+    if negatives.centres is not None:
+        private["hn_classes"] = float(len(negatives.centres))
+    return negatives
+
+
+def _fit_dfc(model: FaceModel, crops: FaceCrops, objective: LocalObjective, negatives: HardNegatives | None,
+             seed: int) -> float:
+    """FedFR's DFC branch on frozen features of the local images' views and the sampled public negatives."""
+    features = frozen_features(model.backbone, crops.images, objective.dfc_views, seed)
+    labels = torch.from_numpy(np.tile(crops.labels, objective.dfc_views)).long()
+    if negatives is not None and len(negatives):
+        public_features = frozen_features(model.backbone, negatives.images.permute(0, 2, 3, 1).numpy(), seed=seed)
+        features = torch.cat([features, public_features])
+        labels = torch.cat([labels, torch.full((len(public_features),), NEGATIVE)])
+    return fit_dfc(model.dfc, features, labels, objective.dfc_steps, objective.dfc_lr, seed=seed)

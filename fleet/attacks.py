@@ -56,33 +56,30 @@ def collapse_delta(global_state: dict[str, np.ndarray], images: np.ndarray, boun
     import torch
     import torch.nn.functional as F
 
-    from models.face_model import FaceModel, ModelConfig, from_numpy_state, load_shareable_state
+    from models.face_model import global_embedder
     from models.faces.preprocess import to_input
+    from models.train_loop import Step, optimise
 
     torch.manual_seed(seed)
-    model = FaceModel(ModelConfig(n_classes=1, pretrained=False, dfc=False))
-    load_shareable_state(model, from_numpy_state(global_state))
-    model.eval()
-    names = [n for n, p in model.named_parameters() if n.startswith("backbone.")]
-    params = [p for n, p in model.named_parameters() if n.startswith("backbone.")]
-    for p in model.head.parameters():
-        p.requires_grad_(False)
+    embedder = global_embedder(global_state)  # eval mode: BatchNorm's statistics stay
+    names = [f"backbone.{n}" for n, _ in embedder.named_parameters()]
+    params = list(embedder.parameters())
     start = [p.detach().clone() for p in params]
-    optimiser = torch.optim.Adam(params, lr=lr)
     x_all = torch.from_numpy(to_input(images))
     rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        x = x_all[rng.choice(len(x_all), min(batch_size, len(x_all)), replace=False)]
-        emb = F.normalize(model.embed(x), dim=1)
+
+    def mean_cosine(_) -> Step:
+        emb = F.normalize(embedder(x_all[rng.choice(len(x_all), min(batch_size, len(x_all)), replace=False)]), dim=1)
         n = len(emb)
-        mean_cos = ((emb @ emb.T).sum() - n) / max(1, n * (n - 1))
-        optimiser.zero_grad()
-        (-mean_cos).backward()
-        optimiser.step()
-        with torch.no_grad():  # project onto ||d|| <= bound
-            norm = torch.sqrt(sum(((p - s) ** 2).sum() for p, s in zip(params, start)))
-            if norm > bound:
-                for p, s in zip(params, start):
-                    p.copy_(s + (p - s) * (bound / norm))
+        return Step(-((emb @ emb.T).sum() - n) / max(1, n * (n - 1)))
+
+    @torch.no_grad()
+    def project() -> None:  # onto ||d|| <= bound
+        norm = torch.sqrt(sum(((p - s) ** 2).sum() for p, s in zip(params, start)))
+        if norm > bound:
+            for p, s in zip(params, start):
+                p.copy_(s + (p - s) * (bound / norm))
+
+    optimise(range(steps), mean_cosine, torch.optim.Adam(params, lr=lr), after=[lambda _: project()])
     moved = {n: (p.detach() - s).double().numpy() for n, p, s in zip(names, params, start)}
     return {k: moved[k] if k in moved else np.zeros_like(np.asarray(v)) for k, v in global_state.items()}

@@ -63,35 +63,28 @@ def load_local_model(home: DeviceHome, n_classes: int, width_mult: float, dfc: b
     return model.eval()
 
 
-def tuned_model(global_model: FaceModel, crops, steps: int, lr: float, batch_size: int, seed: int) -> FaceModel:
-    """The global model after `steps` local batches on a client's own training images (the HF-MAML paper's
+def tuned_model(global_embedder, crops, steps: int, lr: float, batch_size: int, seed: int,
+                width_mult: float = 1.0) -> FaceModel:
+    """The global embedder after `steps` local batches on a client's own training images (the HF-MAML paper's
     "tuned" evaluation): a head imprinted from the client's people, then Adam on backbone and head."""
     import copy
 
     import torch
 
+    from models.crop_batches import frozen_features, train_loader
     from models.faces.splits import relabel
     from models.heads import imprint
-    from models.training import TrainConfig, frozen_features, train_loader
+    from models.train_loop import Step, limited, optimise
 
     crops = relabel(crops, np.unique(crops.labels))
-    model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=global_model.config.width_mult,
-                                  pretrained=False, dfc=False))
-    model.backbone.load_state_dict(copy.deepcopy(global_model.backbone.state_dict()))
+    model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=width_mult, pretrained=False,
+                                  dfc=False))
+    model.backbone.load_state_dict(copy.deepcopy(global_embedder.state_dict()))
     imprint(model.head, frozen_features(model.backbone, crops.images, seed=seed), torch.from_numpy(crops.labels))
     optimiser = torch.optim.Adam(model.parameters(), lr=lr)
-    loader = train_loader(crops, TrainConfig(batch_size=batch_size, aug="weak"), torch.Generator().manual_seed(seed))
+    loader = train_loader(crops, batch_size, "weak", torch.Generator().manual_seed(seed))
     model.train()
-    done = 0
-    while done < steps:
-        for x, y in loader:
-            loss, _, _ = model.losses(x, y)
-            optimiser.zero_grad(set_to_none=True)
-            loss.backward()
-            optimiser.step()
-            done += 1
-            if done >= steps:
-                break
+    optimise(limited(lambda: loader, steps), lambda batch: Step(model.losses(*batch)[0]), optimiser)
     return model.eval()
 
 

@@ -28,10 +28,11 @@ from fleet.data import TEST, TRAIN, VAL, FleetData, crop_cache, device_id, prepa
 from fleet.devices import DevicePool, Turn
 from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model, tuned_model
 from fleet.report import write_summary
-from models.face_model import FaceModel, ModelConfig, from_numpy_state, load_shareable_state
+from models.backbone import FaceEmbedder
+from models.evaluation.evaluate import verification
+from models.face_model import FaceModel, global_embedder
 from models.objective_cli import objective_settings
 from models.tracking import MlflowTracker, NullTracker, default_tracking_uri
-from models.training import verification
 from protocol.messages import TrainingConfig
 
 log = logging.getLogger("ffr.fleet")
@@ -347,11 +348,8 @@ class Simulation:
     def _eval_threads(self) -> None:
         torch.set_num_threads(self.cores)
 
-    def _global_model(self, version: int) -> FaceModel:
-        c = self.config
-        model = FaceModel(ModelConfig(n_classes=1, width_mult=c.width_mult, pretrained=False))
-        load_shareable_state(model, from_numpy_state(self.service.engine.store.load_model(version)))
-        return model.eval()
+    def _global_model(self, version: int) -> FaceEmbedder:
+        return global_embedder(self.service.engine.store.load_model(version), self.config.width_mult)
 
     # the end ----------------------------------------------------------------
     def _finish(self, tracker, started: float) -> dict:
@@ -412,7 +410,7 @@ class Simulation:
             tracker.log_artifact(path)
         return summary
 
-    def _verifiers(self, global_model: FaceModel, central_model: FaceModel | None) -> dict:
+    def _verifiers(self, global_model: FaceEmbedder, central_model: FaceModel | None) -> dict:
         c, cache, images = self.config, {}, self.data.crops.images
         tests = np.flatnonzero(self.data.split == TEST)
 
@@ -438,13 +436,13 @@ class Simulation:
             verifiers["tuned"] = lambda k: self._tuned(global_model, k)
         return verifiers
 
-    def _tuned(self, global_model: FaceModel, client: int):
+    def _tuned(self, global_model: FaceEmbedder, client: int):
         """The global model tuned for `tune_steps` batches on the client's training images (None: held out)."""
         if client in self.data.partition.heldout_clients:
             return None
         c = self.config
         model = tuned_model(global_model, self.data.union(TRAIN, [client]), c.tune_steps, c.lr, c.batch_size,
-                            c.seed + client)
+                            c.seed + client, c.width_mult)
         return lambda idx: embed(model, self.data.crops.images[idx], False)
 
     def _plots(self, history, best, global_curve, central_curve, central_report, clients, global_model) -> dict:

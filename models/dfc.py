@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.train_loop import Step, optimise
+
 
 def sphereface2_g(z: torch.Tensor, t: float) -> torch.Tensor:
     """g(z) = 2((z+1)/2)^t - 1: a similarity adjustment that sharpens the positive side."""
@@ -103,15 +105,13 @@ def fit_dfc(branch: DFCBranch, features: torch.Tensor, labels: torch.Tensor, ste
     features, labels = features.detach(), labels.long()
     was_training = branch.training
     branch.train()
-    loss = torch.tensor(float("nan"))
-    for _ in range(steps):
-        batch = torch.randint(0, len(features), (min(batch_size, len(features)),), generator=generator)
-        loss = branch.loss(features[batch], labels[batch])
-        optimiser.zero_grad(set_to_none=True)
-        loss.backward()
-        optimiser.step()
+    last: list[float] = [float("nan")]
+    batches = (torch.randint(0, len(features), (min(batch_size, len(features)),), generator=generator)
+               for _ in range(steps))
+    optimise(batches, lambda batch: Step(branch.loss(features[batch], labels[batch])), optimiser,
+             after=[lambda step: last.append(float(step.loss.detach()))])
     branch.train(was_training)
-    return float(loss.detach())
+    return last[-1]
 
 
 def personalised_embedding(generic: torch.Tensor, custom: torch.Tensor) -> torch.Tensor:

@@ -118,11 +118,15 @@ def private_state(model: FaceModel) -> dict[str, torch.Tensor]:
 
 def load_shareable_state(model: FaceModel, state: dict[str, torch.Tensor]) -> None:
     """Put a (global) embedder into `model`, refusing anything that is not exactly the embedder."""
-    expected = set(shareable_state(model))
+    _load_embedder(model.backbone, state)
+
+
+def _load_embedder(embedder: FaceEmbedder, state: dict[str, torch.Tensor]) -> None:
+    expected = {f"{SHAREABLE_PREFIX}{k}" for k in embedder.state_dict()}
     if set(state) != expected:
         unknown, missing = sorted(set(state) - expected), sorted(expected - set(state))
         raise ValueError(f"not an embedder state: unknown {unknown[:3]}, missing {missing[:3]}")
-    model.backbone.load_state_dict({k.removeprefix(SHAREABLE_PREFIX): v for k, v in state.items()})
+    embedder.load_state_dict({k.removeprefix(SHAREABLE_PREFIX): v for k, v in state.items()})
 
 
 def save_checkpoint(path: Path, model: FaceModel, **extra) -> None:
@@ -173,3 +177,12 @@ def new_embedder(init: str = "face", width_mult: float = 1.0, embedding_dim: int
         check_face_init(width_mult, embedding_dim)
         return load_face_embedder()
     return FaceEmbedder(embedding_dim, width_mult, pretrained=init == "imagenet")
+
+
+def global_embedder(state: dict, width_mult: float = 1.0, embedding_dim: int = 128) -> FaceEmbedder:
+    """The federation's model as it is evaluated: the bare embedder Theta loaded from a `backbone.*` state
+    (numpy or torch), in eval mode, with no head to fake. Any other key is refused."""
+    embedder = FaceEmbedder(embedding_dim, width_mult, pretrained=False)
+    _load_embedder(embedder, {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v))
+                              for k, v in state.items()})
+    return embedder.eval()

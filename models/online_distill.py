@@ -29,6 +29,7 @@ from models.distillation import distillation_loss
 from models.face_weights import save_embedder
 from models.online_views import ViewJitter, geometric_views, photometric, student_input
 from models.pretraining import lr_at, lr_at_fraction
+from models.train_loop import Step, optimise
 
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
 
@@ -136,43 +137,39 @@ class OnlineDistiller:
 
     def fit(self, stop_after_s: float | None = None) -> dict:
         """Train until the schedule ends or `stop_after_s` of this call passed; checkpoints on the way out."""
-        started = last_save = time.time()
+        started = self._last_save = time.time()
         bar = tqdm(desc="distilling online", unit="step", initial=self.step, total=self.total_steps,
                    disable=not self.config.progress, dynamic_ncols=True)
-        running: dict[str, list[float]] = {}
-        try:
+        self._running: dict[str, list[float]] = {}
+
+        def steps():
             while not self.done() and not (stop_after_s and time.time() - started > stop_after_s):
-                tick = time.time()
+                self._tick = time.time()
                 self.generator.manual_seed(self.config.seed * 1_000_003 + self.step)
-                parts = self.train_step()
-                self.step += 1
-                self.trained_s += time.time() - tick
-                for k, v in parts.items():
-                    running.setdefault(k, []).append(v)
-                bar.update(1)
-                if self.step % 20 == 0:
-                    bar.set_postfix(cos=f"{parts['cos_loss']:.3f}", lr=f"{parts['lr']:.1e}")
-                if self.step % self.config.eval_every_steps == 0:
-                    self._record(running)
-                    running = {}
-                if time.time() - last_save > self.config.checkpoint_every_s:
-                    self.save()
-                    last_save = time.time()
+                yield self.step
+
+        try:
+            optimise(steps(), self._loss, self.optimiser, before=[self._set_lr],
+                     after=[lambda step: self._after_step(step, bar)],
+                     finite=lambda: f"distillation loss at step {self.step}")
         finally:
             bar.close()
-            if running:
-                self._record(running)
+            if self._running:
+                self._record(self._running)
             self.save()
         return self.write_metrics("finished" if self.done() else "paused")
 
-    def train_step(self) -> dict:
-        """One batch: jittered views -> teacher targets (no grad) -> student on a photometric copy -> AdamW."""
+    def _set_lr(self) -> None:
         cfg = self.config
-        lr = (lr_at_fraction(self.step, self.trained_s / (60 * cfg.budget_minutes), cfg.lr, cfg.warmup_steps)
-              if cfg.budget_minutes else lr_at(self.step, self.total_steps, cfg.lr, cfg.warmup_steps))
+        spent = self.trained_s / (60 * cfg.budget_minutes) if cfg.budget_minutes else None
+        self._current_lr = (lr_at_fraction(self.step, spent, cfg.lr, cfg.warmup_steps) if spent is not None
+                            else lr_at(self.step, self.total_steps, cfg.lr, cfg.warmup_steps))
         for group in self.optimiser.param_groups:
-            group["lr"] = lr
-        pick = torch.randint(len(self.train_index), (cfg.batch_size,), generator=self.generator,
+            group["lr"] = self._current_lr
+
+    def _loss(self, _) -> Step:
+        """One batch: jittered views -> teacher targets (no grad) -> student on a photometric copy."""
+        pick = torch.randint(len(self.train_index), (self.config.batch_size,), generator=self.generator,
                              device=self.device)
         views = geometric_views(self.crops[self.train_index[pick]], self.jitter, self.generator)
         with torch.no_grad():
@@ -180,13 +177,25 @@ class OnlineDistiller:
         x = student_input(photometric(views / 255.0, self.generator))
         self.model.train()
         student = self.model(x)  # the trunk in bf16 where the hardware has it (models.fast_step)
-        loss, parts = distillation_loss(student.float(), target, cfg.sim_weight)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"distillation loss is {float(loss)} at step {self.step}; lower --lr")
-        self.optimiser.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimiser.step()
-        return {**parts, "loss": float(loss.detach()), "lr": lr}
+        loss, parts = distillation_loss(student.float(), target, self.config.sim_weight)
+        return Step(loss, 1.0, {**parts, "lr": self._current_lr})
+
+    def _after_step(self, step: Step, bar) -> None:
+        """Count, time and log the step; a row every `eval_every_steps`, a checkpoint every `checkpoint_every_s`."""
+        self.step += 1
+        self.trained_s += time.time() - self._tick
+        parts = {**step.metrics, "loss": float(step.loss.detach())}
+        for k, v in parts.items():
+            self._running.setdefault(k, []).append(v)
+        bar.update(1)
+        if self.step % 20 == 0:
+            bar.set_postfix(cos=f"{parts['cos_loss']:.3f}", lr=f"{parts['lr']:.1e}")
+        if self.step % self.config.eval_every_steps == 0:
+            self._record(self._running)
+            self._running = {}
+        if time.time() - self._last_save > self.config.checkpoint_every_s:
+            self.save()
+            self._last_save = time.time()
 
     def _record(self, running: dict[str, list[float]]) -> None:
         row = {"step": self.step, "samples": self.step * self.config.batch_size,

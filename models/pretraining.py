@@ -32,6 +32,7 @@ from models.face_weights import save_embedder
 from models.faces.preprocess import INPUT_SIZE
 from models.fast_step import accelerate, optimiser_options
 from models.online_views import photometric, student_input
+from models.train_loop import Step, optimise
 
 LOSSES = ("cosine", "bank")
 CROP_SIZE = 112  # the aligned sets' and the teacher's size; the student sees them at INPUT_SIZE
@@ -201,32 +202,39 @@ class Pretrainer:
     def fit(self) -> dict:
         self.fill_targets()
         data = CachedViews(self.images, self.targets.values, self.labels, self.config.seed)
-        last_save, start = time.time(), time.time()
+        self._last_save, start = time.time(), time.time()
         bar = tqdm(total=self.total_steps, initial=self.step, desc="distilling", unit="step",
                    disable=not self.config.progress, dynamic_ncols=True)
         try:
             while not self.done():
                 epoch, skip = divmod(self.step, self.steps_per_epoch)
-                for step_index in self._epoch_batches(epoch, skip):
-                    tick = time.time()
-                    parts = self._train_step(*data.batch(step_index, epoch, self.step))
-                    self.step += 1
-                    self.trained_s += time.time() - tick
-                    bar.update(1)
-                    bar.set_postfix(epoch=epoch + 1, **{k.removesuffix("_loss"): f"{v:.4f}" for k, v in parts.items()
-                                                        if k != "loss"})
-                    self._log_step(parts)
-                    if time.time() - last_save > self.config.checkpoint_every_s:
-                        self.save()
-                        last_save = time.time()
-                    if self.done():
-                        break
+                optimise(self._timed(data, epoch, skip), self._loss, self.optimiser, before=[self._set_lr],
+                         after=[lambda step: self._after_step(step, epoch, bar)],
+                         finite=lambda: f"distillation loss at step {self.step}")
                 if self.step % self.steps_per_epoch == 0 or self.done():
                     self._end_epoch(epoch + 1, time.time() - start)
         finally:
             bar.close()
             self.save()
         return self.write_metrics("finished")
+
+    def _timed(self, data: CachedViews, epoch: int, skip: int):
+        """The epoch's batches from `skip` on; the clock for the time budget starts as each batch is read."""
+        for step_index in self._epoch_batches(epoch, skip):
+            self._tick = time.time()
+            yield data.batch(step_index, epoch, self.step)
+
+    def _after_step(self, step: Step, epoch: int, bar) -> bool:
+        """Count, time, log and (every `checkpoint_every_s`) save the step; True once the run is done."""
+        self.step += 1
+        self.trained_s += time.time() - self._tick
+        bar.update(1)
+        bar.set_postfix(epoch=epoch + 1, **{k.removesuffix("_loss"): f"{v:.4f}" for k, v in step.metrics.items()})
+        self._log_step({**step.metrics, "loss": float(step.loss.detach())})
+        if time.time() - self._last_save > self.config.checkpoint_every_s:
+            self.save()
+            self._last_save = time.time()
+        return self.done()
 
     def _epoch_batches(self, epoch: int, skip: int):
         """The epoch's shuffled training indices, one batch at a time, from batch `skip` on (for --resume)."""
@@ -235,10 +243,14 @@ class Pretrainer:
         for k in range(skip, self.steps_per_epoch):
             yield np.sort(order[k * size:(k + 1) * size])
 
-    def _train_step(self, x: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
-        self.model.train()
+    def _set_lr(self) -> None:
         for group in self.optimiser.param_groups:
             group["lr"] = self._lr()
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Step:
+        """The distillation loss of a batch of cached views against the teacher's targets [+ the margin term]."""
+        x, target, labels = batch
+        self.model.train()
         x = x.to(self.device)
         target = F.normalize(target.to(self.device), dim=1)
         student = self.model(x)  # the trunk in bf16 where the hardware has it (models.fast_step)
@@ -254,12 +266,7 @@ class Pretrainer:
                       if known is not None and known.any() else student.new_zeros((), dtype=torch.float32))
             loss = loss + self.config.margin_weight * margin
             parts["margin_loss"] = float(margin.detach())
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"distillation loss is {float(loss)} at step {self.step}; lower --lr")
-        self.optimiser.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimiser.step()
-        return {**parts, "loss": float(loss.detach())}
+        return Step(loss, 1.0, parts)
 
     def _lr(self) -> float:
         cfg = self.config

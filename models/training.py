@@ -12,21 +12,17 @@ every epoch so an interrupted run still says where it got to.
 """
 from __future__ import annotations
 
-import copy
 import json
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from models.embedders import TorchEmbedder
-from models.evaluation.evaluate import embed_all
-from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
+from models.crop_batches import CropDataset, frozen_copy, frozen_features, train_loader
+from models.evaluation.evaluate import verification
 from models.face_model import FaceModel, ModelConfig, load_checkpoint, save_checkpoint
 from models.faces import augment
 from models.faces.crops import FaceCrops
@@ -35,6 +31,7 @@ from models.fast_step import accelerate, optimiser_options
 from models.heads import imprint, inverse_frequency_weights
 from models.hfmaml import anchored_to
 from models.tracking import NullTracker, Tracker
+from models.train_loop import train_epoch
 
 
 @dataclass
@@ -74,52 +71,6 @@ class TrainConfig:
 FACE_ANCHOR_WEIGHT = 10.0
 
 
-class CropDataset(Dataset):
-    """uint8 NHWC crops in memory -> augmented float CHW tensors."""
-
-    def __init__(self, images: np.ndarray, labels: np.ndarray, transform):
-        self.images = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
-        self.labels = torch.from_numpy(labels)
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int):
-        return self.transform(self.images[i]), self.labels[i]
-
-
-def as_chw(images: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
-
-
-@torch.no_grad()
-def frozen_features(backbone: torch.nn.Module, images: np.ndarray, views: int = 1, seed: int = 0,
-                    batch_size: int = 64) -> torch.Tensor:
-    """Theta(x) in eval mode for `views` views of each image: the first unaugmented, the rest weakly augmented."""
-    was_training = backbone.training
-    backbone.eval()
-    torch.manual_seed(seed)
-    plain, weak = augment.plain(), augment.build("weak")
-    chw, out = as_chw(images), []
-    for v in range(views):
-        transform = plain if v == 0 else weak
-        for start in range(0, len(chw), batch_size):
-            out.append(backbone(torch.stack([transform(im) for im in chw[start:start + batch_size]])))
-    backbone.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0)
-
-
-def frozen_copy(backbone: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
-    """An eval-mode copy of `backbone` (optionally loaded with a `backbone.*` state) that no step can change."""
-    net = copy.deepcopy(backbone).eval()
-    if state is not None:
-        net.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items()})
-    for p in net.parameters():
-        p.requires_grad_(False)
-    return net
-
-
 def build_model(config: TrainConfig, train: FaceCrops) -> FaceModel:
     n_classes = len(train.identities)
     weights = None
@@ -128,41 +79,6 @@ def build_model(config: TrainConfig, train: FaceCrops) -> FaceModel:
     return FaceModel(ModelConfig(n_classes=n_classes, embedding_dim=config.embedding_dim, width_mult=config.width_mult,
                                  pretrained=config.init != "none", init=config.init, weights_path=config.weights_path,
                                  head=config.head, dfc=config.dfc, dfc_weight=config.dfc_weight, class_weights=weights))
-
-
-def train_loader(crops: FaceCrops, config: TrainConfig, generator: torch.Generator) -> DataLoader:
-    data = CropDataset(crops.images, crops.labels, augment.build(config.aug))
-    # BatchNorm cannot train on a batch of one: drop a trailing single image
-    drop_last = len(data) % config.batch_size == 1
-    return DataLoader(data, batch_size=config.batch_size, shuffle=True, drop_last=drop_last, generator=generator)
-
-
-def train_epoch(model: FaceModel, loader: DataLoader, optimiser: torch.optim.Optimizer,
-                desc: str = "train", progress: bool = False,
-                regulariser: Callable[[], torch.Tensor] | None = None,
-                extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                after_step: Callable[[], None] | None = None) -> dict:
-    """One pass over `loader`; returns mean loss and accuracy (margin-free logits).
-
-    `regulariser` adds a term to every step's loss (FedProx's proximal term on devices); `extra(emb, x)` a term
-    on the batch's embedding (the embedding regulariser); `after_step()` runs after each optimiser step (PFM's
-    global momentum).
-    """
-    model.train()
-    loss_sum, correct, seen = 0.0, 0, 0
-    for x, y in tqdm(loader, desc=desc, unit="batch", disable=not progress, leave=False):
-        loss, logits, _ = model.losses(x, y, extra)
-        if regulariser is not None:
-            loss = loss + regulariser()
-        optimiser.zero_grad(set_to_none=True)
-        loss.backward()
-        optimiser.step()
-        if after_step is not None:
-            after_step()
-        loss_sum += float(loss.detach()) * len(y)
-        correct += int((logits.argmax(1) == y).sum())
-        seen += len(y)
-    return {"train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1)}
 
 
 @torch.inference_mode()
@@ -177,19 +93,6 @@ def validation_loss(model: FaceModel, crops: FaceCrops, batch_size: int = 128) -
         loss_sum += float(loss) * len(y)
         correct += int((logits.argmax(1) == y).sum())
     return {"val_loss": loss_sum / len(crops), "val_acc": correct / len(crops)}
-
-
-def verification(model: FaceModel, crops: FaceCrops | None, max_pairs: int, seed: int,
-                 personalised: bool = False) -> tuple[dict, tuple[np.ndarray, np.ndarray] | None]:
-    """AUC/EER/TAR@FAR of the embedding on `crops`, plus the raw scores for ROC plots."""
-    if crops is None or len(crops) < 2 or len(np.unique(crops.labels)) < 2:
-        return {}, None
-    emb = embed_all(TorchEmbedder(model, personalised), crops.images)
-    pairs, same = make_pairs(crops.labels, max_pairs, seed)
-    if same.all() or not same.any():
-        return {}, None
-    scores = cosine_scores(emb, pairs)
-    return roc_report(scores, same), (scores, same)
 
 
 class Trainer:
@@ -247,7 +150,7 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.config
         self.tracker.start(self.out.name, asdict(cfg), self.tracker_run_id)
-        loader = train_loader(self.split.train, cfg, self.generator)
+        loader = train_loader(self.split.train, cfg.batch_size, cfg.aug, self.generator)
         try:
             for epoch in range(self.start_epoch, cfg.epochs + 1):
                 if self.bad_epochs >= cfg.patience:

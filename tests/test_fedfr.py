@@ -155,10 +155,10 @@ def test_a_labelled_public_set_joins_the_classification_for_one_round(faces_dir)
     """Balanced CosFace (eq. 3): sampled public people become extra classes, their centres imprinted from all
     their public images under the received model; they live for the round only and are never sent."""
     from edge_client.local_training import sample_hard_negatives
+    from models.crop_batches import frozen_features
     from models.face_model import FaceModel, ModelConfig, from_numpy_state
     from models.face_weights import face_global_state
     from models.public_set import PublicSet
-    from models.training import frozen_features
 
     torch.manual_seed(0)
     train, _, public = _two_people(faces_dir, 6)

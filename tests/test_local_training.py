@@ -58,7 +58,7 @@ def test_imprint_sets_each_centre_to_its_class_mean_and_leaves_absent_classes():
 
 
 def test_a_round_starts_from_centres_imprinted_by_the_received_model(synthetic_dir):
-    from models.training import frozen_features
+    from models.crop_batches import frozen_features
 
     crops = crop_index(load_index(synthetic_dir), CropConfig(detector="none"), use_cache=False, progress=False)
     torch.manual_seed(0)

@@ -18,6 +18,22 @@ def embed_all(embedder, images: np.ndarray, batch_size: int = 64, progress: bool
     return np.concatenate(out)
 
 
+def verification(model, crops: FaceCrops | None, max_pairs: int, seed: int,
+                 personalised: bool = False) -> tuple[dict, tuple[np.ndarray, np.ndarray] | None]:
+    """AUC/EER/TAR@FAR of a torch model's embedding on `crops` (a FaceModel, or a bare embedder such as
+    models.face_model.global_embedder's), plus the raw scores for ROC plots."""
+    from models.embedders import TorchEmbedder
+
+    if crops is None or len(crops) < 2 or len(np.unique(crops.labels)) < 2:
+        return {}, None
+    emb = embed_all(TorchEmbedder(model, personalised), crops.images)
+    pairs, same = make_pairs(crops.labels, max_pairs, seed)
+    if same.all() or not same.any():
+        return {}, None
+    scores = cosine_scores(emb, pairs)
+    return roc_report(scores, same), (scores, same)
+
+
 def evaluate_crops(embedder, crops: FaceCrops, pairs_file: Path | None = None, image_root: Path | None = None,
                    max_pairs: int = 200_000, seed: int = 0, progress: bool = False,
                    roc_png: Path | None = None) -> dict:
