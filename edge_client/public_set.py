@@ -60,3 +60,48 @@ def fetch_public_set(url: str, sha256: str, size: int, folder: Path, timeout_s: 
         tmp.unlink(missing_ok=True)
     log.info("public set %s... fetched from %s (%d bytes)", sha256[:16], url, size)
     return path
+
+
+class DevicePublicSet:
+    """D_g as one device holds it: the operator's `--public-set` file, else the coordinator's (fetched once per
+    announced hash into `folder`). Failures are said and the device goes on without it."""
+
+    def __init__(self, path: Path | None, folder: Path, device_id: str):
+        self.path, self.folder, self.device_id = None if path is None else Path(path), Path(folder), device_id
+        self._set = None  # models.public_set.PublicSet, once read
+        self._sha: str | None = None  # the hash of the coordinator's set held in self._set
+
+    def for_round(self, cfg):
+        """D_g, only when the round samples hard negatives; None (and why, in the log) when there is none."""
+        from models.public_set import load_public_set
+
+        if not cfg.hard_negatives:
+            return None
+        try:
+            if self.path is not None:
+                if self._set is None:
+                    self._set = load_public_set(self.path)
+                return self._set
+            if cfg.public_set_sha256 is None:
+                log.warning("%s: the round asks for hard negatives but neither the coordinator nor --public-set "
+                            "gives this device a public set", self.device_id)
+                return None
+            if self._sha != cfg.public_set_sha256:
+                path = fetch_public_set(cfg.public_set_url, cfg.public_set_sha256, cfg.public_set_bytes, self.folder)
+                self._set, self._sha = load_public_set(path, cfg.public_set_sha256), cfg.public_set_sha256
+            return self._set
+        except PublicSetError as exc:
+            log.warning("%s: training without hard negatives this round: %s", self.device_id, exc)
+            return None
+
+    def negatives_for_adoption(self):
+        """The public images the adoption check may use as impostors (the operator's file, or the last set the
+        coordinator served), or None."""
+        from models.public_set import load_public_set
+
+        if self._set is None and self.path is not None:
+            try:
+                self._set = load_public_set(self.path)
+            except PublicSetError as exc:
+                log.warning("%s: adoption check without public negatives: %s", self.device_id, exc)
+        return self._set.images if self._set is not None else None

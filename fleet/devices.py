@@ -87,6 +87,7 @@ def run_turn(turn: Turn) -> dict:
         device = kind(Path(turn.credential), Path(turn.data), Path(turn.home), broker=turn.broker,
                       detector=turn.detector, export_onnx=False, seed=turn.seed, crop_cache=Path(turn.crop_cache),
                       public_set=None if turn.public_set is None else Path(turn.public_set))
+        device.prepare()  # the device's faces, decoded here so that a bad folder is this turn's error
     except Exception as exc:  # noqa: BLE001 - a device that cannot start is reported, not fatal to the pool
         return {**result, "error": f"{type(exc).__name__}: {exc}", "turn_seconds": time.perf_counter() - started}
     if turn.attack is not None:

@@ -386,11 +386,12 @@ def test_device_refuses_a_model_whose_hash_is_not_the_announced_one(tmp_path):
     forged = b"some other model of the same size"[: len(real)]
     from protocol.tensors import sha256_hex
 
-    device.expected_transfer = ("model-3", sha256_hex(real), len(real))
-    device._on_model_chunk(to_bytes(split("model-3", forged)[0]))
-    assert not device.downloaded.is_set(), "a chunk with another hash must not be assembled"
-    device._on_model_chunk(to_bytes(split("model-3", real)[0]))
-    assert device.downloaded.is_set() and device.model_payload == real
+    downloads = device.link.downloads
+    downloads.expected_transfer = ("model-3", sha256_hex(real), len(real))
+    downloads.on_chunk(to_bytes(split("model-3", forged)[0]))
+    assert not downloads.downloaded.is_set(), "a chunk with another hash must not be assembled"
+    downloads.on_chunk(to_bytes(split("model-3", real)[0]))
+    assert downloads.downloaded.is_set() and downloads.model_payload == real
 
 
 def test_a_device_says_it_is_waiting_for_a_broker_that_is_down(tmp_path):
