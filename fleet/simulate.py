@@ -22,15 +22,15 @@ from tqdm import tqdm
 from coordinator.engine import RoundSettings
 from coordinator.service import Service, ServiceConfig
 from edge_client.home import DeviceHome
-from fleet import plots
 from fleet.config import SimConfig
-from fleet.data import TEST, TRAIN, VAL, FleetData, crop_cache, device_id, prepare, write_device_folders
+from fleet.data import TRAIN, VAL, FleetData, crop_cache, device_id, prepare, write_device_folders
 from fleet.devices import DevicePool, Turn
-from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model, tuned_model
+from fleet.evaluation import flat
+from fleet.final_report import FinalEvaluation
 from fleet.report import write_summary
 from models.backbone import FaceEmbedder
 from models.evaluation.evaluate import verification
-from models.face_model import FaceModel, global_embedder
+from models.face_model import global_embedder
 from models.objective_cli import objective_settings
 from models.tracking import MlflowTracker, NullTracker, default_tracking_uri
 from protocol.messages import TrainingConfig
@@ -55,12 +55,6 @@ class RunState:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(self), indent=1))
         tmp.replace(path)
-
-
-def best_round(history: list[dict]) -> int | None:
-    """The round whose global model had the best validation AUC (what early stopping keeps)."""
-    scored = [h for h in history if h.get("select_auc") is not None]
-    return max(scored, key=lambda h: h["select_auc"])["round"] if scored else None
 
 
 def should_stop(history: list[dict], patience: int, min_delta: float) -> bool:
@@ -353,128 +347,17 @@ class Simulation:
 
     # the end ----------------------------------------------------------------
     def _finish(self, tracker, started: float) -> dict:
-        c, history = self.config, self.state.history
-        trained = [h for h in history if h["round"] > 0]
         self._eval_threads()
-        best = best_round(trained)  # the federated model: the best trained round, never the starting one
-        chosen = next((h for h in history if h["round"] == best), None)
-        global_model = self._global_model(chosen["model_version"] if chosen else 0)
-        central_model, central_metrics = None, None
-        if c.centralized:
-            from fleet.centralized import budget_epochs, train_centralized
-
-            tqdm.write(f"centralised upper bound: {budget_epochs(c)} epochs on the union of the clients' training "
-                       "images")
-            central_model, central_metrics = train_centralized(self.data, c, self.run_dir / "centralized")
-        out = self.run_dir
-        holdout = self.holdout
-        global_report, global_curve = verification(global_model, holdout, c.max_eval_pairs, c.seed)
-        central_report, central_curve = (verification(central_model, holdout, c.max_eval_pairs, c.seed)
-                                         if central_model is not None else ({}, None))
-        clients = evaluate_clients(self.data, self._verifiers(global_model, central_model), c.impostor_images, c.seed,
-                                   c.eval_clients)
-        figures = self._plots(history, best, global_curve, central_curve, central_report, clients, global_model)
+        final = FinalEvaluation(self.config, self.data, self.run_dir, self.holdout)
+        result = final.evaluate(self.state.history, self._global_model)
         self.state.elapsed_s += time.time() - started
         self.state.save(self.state_path)
-        summary = {
-            "run": str(out), "status": self.state.status,
-            "data_kind": "synthetic" if self.data.crops.synthetic else "real",
-            "config": asdict(c),
-            "partition": self.data.partition.summary(self._images_per_identity()),
-            "rounds_completed": len(trained), "best_round": best,
-            "global": {**flat(global_report), "evaluated_on": "unseen identities (on no device)",
-                       "model_version": chosen["model_version"] if chosen else 0,
-                       "n_genuine_pairs": global_report.get("n_genuine_pairs"),
-                       "n_impostor_pairs": global_report.get("n_impostor_pairs")},
-            "personalized": {"training_clients": clients["training"], "held_out_clients": clients["held_out"],
-                             "per_client": clients["clients"]},
-            "centralized": None if central_model is None else {
-                "global": flat(central_report), "epochs": central_metrics["epochs_run"],
-                "best_epoch": central_metrics["best_epoch"],
-                "train_seconds": float(sum(h.get("train_seconds", 0.0) for h in central_metrics["history"]))},
-            "initial": {k.removeprefix("holdout_"): v for k, v in history[0].items() if k.startswith("holdout_")}
-            if history else None,
-            "bytes": {"up": int(sum(h["bytes_up"] for h in trained)),
-                      "down": int(sum(h["bytes_down"] for h in trained)),
-                      "per_round_up_mean": float(np.mean([h["bytes_up"] for h in trained])) if trained else 0.0,
-                      "per_round_down_mean": float(np.mean([h["bytes_down"] for h in trained])) if trained else 0.0},
-            "wall_seconds": self.state.elapsed_s,
-            "round_seconds_mean": float(np.mean([h["wall_s"] for h in trained])) if trained else None,
-            "history": history, "plots": {k: str(v) for k, v in figures.items()},
-            "mlflow_run_id": tracker.run_id,
-            "privacy": self._privacy(),
-        }
-        paths = write_summary(summary, out)
-        tracker.log_metrics(_final_metrics(summary), len(history))
-        for path in [*figures.values(), *paths]:
+        summary = final.summary(result, self.state, tracker.run_id, self._privacy())
+        paths = write_summary(summary, self.run_dir)
+        tracker.log_metrics(_final_metrics(summary), len(self.state.history))
+        for path in [*result.figures.values(), *paths]:
             tracker.log_artifact(path)
         return summary
-
-    def _verifiers(self, global_model: FaceEmbedder, central_model: FaceModel | None) -> dict:
-        c, cache, images = self.config, {}, self.data.crops.images
-        tests = np.flatnonzero(self.data.split == TEST)
-
-        def local(client: int, personalised: bool):
-            if client in self.data.partition.heldout_clients:
-                return None
-            if client not in cache:
-                home = DeviceHome(self.run_dir / "devices" / device_id(client) / "home")
-                cache.clear()  # one client's model in memory at a time
-                cache[client] = load_local_model(home, len(self.data.partition.clients[client]), c.width_mult, c.dfc)
-            model = cache[client]
-            return None if model is None else (lambda idx: embed(model, images[idx], personalised))
-
-        shared = {"global": embed_once(global_model, images, tests)}
-        if central_model is not None:
-            shared["centralized"] = embed_once(central_model, images, tests)
-        verifiers = {"global": lambda k: shared["global"], "local": lambda k: local(k, False)}
-        if c.dfc:
-            verifiers["local+dfc"] = lambda k: local(k, True)
-        if central_model is not None:
-            verifiers["centralized"] = lambda k: shared["centralized"]
-        if c.tune_steps > 0:
-            verifiers["tuned"] = lambda k: self._tuned(global_model, k)
-        return verifiers
-
-    def _tuned(self, global_model: FaceEmbedder, client: int):
-        """The global model tuned for `tune_steps` batches on the client's training images (None: held out)."""
-        if client in self.data.partition.heldout_clients:
-            return None
-        c = self.config
-        model = tuned_model(global_model, self.data.union(TRAIN, [client]), c.tune_steps, c.lr, c.batch_size,
-                            c.seed + client, c.width_mult)
-        return lambda idx: embed(model, self.data.crops.images[idx], False)
-
-    def _plots(self, history, best, global_curve, central_curve, central_report, clients, global_model) -> dict:
-        out, figures, synthetic = self.run_dir, {}, self.data.crops.synthetic
-        figures["rounds"] = plots.rounds_png(history, best, flat(central_report) if central_report else None,
-                                             out / "rounds.png", synthetic)
-        curves = {"federated (global model)": global_curve} if global_curve else {}
-        if central_curve:
-            curves["centralised"] = central_curve
-        from models.evaluation.plots import roc_png
-
-        if curves:
-            figures["roc_global"] = roc_png(curves, out / "roc_global.png", "ROC, unseen people", synthetic)
-        if clients["curves"]:
-            figures["roc_personalized"] = roc_png(clients["curves"], out / "roc_personalized.png",
-                                                  "ROC, each client's own people (pooled)", synthetic)
-        names = [n for n in ("global", "local", "local+dfc", "centralized") if n in clients["curves"]]
-        figures["client_tar"] = plots.client_bars_png(clients["clients"], names, out / "client_tar.png",
-                                                      synthetic=synthetic)
-        holdout = self.holdout
-        if holdout is not None:
-            result = confusion(embed(global_model, holdout.images), holdout.labels, holdout.identities,
-                               seed=self.config.seed)
-            if result is not None:
-                figures["confusion"] = plots.confusion_png(*result, out / "confusion.png", synthetic)
-        figures["partition"] = plots.partition_png(self.data.partition.summary(self._images_per_identity()),
-                                                   out / "partition.png", synthetic)
-        return figures
-
-    def _images_per_identity(self) -> dict[str, int]:
-        counts = np.bincount(self.data.crops.labels, minlength=len(self.data.crops.identities))
-        return dict(zip(self.data.crops.identities, counts.tolist()))
 
 
 def _final_metrics(summary: dict) -> dict:

@@ -17,8 +17,9 @@ import pytest
 from ffr.cli import main
 from fleet.data import TEST, TRAIN
 from fleet.evaluation import client_pairs, fairness
+from fleet.final_report import best_round
 from fleet.report import compare
-from fleet.simulate import best_round, should_stop
+from fleet.simulate import should_stop
 
 # small but real: 12 SYNTHETIC people x 10 images, a narrow MobileNetV2, 3 devices
 TINY = ["--synthetic-identities", "12", "--synthetic-images", "10", "--holdout-identities", "0.25",

@@ -1,0 +1,166 @@
+"""The end of a fleet run: who verifies how well with the chosen global model (FedFR's protocol, via
+`fleet.evaluation`), against each client's local models, the tuned model and the centralised bound, and
+the plots of it all. Kept apart from the simulator's round loop (`fleet.simulate`)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from edge_client.home import DeviceHome
+from fleet import plots
+from fleet.config import SimConfig
+from fleet.data import TEST, TRAIN, FleetData, device_id
+from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model, tuned_model
+from models.backbone import FaceEmbedder
+from models.evaluation.evaluate import verification
+from models.face_model import FaceModel
+
+
+def best_round(history: list[dict]) -> int | None:
+    """The round whose global model had the best validation AUC (what early stopping keeps)."""
+    scored = [h for h in history if h.get("select_auc") is not None]
+    return max(scored, key=lambda h: h["select_auc"])["round"] if scored else None
+
+
+@dataclass
+class Evaluated:
+    """What the end of a run measured, before it is written up."""
+
+    best: int | None
+    chosen: dict | None
+    global_report: dict
+    clients: dict
+    central_report: dict
+    central_metrics: dict | None
+    figures: dict = field(default_factory=dict)
+
+
+class FinalEvaluation:
+    def __init__(self, config: SimConfig, data: FleetData, run_dir: Path, holdout):
+        self.config, self.data, self.run_dir, self.holdout = config, data, Path(run_dir), holdout
+
+    def evaluate(self, history: list[dict], global_model_of: Callable[[int], FaceEmbedder]) -> Evaluated:
+        """The federated model is the best trained round's (never the starting one), against the centralised
+        upper bound when asked, on unseen people and on each client's own; then the plots."""
+        c = self.config
+        best = best_round([h for h in history if h["round"] > 0])
+        chosen = next((h for h in history if h["round"] == best), None)
+        global_model = global_model_of(chosen["model_version"] if chosen else 0)
+        central_model, central_metrics = None, None
+        if c.centralized:
+            from fleet.centralized import budget_epochs, train_centralized
+
+            tqdm.write(f"centralised upper bound: {budget_epochs(c)} epochs on the union of the clients' training "
+                       "images")
+            central_model, central_metrics = train_centralized(self.data, c, self.run_dir / "centralized")
+        global_report, global_curve = verification(global_model, self.holdout, c.max_eval_pairs, c.seed)
+        central_report, central_curve = (verification(central_model, self.holdout, c.max_eval_pairs, c.seed)
+                                         if central_model is not None else ({}, None))
+        clients = evaluate_clients(self.data, self.verifiers(global_model, central_model), c.impostor_images, c.seed,
+                                   c.eval_clients)
+        figures = self.plots(history, best, global_curve, central_curve, central_report, clients, global_model)
+        return Evaluated(best, chosen, global_report, clients, central_report, central_metrics, figures)
+
+    def summary(self, result: Evaluated, state, mlflow_run_id: str | None, privacy: dict | None) -> dict:
+        """The run's summary.json: quality (global, per client, centralised), cost, history and plots."""
+        history = state.history
+        trained = [h for h in history if h["round"] > 0]
+        global_report, central = result.global_report, result.central_metrics
+        return {
+            "run": str(self.run_dir), "status": state.status,
+            "data_kind": "synthetic" if self.data.crops.synthetic else "real",
+            "config": asdict(self.config),
+            "partition": self.data.partition.summary(self.images_per_identity()),
+            "rounds_completed": len(trained), "best_round": result.best,
+            "global": {**flat(global_report), "evaluated_on": "unseen identities (on no device)",
+                       "model_version": result.chosen["model_version"] if result.chosen else 0,
+                       "n_genuine_pairs": global_report.get("n_genuine_pairs"),
+                       "n_impostor_pairs": global_report.get("n_impostor_pairs")},
+            "personalized": {"training_clients": result.clients["training"],
+                             "held_out_clients": result.clients["held_out"], "per_client": result.clients["clients"]},
+            "centralized": None if central is None else {
+                "global": flat(result.central_report), "epochs": central["epochs_run"],
+                "best_epoch": central["best_epoch"],
+                "train_seconds": float(sum(h.get("train_seconds", 0.0) for h in central["history"]))},
+            "initial": {k.removeprefix("holdout_"): v for k, v in history[0].items() if k.startswith("holdout_")}
+            if history else None,
+            "bytes": {"up": int(sum(h["bytes_up"] for h in trained)),
+                      "down": int(sum(h["bytes_down"] for h in trained)),
+                      "per_round_up_mean": float(np.mean([h["bytes_up"] for h in trained])) if trained else 0.0,
+                      "per_round_down_mean": float(np.mean([h["bytes_down"] for h in trained])) if trained else 0.0},
+            "wall_seconds": state.elapsed_s,
+            "round_seconds_mean": float(np.mean([h["wall_s"] for h in trained])) if trained else None,
+            "history": history, "plots": {k: str(v) for k, v in result.figures.items()},
+            "mlflow_run_id": mlflow_run_id,
+            "privacy": privacy,
+        }
+
+    def verifiers(self, global_model: FaceEmbedder, central_model: FaceModel | None) -> dict:
+        c, cache, images = self.config, {}, self.data.crops.images
+        tests = np.flatnonzero(self.data.split == TEST)
+
+        def local(client: int, personalised: bool):
+            if client in self.data.partition.heldout_clients:
+                return None
+            if client not in cache:
+                home = DeviceHome(self.run_dir / "devices" / device_id(client) / "home")
+                cache.clear()  # one client's model in memory at a time
+                cache[client] = load_local_model(home, len(self.data.partition.clients[client]), c.width_mult, c.dfc)
+            model = cache[client]
+            return None if model is None else (lambda idx: embed(model, images[idx], personalised))
+
+        shared = {"global": embed_once(global_model, images, tests)}
+        if central_model is not None:
+            shared["centralized"] = embed_once(central_model, images, tests)
+        verifiers = {"global": lambda k: shared["global"], "local": lambda k: local(k, False)}
+        if c.dfc:
+            verifiers["local+dfc"] = lambda k: local(k, True)
+        if central_model is not None:
+            verifiers["centralized"] = lambda k: shared["centralized"]
+        if c.tune_steps > 0:
+            verifiers["tuned"] = lambda k: self.tuned(global_model, k)
+        return verifiers
+
+    def tuned(self, global_model: FaceEmbedder, client: int):
+        """The global model tuned for `tune_steps` batches on the client's training images (None: held out)."""
+        if client in self.data.partition.heldout_clients:
+            return None
+        c = self.config
+        model = tuned_model(global_model, self.data.union(TRAIN, [client]), c.tune_steps, c.lr, c.batch_size,
+                            c.seed + client, c.width_mult)
+        return lambda idx: embed(model, self.data.crops.images[idx], False)
+
+    def plots(self, history, best, global_curve, central_curve, central_report, clients, global_model) -> dict:
+        out, figures, synthetic = self.run_dir, {}, self.data.crops.synthetic
+        figures["rounds"] = plots.rounds_png(history, best, flat(central_report) if central_report else None,
+                                             out / "rounds.png", synthetic)
+        curves = {"federated (global model)": global_curve} if global_curve else {}
+        if central_curve:
+            curves["centralised"] = central_curve
+        from models.evaluation.plots import roc_png
+
+        if curves:
+            figures["roc_global"] = roc_png(curves, out / "roc_global.png", "ROC, unseen people", synthetic)
+        if clients["curves"]:
+            figures["roc_personalized"] = roc_png(clients["curves"], out / "roc_personalized.png",
+                                                  "ROC, each client's own people (pooled)", synthetic)
+        names = [n for n in ("global", "local", "local+dfc", "centralized") if n in clients["curves"]]
+        figures["client_tar"] = plots.client_bars_png(clients["clients"], names, out / "client_tar.png",
+                                                      synthetic=synthetic)
+        holdout = self.holdout
+        if holdout is not None:
+            result = confusion(embed(global_model, holdout.images), holdout.labels, holdout.identities,
+                               seed=self.config.seed)
+            if result is not None:
+                figures["confusion"] = plots.confusion_png(*result, out / "confusion.png", synthetic)
+        figures["partition"] = plots.partition_png(self.data.partition.summary(self.images_per_identity()),
+                                                   out / "partition.png", synthetic)
+        return figures
+
+    def images_per_identity(self) -> dict[str, int]:
+        counts = np.bincount(self.data.crops.labels, minlength=len(self.data.crops.identities))
+        return dict(zip(self.data.crops.identities, counts.tolist()))
