@@ -204,6 +204,7 @@ class PFM(FedAvg):
         return new
 
 
+# one class per name of protocol.messages.ALGORITHMS (the one list; a new strategy is named there first)
 STRATEGIES = {"fedavg": FedAvg, "fedprox": FedProx, "fedavgm": FedAvgM, "pfm": PFM}
 
 

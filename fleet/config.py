@@ -11,8 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from protocol.codecs import CODECS, TOPK_FRACTION
-
-ALGORITHMS = ("fedavg", "fedprox", "fedavgm", "pfm")
+from protocol.messages import ALGORITHMS
 
 # Options that may change between an interrupted run and its resumption; all others must match.
 RESUMABLE_CHANGES = {"rounds", "workers", "dashboard_port", "backend", "ray_address", "cpus_per_device",

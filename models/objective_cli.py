@@ -10,8 +10,9 @@ import argparse
 
 from models.cli_common import deprecated_alias
 from protocol.codecs import CODECS, TOPK_FRACTION
+from protocol.messages import ALGORITHMS
 
-STRATEGIES = ("fedavg", "fedprox", "fedavgm", "pfm")  # how the coordinator aggregates
+STRATEGIES = ALGORITHMS  # how the coordinator aggregates (protocol.messages spells the list)
 METHODS = (*STRATEGIES, "fedfr", "hfmaml", "fedface")  # the one --method choice: aggregation + local objective
 DEFAULT_METHOD = "fedprox"  # the design document's choice, in every command
 SERVER_FEDAVG = ("fedfr", "hfmaml")  # local objectives whose rounds the coordinator aggregates with FedAvg

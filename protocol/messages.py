@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -36,6 +36,9 @@ MAX_PUBLIC_SET_BYTES = 4 << 30     # 4 GiB: ~80k 128 px crops; a device refuses 
 DeviceId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+# how the coordinator aggregates a round: the one list of these names, for the schema, the coordinator and the CLI
+Algorithm = Literal["fedavg", "fedprox", "fedavgm", "pfm"]
+ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 MetricName = Annotated[str, StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$")]
 
 
@@ -82,7 +85,7 @@ class TrainingConfig(_Body):
     epochs: int = Field(1, ge=1, le=20)
     batch_size: int = Field(32, ge=1, le=512)
     lr: float = Field(1e-4, gt=0, le=1.0)
-    algorithm: Literal["fedavg", "fedprox", "fedavgm", "pfm"] = "fedavg"
+    algorithm: Algorithm = "fedavg"
     pfm_beta: float = Field(0.9, ge=0, lt=1.0)  # FedFace's momentum parameter (PFM: eq. 1-3)
     prox_mu: float = Field(0.01, ge=0, le=10.0)
     dfc: bool = True

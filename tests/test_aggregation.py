@@ -115,3 +115,15 @@ def test_decoded_updates_fold_in_one_pass_to_the_same_mean_and_norm(codec):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-9)
     expected = sum(d["fc.weight"].astype(np.float64) * w for d, w in plain) / fast.weight
     np.testing.assert_allclose(got["fc.weight"], expected, rtol=1e-4, atol=1e-9)
+
+
+def test_every_algorithm_the_protocol_names_has_one_strategy_and_one_command_line_choice():
+    """The algorithm names are spelled once (protocol.messages.ALGORITHMS); the coordinator, the fleet config
+    and the --method choices take them from there."""
+    from coordinator.aggregation import STRATEGIES
+    from fleet.config import ALGORITHMS as fleet_algorithms
+    from models.objective_cli import METHODS
+    from protocol.messages import ALGORITHMS
+
+    assert tuple(STRATEGIES) == ALGORITHMS and fleet_algorithms is ALGORITHMS
+    assert set(ALGORITHMS) <= set(METHODS)
