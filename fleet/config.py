@@ -124,6 +124,14 @@ class SimConfig:
             raise ValueError("--codec must be fp16, fp32, int8 or topk, and --topk-fraction in (0, 1]")
         if self.data is not None and not Path(self.data).exists():
             raise FileNotFoundError(f"dataset path does not exist: {self.data}")
+        self._validate_defences()
+        self._validate_objective()
+        self._validate_public_and_gate()
+        if abs(sum(self.split) - 1.0) > 1e-6 or min(self.split) < 0:
+            raise ValueError(f"--split fractions must be >= 0 and sum to 1, got {self.split}")
+
+    def _validate_defences(self) -> None:
+        """The attack, the combination rule, DP-FedAvg and FedFace's Federated Validation."""
         from coordinator.robust import COMBINERS
         from fleet.attacks import ATTACKS
 
@@ -137,10 +145,6 @@ class SimConfig:
             raise ValueError("--dp-noise needs --dp-clip (the L2 norm devices clip their updates to)")
         if self.dp_clip is not None and (self.dp_clip <= 0 or self.combine != "mean"):
             raise ValueError("--dp-clip must be > 0, with --combine mean")
-        from models.objective_cli import METHODS, objective_settings
-
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.fv and (self.fv_validators < 1 or self.heldout_clients < self.fv_validators):
             raise ValueError("--fv needs --holdout-clients of at least --fv-validators (validators are clients kept "
                              "out of training, scoring on their own images)")
@@ -148,12 +152,25 @@ class SimConfig:
             raise ValueError("--fv weighs a mean: use --combine mean with it")
         if self.fv_candidates < 2 or not 0 < self.fv_phi <= 1:
             raise ValueError("--fv-candidates must be at least 2 and --fv-phi in (0, 1]")
+
+    def _validate_objective(self) -> None:
+        """--method and the local objective's switches, which some methods exclude."""
+        from models.objective_cli import METHODS
+
+        if self.method is not None and self.method not in METHODS:
+            raise ValueError(f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.embedding_reg < 0:
             raise ValueError("--embedding-reg must not be negative")
         if self.method == "hfmaml" and (self.hard_negatives or self.contrastive):
             raise ValueError("--method hfmaml takes no hard negatives or contrastive term (FedFR's)")
         if self.embedding_reg and (self.method == "fedfr" or self.hard_negatives or self.contrastive):
             raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
+
+    def _validate_public_and_gate(self) -> None:
+        """FedFR's public set D_g (other people than --data) and the coordinator's quality gate."""
+        from coordinator.quality_gate import GateSettings
+        from models.objective_cli import objective_settings
+
         if objective_settings(self)["hard_negatives"] and self.public_data is None:
             raise ValueError("hard negatives need a public set: --public-data DIR (aligned faces of people no "
                              "client has, e.g. ../shared/faces/utkface_aligned), or --no-hard-negatives")
@@ -165,13 +182,9 @@ class SimConfig:
                 raise ValueError("--public-data must hold other people than --data (D_g is nobody's enrolled people)")
         if self.gate_data is not None and not Path(self.gate_data).exists():
             raise FileNotFoundError(f"--gate-data does not exist: {self.gate_data}")
-        from coordinator.quality_gate import GateSettings
-
         GateSettings(self.gate_far, self.gate_far_ratio, self.gate_auc_margin, self.gate_faces)  # its own checks
         if self.public_limit < 1:
             raise ValueError("--public-limit must be at least 1")
-        if abs(sum(self.split) - 1.0) > 1e-6 or min(self.split) < 0:
-            raise ValueError(f"--split fractions must be >= 0 and sum to 1, got {self.split}")
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
