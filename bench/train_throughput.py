@@ -27,15 +27,19 @@ from models.faces.datasets import load_index
 from models.faces.splits import training_split
 from models.faces.synthetic import write_dataset
 from models.fast_step import accelerate, optimiser_options
-from models.train_loop import Step, optimise, train_epoch
+from models.train_loop import train_epoch
 from models.training import TrainConfig, Trainer, build_model
 
 
 def bare_epoch(model, loader, optimiser) -> None:
-    """The margin loss alone through the shared loop: what `train_epoch`'s accuracy and hooks cost on top."""
+    """The reference: a bare PyTorch loop, deliberately not the house's (`models.train_loop`), whose cost is
+    what this bench measures."""
     model.train()
-    optimise(loader, lambda batch: Step(F.cross_entropy(model.head(model.backbone(batch[0]), batch[1]), batch[1])),
-             optimiser)
+    for x, y in loader:
+        loss = F.cross_entropy(model.head(model.backbone(x), y), y)
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
 
 
 def images_per_second(fn, n_images: int) -> float:

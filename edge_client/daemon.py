@@ -42,7 +42,6 @@ class EdgeDevice:
         are decoded on first use (`prepare`, or `start`)."""
         self.credential = load_credential(credential)
         self.device_id, self.home = self.credential.device_id, DeviceHome(home)
-        self.coordinator_key = self.credential.coordinator_public_key
         self._data, self._detector, self._validation = Path(data), detector, validation
         self._crop_cache = crop_cache or self.home.root / "crops"
         self.last_config = TrainingConfig()
@@ -54,10 +53,9 @@ class EdgeDevice:
         self.stop_event = threading.Event()
         self.finished = threading.Event()
         self.link = CoordinatorLink(self.credential, self.home, self._on_body, self._hello_facts, broker, ca_file)
-        self.address = self.link.address
         self.rounds = RoundRunner(self.link, self.home, lambda: self.crops,
                                   DevicePublicSet(public_set, self.home.root / "public", self.device_id), seed,
-                                  export_onnx, self.outgoing, lambda: not self.jobs.empty())
+                                  export_onnx, self.outgoing, lambda: not self.jobs.empty(), self.stop_event)
         self.validator: Validator | None = None
 
     # the device's faces, decoded on first use -------------------------------
@@ -97,7 +95,6 @@ class EdgeDevice:
 
     def stop(self) -> None:
         self.stop_event.set()
-        self.rounds.stopping.set()
         self.jobs.put(None)
         if self.validator is not None:
             self.validator.stop()
@@ -117,10 +114,6 @@ class EdgeDevice:
     @property
     def dropped_messages(self) -> int:
         return self.link.dropped_messages
-
-    @property
-    def last_error(self) -> str | None:
-        return self.link.last_error
 
     @property
     def acked(self) -> dict[int, threading.Event]:
@@ -181,7 +174,8 @@ def run(credential: Path, data: Path, home: Path, until_finished: bool = False, 
     device = EdgeDevice(credential, data, home, **options)
     device.start()
     print(f"edge device {device.device_id}: {len(device.crops)} face images of {len(device.crops.identities)} people; "
-          f"broker {device.address}; home {home}; coordinator key {device.coordinator_key[:16]}...", flush=True)
+          f"broker {device.link.address}; home {home}; coordinator key {device.link.coordinator_key[:16]}...",
+          flush=True)
     try:
         while not device.stop_event.is_set():
             if until_finished and device.finished.wait(0.5):

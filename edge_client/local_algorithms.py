@@ -181,10 +181,10 @@ LOCAL_ALGORITHMS: dict[str, Callable[[LocalRound], list[dict]]] = {
     "supervised": supervised, "fedfr": fedfr, "hfmaml": hfmaml, "pfm": pfm}
 
 
-def local_algorithm(algorithm: str, objective) -> str:
-    """The local algorithm a round's settings ask for: PFM when the federation aggregates with PFM, else
-    HF-MAML's steps, FedFR's objective, or the supervised steps (FedAvg, FedAvgM, FedProx)."""
-    if algorithm == "pfm":
+def local_algorithm(objective, pfm: bool) -> str:
+    """The local algorithm a round's settings ask for: PFM's steps when the federation aggregates with PFM, else
+    HF-MAML's, FedFR's objective, or the supervised steps (FedAvg, FedAvgM, FedProx)."""
+    if pfm:
         return "pfm"
     if objective.hfmaml:
         return "hfmaml"

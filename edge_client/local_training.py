@@ -116,7 +116,7 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     `pfm_momentum` (keys `backbone.*`; None in the first round) spread over the round's steps, and classical
     momentum SGD for the classifier (`models.pfm`). The steps themselves are `edge_client.local_algorithms`'."""
     objective = objective or LocalObjective()
-    name = local_algorithm("pfm" if pfm_beta is not None else "fedavg", objective)
+    name = local_algorithm(objective, pfm=pfm_beta is not None)
     # the trunk in bf16 where the CPU has it (models.fast_step); HF-MAML's finite-difference Hessian products
     # (eq. 3) take the difference of two nearby gradients, which bf16 would drown, so it stays fp32
     accelerate(model, "fp32" if objective.hfmaml else "auto")

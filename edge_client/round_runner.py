@@ -44,16 +44,17 @@ Outgoing = Callable[[dict, int, dict], tuple[dict, int]]
 class RoundRunner:
     def __init__(self, link: CoordinatorLink, home: DeviceHome, crops: Callable[[], object],
                  public: DevicePublicSet, seed: int, export_onnx: bool, outgoing: Outgoing,
-                 superseded: Callable[[], bool]):
+                 superseded: Callable[[], bool], stop: threading.Event):
         """`crops()`: the device's faces; `outgoing`: the update as sent (the one seam a fleet experiment's
-        attacker overrides); `superseded()`: whether a newer job waits (then an ack is no longer awaited)."""
+        attacker overrides); `superseded()`: whether a newer job waits, and `stop` whether the daemon is
+        stopping (either way an ack is no longer awaited)."""
         self.link, self.home, self.device_id = link, home, link.device_id
         self._crops, self.public, self.seed, self.export_onnx = crops, public, seed, export_onnx
         self._outgoing, self._superseded = outgoing, superseded
         self.model: FaceModel | None = None
         self.adopted = True  # whether the round's global model passed the device's adoption check
         self.acked: dict[int, threading.Event] = {}
-        self.stopping = threading.Event()
+        self.stop = stop
 
     # the round ---------------------------------------------------------------
     def run(self, job: RoundAnnouncement) -> None:
@@ -128,7 +129,7 @@ class RoundRunner:
         event = self.acked.setdefault(job.round_id, threading.Event())
         last_sent = time.monotonic()
         while not event.wait(0.5):
-            if time.time() > job.deadline_unix or self._superseded() or self.stopping.is_set():
+            if time.time() > job.deadline_unix or self._superseded() or self.stop.is_set():
                 return False
             if time.monotonic() - last_sent > resend_s and self.link.client.is_connected():
                 log.info("%s: no ack for round %d yet; sending the update again", self.device_id, job.round_id)

@@ -84,7 +84,7 @@ def tuned_model(global_embedder, crops, steps: int, lr: float, batch_size: int, 
     optimiser = torch.optim.Adam(model.parameters(), lr=lr)
     loader = train_loader(crops, batch_size, "weak", torch.Generator().manual_seed(seed))
     model.train()
-    optimise(limited(lambda: loader, steps), lambda batch: Step(model.losses(*batch)[0]), optimiser)
+    optimise(limited(loader, steps), lambda batch: Step(model.losses(*batch)[0]), optimiser)
     return model.eval()
 
 

@@ -105,13 +105,17 @@ def fit_dfc(branch: DFCBranch, features: torch.Tensor, labels: torch.Tensor, ste
     features, labels = features.detach(), labels.long()
     was_training = branch.training
     branch.train()
-    last: list[float] = [float("nan")]
+    last = Step(torch.tensor(float("nan")))
     batches = (torch.randint(0, len(features), (min(batch_size, len(features)),), generator=generator)
                for _ in range(steps))
-    optimise(batches, lambda batch: Step(branch.loss(features[batch], labels[batch])), optimiser,
-             after=[lambda step: last.append(float(step.loss.detach()))])
+
+    def keep(step: Step) -> None:
+        nonlocal last
+        last = step
+
+    optimise(batches, lambda batch: Step(branch.loss(features[batch], labels[batch])), optimiser, after=[keep])
     branch.train(was_training)
-    return last[-1]
+    return last.value
 
 
 def personalised_embedding(generic: torch.Tensor, custom: torch.Tensor) -> torch.Tensor:

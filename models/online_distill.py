@@ -28,8 +28,8 @@ from tqdm import tqdm
 from models.distillation import distillation_loss
 from models.face_weights import save_embedder
 from models.online_views import ViewJitter, geometric_views, photometric, student_input
-from models.pretraining import lr_at, lr_at_fraction
-from models.train_loop import Step, optimise
+from models.pretraining import schedule_done, scheduled_lr
+from models.train_loop import Means, Step, optimise
 
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
 
@@ -131,16 +131,14 @@ class OnlineDistiller:
     # --- the loop ---------------------------------------------------------------------------------------------
 
     def done(self) -> bool:
-        if self.config.budget_minutes:
-            return self.trained_s >= 60 * self.config.budget_minutes
-        return self.step >= self.total_steps
+        return schedule_done(self.config, self.step, self.total_steps, self.trained_s)
 
     def fit(self, stop_after_s: float | None = None) -> dict:
         """Train until the schedule ends or `stop_after_s` of this call passed; checkpoints on the way out."""
         started = self._last_save = time.time()
         bar = tqdm(desc="distilling online", unit="step", initial=self.step, total=self.total_steps,
                    disable=not self.config.progress, dynamic_ncols=True)
-        self._running: dict[str, list[float]] = {}
+        self._window = Means()  # the training figures since the last learning-curve row
 
         def steps():
             while not self.done() and not (stop_after_s and time.time() - started > stop_after_s):
@@ -154,16 +152,13 @@ class OnlineDistiller:
                      finite=lambda: f"distillation loss at step {self.step}")
         finally:
             bar.close()
-            if self._running:
-                self._record(self._running)
+            if self._window.steps:
+                self._record(self._window.result())
             self.save()
         return self.write_metrics("finished" if self.done() else "paused")
 
     def _set_lr(self) -> None:
-        cfg = self.config
-        spent = self.trained_s / (60 * cfg.budget_minutes) if cfg.budget_minutes else None
-        self._current_lr = (lr_at_fraction(self.step, spent, cfg.lr, cfg.warmup_steps) if spent is not None
-                            else lr_at(self.step, self.total_steps, cfg.lr, cfg.warmup_steps))
+        self._current_lr = scheduled_lr(self.config, self.step, self.total_steps, self.trained_s)
         for group in self.optimiser.param_groups:
             group["lr"] = self._current_lr
 
@@ -184,24 +179,22 @@ class OnlineDistiller:
         """Count, time and log the step; a row every `eval_every_steps`, a checkpoint every `checkpoint_every_s`."""
         self.step += 1
         self.trained_s += time.time() - self._tick
-        parts = {**step.metrics, "loss": float(step.loss.detach())}
-        for k, v in parts.items():
-            self._running.setdefault(k, []).append(v)
+        self._window.add(step)
         bar.update(1)
         if self.step % 20 == 0:
-            bar.set_postfix(cos=f"{parts['cos_loss']:.3f}", lr=f"{parts['lr']:.1e}")
+            bar.set_postfix(cos=f"{step.metrics['cos_loss']:.3f}", lr=f"{step.metrics['lr']:.1e}")
         if self.step % self.config.eval_every_steps == 0:
-            self._record(self._running)
-            self._running = {}
+            self._record(self._window.result())
+            self._window = Means()
         if time.time() - self._last_save > self.config.checkpoint_every_s:
             self.save()
             self._last_save = time.time()
 
-    def _record(self, running: dict[str, list[float]]) -> None:
+    def _record(self, running: dict[str, float]) -> None:
         row = {"step": self.step, "samples": self.step * self.config.batch_size,
                "trained_s": round(self.trained_s, 1),
                "samples_per_s": round(self.step * self.config.batch_size / max(self.trained_s, 1e-9), 1),
-               **{f"train_{k}": round(float(np.mean(v)), 5) for k, v in running.items() if k != "lr"},
+               **{f"train_{k}": round(v, 5) for k, v in running.items() if k != "lr"},
                "val_teacher_cosine": self.val_teacher_cosine()}
         self.history.append(row)
         tqdm.write(json.dumps(row))

@@ -132,6 +132,21 @@ def lr_at(step: int, total: int, base: float, warmup: int) -> float:
     return lr_at_fraction(step, max(0, step - warmup) / max(1, total - warmup), base, warmup)
 
 
+def scheduled_lr(config, step: int, total_steps: int | None, trained_s: float) -> float:
+    """A distillation run's rate at `step` (cached or online: both configs have lr, warmup_steps and
+    budget_minutes): over its time budget when it has one, else over its steps."""
+    if config.budget_minutes:
+        return lr_at_fraction(step, trained_s / (60 * config.budget_minutes), config.lr, config.warmup_steps)
+    return lr_at(step, total_steps, config.lr, config.warmup_steps)
+
+
+def schedule_done(config, step: int, total_steps: int | None, trained_s: float) -> bool:
+    """Whether the run's budget of training time, or else its steps, is spent."""
+    if config.budget_minutes:
+        return trained_s >= 60 * config.budget_minutes
+    return step >= total_steps
+
+
 class Pretrainer:
     def __init__(self, config: PretrainConfig, out: Path, cache_root: Path | None = None):
         from models.teacher import TeacherSpec, load_teacher
@@ -195,9 +210,7 @@ class Pretrainer:
             self.bank = F.normalize(bank.float(), dim=1).to(self.device)
 
     def done(self) -> bool:
-        if self.config.budget_minutes:
-            return self.trained_s >= 60 * self.config.budget_minutes
-        return self.step >= self.total_steps
+        return schedule_done(self.config, self.step, self.total_steps, self.trained_s)
 
     def fit(self) -> dict:
         self.fill_targets()
@@ -208,11 +221,11 @@ class Pretrainer:
         try:
             while not self.done():
                 epoch, skip = divmod(self.step, self.steps_per_epoch)
-                optimise(self._timed(data, epoch, skip), self._loss, self.optimiser, before=[self._set_lr],
-                         after=[lambda step: self._after_step(step, epoch, bar)],
-                         finite=lambda: f"distillation loss at step {self.step}")
+                means = optimise(self._timed(data, epoch, skip), self._loss, self.optimiser, before=[self._set_lr],
+                                 after=[lambda step: self._after_step(step, epoch, bar)],
+                                 finite=lambda: f"distillation loss at step {self.step}")
                 if self.step % self.steps_per_epoch == 0 or self.done():
-                    self._end_epoch(epoch + 1, time.time() - start)
+                    self._end_epoch(epoch + 1, time.time() - start, means.result())
         finally:
             bar.close()
             self.save()
@@ -225,12 +238,11 @@ class Pretrainer:
             yield data.batch(step_index, epoch, self.step)
 
     def _after_step(self, step: Step, epoch: int, bar) -> bool:
-        """Count, time, log and (every `checkpoint_every_s`) save the step; True once the run is done."""
+        """Count, time, show and (every `checkpoint_every_s`) save the step; True once the run is done."""
         self.step += 1
         self.trained_s += time.time() - self._tick
         bar.update(1)
         bar.set_postfix(epoch=epoch + 1, **{k.removesuffix("_loss"): f"{v:.4f}" for k, v in step.metrics.items()})
-        self._log_step({**step.metrics, "loss": float(step.loss.detach())})
         if time.time() - self._last_save > self.config.checkpoint_every_s:
             self.save()
             self._last_save = time.time()
@@ -245,7 +257,7 @@ class Pretrainer:
 
     def _set_lr(self) -> None:
         for group in self.optimiser.param_groups:
-            group["lr"] = self._lr()
+            group["lr"] = scheduled_lr(self.config, self.step, self.total_steps, self.trained_s)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Step:
         """The distillation loss of a batch of cached views against the teacher's targets [+ the margin term]."""
@@ -268,20 +280,8 @@ class Pretrainer:
             parts["margin_loss"] = float(margin.detach())
         return Step(loss, 1.0, parts)
 
-    def _lr(self) -> float:
-        cfg = self.config
-        if cfg.budget_minutes:
-            return lr_at_fraction(self.step, self.trained_s / (60 * cfg.budget_minutes), cfg.lr, cfg.warmup_steps)
-        return lr_at(self.step, self.total_steps, cfg.lr, cfg.warmup_steps)
-
-    def _log_step(self, parts: dict) -> None:
-        self._running = getattr(self, "_running", {})
-        for k, v in parts.items():
-            self._running.setdefault(k, []).append(v)
-
-    def _end_epoch(self, epoch: int, elapsed: float) -> None:
-        running = {k: float(np.mean(v)) for k, v in getattr(self, "_running", {}).items()}
-        self._running = {}
+    def _end_epoch(self, epoch: int, elapsed: float, running: dict[str, float]) -> None:
+        """One learning-curve row: the epoch's mean training figures (this process's steps), then evaluation."""
         row = {"epoch": epoch, "step": self.step, "samples": self.step * self.config.batch_size,
                "elapsed_s": round(elapsed, 1), "trained_s": round(self.trained_s, 1),
                **{f"train_{k}": round(v, 5) for k, v in running.items()},

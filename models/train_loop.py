@@ -8,6 +8,7 @@ once. The shape follows insightface's `arcface_torch/train_v2.py`: one loop, cal
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ class Step:
     loss: torch.Tensor
     weight: float = 1.0
     metrics: dict[str, float] = field(default_factory=dict)
+    value: float = float("nan")  # the loss as a number, read once by `optimise` (one device sync per step)
 
 
 @dataclass
@@ -34,7 +36,7 @@ class Means:
     steps: int = 0
 
     def add(self, step: Step) -> None:
-        for key, value in {"loss": float(step.loss.detach()), **step.metrics}.items():
+        for key, value in {"loss": step.value, **step.metrics}.items():
             self.sums[key] = self.sums.get(key, 0.0) + value * step.weight
         self.weight += step.weight
         self.steps += 1
@@ -59,8 +61,9 @@ def optimise(batches: Iterable[Any], loss_of: Callable[[Any], Step], optimiser: 
         for hook in before:
             hook()
         step = loss_of(batch)
-        if finite is not None and not torch.isfinite(step.loss.detach()):
-            raise FloatingPointError(f"{finite()} is {float(step.loss.detach())}; lower --lr")
+        step.value = float(step.loss.detach())
+        if finite is not None and not math.isfinite(step.value):
+            raise FloatingPointError(f"{finite()} is {step.value}; lower --lr")
         optimiser.zero_grad(set_to_none=True)
         step.loss.backward()
         optimiser.step()
@@ -97,16 +100,15 @@ def train_epoch(model: torch.nn.Module, loader: Iterable[Any], optimiser: torch.
     return {"train_loss": means.get("loss", 0.0), "train_acc": means.get("train_acc", 0.0)}
 
 
-def limited(batches: Callable[[], Iterable[Any]], steps: int) -> Iterable[Any]:
-    """Exactly `steps` batches, starting the iterable `batches()` over as often as needed (a short loader)."""
+def limited(loader: Iterable[Any], steps: int) -> Iterable[Any]:
+    """Exactly `steps` batches, passing over `loader` as often as needed (none if it is empty)."""
     done = 0
     while done < steps:
-        produced = False
-        for batch in batches():
-            produced = True
+        before = done
+        for batch in loader:
             yield batch
             done += 1
             if done >= steps:
                 return
-        if not produced:
+        if done == before:
             return
