@@ -127,29 +127,34 @@ def add_precision_option(p: argparse.ArgumentParser) -> None:
                         "BF16, else fp32; default), bf16 or fp32")
 
 
-def cmd_pretrain(args) -> int:
-    from models.pretraining import PretrainConfig, Pretrainer
+def _pretrain_config(args):
+    """The one distillation spec (`models.pretraining.PretrainConfig`) from `ffr pretrain`'s options, either path."""
+    from models.pretraining import PretrainConfig
 
-    out: Path = args.out
     spec = {} if str(args.teacher) == "sface" else {"input_size": args.teacher_size, "color": args.teacher_color,
                                                      "mean": args.teacher_mean, "std": args.teacher_std}
+    return PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
+                          init=args.init, labelled=[str(d) for d in args.labelled], margin_weight=args.margin_weight,
+                          epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
+                          warmup_steps=args.warmup_steps, loss=args.loss, views=args.views or PretrainConfig.views,
+                          bank_weight=args.bank_weight, bank_temperature=args.bank_temperature,
+                          budget_minutes=args.budget_minutes, precision=args.precision, device=args.device,
+                          threads=args.threads, eval_data=[str(d) for d in args.eval_data],
+                          max_images=args.max_images, checkpoint_every_s=args.checkpoint_every,
+                          eval_every_steps=args.eval_every, seed=args.seed, progress=not args.quiet)
+
+
+def cmd_pretrain(args) -> int:
+    from models.pretraining import Pretrainer
+
+    out: Path = args.out
     online = args.online if args.online is not None else str(args.device).startswith("cuda")
     if online:
-        return _pretrain_online(args, spec)
+        return _pretrain_online(args)
     if (out / "latest.pt").exists() and not (args.resume or args.force):
         raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it "
                          "or --force to start over")
-    config = PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
-                            init=args.init, labelled=[str(d) for d in args.labelled], margin_weight=args.margin_weight,
-                            epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
-                            warmup_steps=args.warmup_steps, loss=args.loss,
-                            views=args.views or PretrainConfig.views,
-                            bank_weight=args.bank_weight, bank_temperature=args.bank_temperature,
-                            budget_minutes=args.budget_minutes, precision=args.precision, device=args.device,
-                            threads=args.threads,
-                            eval_data=[str(d) for d in args.eval_data], max_images=args.max_images,
-                            checkpoint_every_s=args.checkpoint_every, seed=args.seed, progress=not args.quiet)
-    trainer = Pretrainer(config, out, args.cache_dir)
+    trainer = Pretrainer(_pretrain_config(args), out, args.cache_dir)
     if args.resume and (out / "latest.pt").exists():
         trainer.resume()
         log.info("resuming %s at step %d of %d", out, trainer.step, trainer.total_steps)
@@ -159,9 +164,9 @@ def cmd_pretrain(args) -> int:
     return _fit_and_report(args, trainer, trainer.fit)
 
 
-def _pretrain_online(args, spec: dict) -> int:
+def _pretrain_online(args) -> int:
     """The teacher in the loop (`models.online_distill`): every step's views get their own targets."""
-    from models.online_distill import OnlineConfig, OnlineDistiller
+    from models.online_distill import OnlineDistiller
 
     out: Path = args.out
     if (out / "progress.json").exists() and not (args.resume or args.force):
@@ -170,13 +175,7 @@ def _pretrain_online(args, spec: dict) -> int:
     if args.labelled or args.loss != "cosine" or args.views is not None:
         raise SystemExit("ffr pretrain: --labelled, --loss bank and --views need the cached path (--no-online); "
                          "--online draws a fresh view every step")
-    config = OnlineConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
-                          init=args.init, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                          sim_weight=args.sim_weight, epochs=args.epochs, budget_minutes=args.budget_minutes,
-                          precision=args.precision, device=args.device, threads=args.threads,
-                          max_images=args.max_images, checkpoint_every_s=args.checkpoint_every,
-                          eval_every_steps=args.eval_every, seed=args.seed, progress=not args.quiet)
-    trainer = OnlineDistiller(config, out)
+    trainer = OnlineDistiller(_pretrain_config(args), out)
     if args.resume and (out / "progress.json").exists():
         trainer.resume()
         log.info("resuming %s at step %d (%.0f s trained)", out, trainer.step, trainer.trained_s)

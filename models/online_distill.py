@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -28,35 +28,10 @@ from tqdm import tqdm
 from models.distillation import distillation_loss
 from models.face_weights import save_embedder
 from models.online_views import ViewJitter, geometric_views, photometric, student_input
-from models.pretraining import schedule_done, scheduled_lr
+from models.pretraining import PretrainConfig, schedule_done, scheduled_lr
 from models.train_loop import Means, Step, optimise
 
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
-
-
-@dataclass
-class OnlineConfig:
-    data: list[str]
-    teacher: str = "sface"
-    teacher_spec: dict = field(default_factory=dict)   # TeacherSpec fields for an ONNX teacher; {} = SFace's
-    init: str = "face"
-    batch_size: int = 256
-    lr: float = 1e-3
-    weight_decay: float = 1e-2
-    warmup_steps: int = 200
-    sim_weight: float = 2.0
-    epochs: int = 10
-    budget_minutes: float | None = None      # when set, the schedule runs on training time, not steps
-    precision: str = "auto"
-    device: str = "cpu"
-    threads: int | None = None
-    val_fraction: float = 0.01
-    eval_every_steps: int = 500
-    checkpoint_every_s: float = 180.0
-    max_images: int | None = None
-    seed: int = 0
-    jitter: dict = field(default_factory=dict)   # ViewJitter fields; {} = its defaults
-    progress: bool = True
 
 
 def load_training_crops(data: list[str], size: int, threads: int, progress: bool) -> tuple[np.ndarray, list[str]]:
@@ -81,7 +56,7 @@ def load_training_crops(data: list[str], size: int, threads: int, progress: bool
 class OnlineDistiller:
     """State and steps of one online distillation run; `fit` is its loop."""
 
-    def __init__(self, config: OnlineConfig, out: Path, teacher=None):
+    def __init__(self, config: PretrainConfig, out: Path, teacher=None):
         from models.fast_step import accelerate, optimiser_options
         from models.pretraining import CROP_SIZE, student
 

@@ -40,6 +40,12 @@ CROP_SIZE = 112  # the aligned sets' and the teacher's size; the student sees th
 
 @dataclass
 class PretrainConfig:
+    """One distillation run's settings, cached (`Pretrainer`) or with the teacher in the loop (`OnlineDistiller`).
+
+    The options the other path does not read are named so: `loss`, `views`, `bank_*`, `labelled`, `margin_weight`
+    and `eval_data` are the cached path's; `eval_every_steps` and `jitter` the online path's (`ffr pretrain`
+    refuses a mix)."""
+
     data: list[str]
     teacher: str = "sface"
     teacher_spec: dict = field(default_factory=dict)  # TeacherSpec fields for an ONNX teacher; {} = SFace's
@@ -67,6 +73,8 @@ class PretrainConfig:
     max_images: int | None = None
     seed: int = 0
     progress: bool = True
+    eval_every_steps: int = 500     # online: steps between held-out evaluations
+    jitter: dict = field(default_factory=dict)  # online: models.online_views.ViewJitter fields; {} = its defaults
 
 
 class CachedViews:
