@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from flwr.simulation import run_simulation
     from safetensors.torch import load_file, save_file
 
-    from edge_client.local_training import LocalObjective, train_round
+    from edge_client.local_training import train_round
     from fleet.config import SimConfig
     from fleet.data import TRAIN, prepare
     from models.evaluation.evaluate import verification
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from models.faces.splits import relabel
     from models.objective_cli import objective_settings
+    from protocol.messages import TrainingConfig
 
     config = SimConfig.load(args.run / "config.json")
     config.progress = False
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         training = time.perf_counter()
         result = train_round(model, crops, global_state, config.local_epochs, config.batch_size, config.lr,
                              0.0, seed=config.seed * 1000 + k + round_no,
-                             objective=LocalObjective(dfc_steps=config.dfc_steps, dfc_lr=config.dfc_lr,
+                             objective=TrainingConfig(dfc_steps=config.dfc_steps, dfc_lr=config.dfc_lr,
                                                       imprint_head=config.imprint_head))
         save_file({n: v.contiguous() for n, v in private_state(model).items()}, str(saved))
         content = RecordDict({"arrays": ArrayRecord(shareable_state(model)),

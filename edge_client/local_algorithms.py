@@ -26,6 +26,7 @@ from models.fedfr import contrastive_loss, negative_margin_loss
 from models.hfmaml import hf_maml_step
 from models.pfm import apply_global_momentum
 from models.train_loop import Step, optimise, train_epoch
+from protocol.messages import TrainingConfig
 
 
 @dataclass
@@ -38,7 +39,7 @@ class LocalRound:
     loader: torch.utils.data.DataLoader
     epochs: int
     lr: float
-    objective: object  # edge_client.local_training.LocalObjective
+    objective: TrainingConfig  # the round's announced settings: the local objective's terms and weights
     generator: torch.Generator
     regulariser: Callable[[], torch.Tensor] | None = None
     extra: Callable | None = None
@@ -181,11 +182,13 @@ LOCAL_ALGORITHMS: dict[str, Callable[[LocalRound], list[dict]]] = {
     "supervised": supervised, "fedfr": fedfr, "hfmaml": hfmaml, "pfm": pfm}
 
 
-def local_algorithm(objective, pfm: bool) -> str:
+def local_algorithm(objective: TrainingConfig, pfm: bool) -> str:
     """The local algorithm a round's settings ask for: PFM's steps when the federation aggregates with PFM, else
-    HF-MAML's, FedFR's objective, or the supervised steps (FedAvg, FedAvgM, FedProx)."""
+    HF-MAML's, FedFR's objective (any of its terms on, or a weighted CosFace loss), or the supervised steps
+    (FedAvg, FedAvgM, FedProx)."""
     if pfm:
         return "pfm"
     if objective.hfmaml:
         return "hfmaml"
-    return "fedfr" if objective.fedfr_loop else "supervised"
+    fedfr = objective.hard_negatives or objective.contrastive or objective.alpha_cos != 1.0
+    return "fedfr" if fedfr else "supervised"

@@ -31,35 +31,7 @@ from models.fedfr import hard_negatives
 from models.heads import CosineHead, class_centres, imprint
 from models.hfmaml import anchored_to
 from models.public_set import PublicSet
-
-
-@dataclass
-class LocalObjective:
-    """The round configuration's local-objective settings (protocol.messages.TrainingConfig)."""
-
-    alpha_cos: float = 1.0
-    hard_negatives: bool = False
-    t_hn: float = 0.4
-    contrastive: bool = False
-    alpha_con: float = 5.0
-    tau: float = 0.5
-    dfc_steps: int = 300
-    dfc_lr: float = 1e-2
-    dfc_views: int = 2
-    imprint_head: bool = True
-    hfmaml: bool = False          # HF-MAML local steps (models.hfmaml, eq. 1-3) instead of Adam steps
-    maml_alpha: float = 0.01
-    maml_beta: float = 0.01
-    maml_delta: float = 1e-3
-    embedding_reg: float = 0.0    # C of eq. 4: pull the local embedding toward the round's global one
-
-    @classmethod
-    def from_config(cls, config) -> LocalObjective:
-        return cls(**{k: getattr(config, k) for k in cls.__dataclass_fields__})
-
-    @property
-    def fedfr_loop(self) -> bool:
-        return self.hard_negatives or self.contrastive or self.alpha_cos != 1.0
+from protocol.messages import TrainingConfig
 
 
 @dataclass
@@ -107,7 +79,7 @@ def sample_hard_negatives(backbone: torch.nn.Module, public: PublicSet, local_fe
 
 def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torch.Tensor], epochs: int,
                 batch_size: int, lr: float, prox_mu: float = 0.0, seed: int = 0,
-                objective: LocalObjective | None = None, public: PublicSet | None = None,
+                objective: TrainingConfig | None = None, public: PublicSet | None = None,
                 previous_state: dict[str, torch.Tensor] | None = None, pfm_beta: float | None = None,
                 pfm_momentum: dict[str, torch.Tensor] | None = None) -> LocalResult:
     """Train on the device's crops from the global backbone. `public` is D_g;
@@ -115,7 +87,7 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     With `pfm_beta`, FedFace's PFM: plain SGD at `lr` for the backbone plus the global momentum
     `pfm_momentum` (keys `backbone.*`; None in the first round) spread over the round's steps, and classical
     momentum SGD for the classifier (`models.pfm`). The steps themselves are `edge_client.local_algorithms`'."""
-    objective = objective or LocalObjective()
+    objective = objective or TrainingConfig()
     name = local_algorithm(objective, pfm=pfm_beta is not None)
     # the trunk in bf16 where the CPU has it (models.fast_step); HF-MAML's finite-difference Hessian products
     # (eq. 3) take the difference of two nearby gradients, which bf16 would drown, so it stays fp32
@@ -149,7 +121,7 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     return LocalResult(delta, len(crops), metrics, private)
 
 
-def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: LocalObjective, public: PublicSet | None,
+def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: TrainingConfig, public: PublicSet | None,
                         seed: int, private: dict[str, float]) -> HardNegatives | None:
     """The head's centres from the received model (not last round's backbone), and FedFR's sample of D_g
     under it; what the sample says about D_g goes to `private`, the device's log only."""
@@ -169,7 +141,7 @@ def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: LocalObje
     return negatives
 
 
-def _fit_dfc(model: FaceModel, crops: FaceCrops, objective: LocalObjective, negatives: HardNegatives | None,
+def _fit_dfc(model: FaceModel, crops: FaceCrops, objective: TrainingConfig, negatives: HardNegatives | None,
              seed: int) -> float:
     """FedFR's DFC branch on frozen features of the local images' views and the sampled public negatives."""
     features = frozen_features(model.backbone, crops.images, objective.dfc_views, seed)

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge_client.local_training import LocalObjective, train_round
+from edge_client.local_training import train_round
 from models.dfc import NEGATIVE, BinaryClassifiers
 from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
+from protocol.messages import TrainingConfig
 
 
 def test_hard_negatives_are_exactly_the_public_faces_above_the_threshold():
@@ -89,7 +90,7 @@ def test_dfc_personalises_two_people_after_one_short_round(faces_dir):
         torch.manual_seed(0)
         model = FaceModel(ModelConfig(n_classes=2, pretrained=False, dfc=True))
         train_round(model, train, from_numpy_state(face_global_state()), 1, 32, 1e-4,
-                    objective=LocalObjective(dfc_steps=steps))
+                    objective=TrainingConfig(dfc_steps=steps))
         separation[steps] = _separation(model, held_out, False), _separation(model, held_out, True)
     generic, personalised = separation[300]
     assert personalised > 1.5 * generic, separation
@@ -105,7 +106,7 @@ def test_a_fedfr_round_samples_hard_negatives_and_keeps_them_on_the_device(faces
     train, _, public = _two_people(faces_dir, 6)
     model = FaceModel(ModelConfig(n_classes=2, pretrained=False, dfc=True, dfc_weight=10.0))
     global_state = from_numpy_state(face_global_state())
-    objective = LocalObjective(hard_negatives=True, t_hn=0.3, contrastive=True, dfc_steps=50)
+    objective = TrainingConfig(hard_negatives=True, t_hn=0.3, contrastive=True, dfc_steps=50)
     result = train_round(model, train, global_state, 1, 8, 1e-4, objective=objective,
                          public=PublicSet(public.images[:400]),
                          previous_state=global_state)
@@ -180,7 +181,7 @@ def test_a_labelled_public_set_joins_the_classification_for_one_round(faces_dir)
         assert torch.allclose(sample.centres[k].detach(), expected, atol=1e-5)
 
     result = train_round(model, train, global_state, 1, 8, 1e-4, public=labelled,
-                         objective=LocalObjective(hard_negatives=True, t_hn=0.3, dfc_steps=20))
+                         objective=TrainingConfig(hard_negatives=True, t_hn=0.3, dfc_steps=20))
     assert result.private_metrics["hn_classes"] == len(classes)
     assert result.private_metrics["neg_loss"] == 0.0, "labelled public faces are classes, not margin negatives"
     assert model.head.weight.shape == (2, 128), "the public centres lived for the round only"

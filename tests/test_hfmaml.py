@@ -84,10 +84,11 @@ def test_the_embedding_regulariser_is_zero_when_local_equals_global():
 def test_a_device_round_with_hf_maml_and_the_regulariser(tmp_path):
     from conftest import device_datasets
 
-    from edge_client.local_training import LocalObjective, train_round
+    from edge_client.local_training import train_round
     from models.face_model import FaceModel, ModelConfig, from_numpy_state, initial_global_state
     from models.faces.crops import CropConfig, crop_index
     from models.faces.datasets import load_index
+    from protocol.messages import TrainingConfig
 
     data = device_datasets(tmp_path, 1, ids_per_device=3, images=4)[0]
     crops = crop_index(load_index(data), CropConfig(detector="none"), use_cache=False, progress=False)
@@ -95,7 +96,7 @@ def test_a_device_round_with_hf_maml_and_the_regulariser(tmp_path):
     results = {}
     for reg in (0.0, 10.0):
         model = FaceModel(ModelConfig(n_classes=3, width_mult=0.35, pretrained=False, dfc=False))
-        objective = LocalObjective(hfmaml=True, embedding_reg=reg, maml_beta=0.05, dfc_steps=0)
+        objective = TrainingConfig(hfmaml=True, embedding_reg=reg, maml_beta=0.05, dfc_steps=0)
         results[reg] = train_round(model, crops, state, epochs=1, batch_size=4, lr=1e-3, seed=0, objective=objective)
     for result in results.values():
         assert np.isfinite(result.metrics["train_loss"]) and 0 <= result.metrics["train_acc"] <= 1

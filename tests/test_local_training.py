@@ -4,10 +4,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from edge_client.local_training import LocalObjective, train_round
+from edge_client.local_training import train_round
 from models.face_model import FaceModel, ModelConfig, shareable_state
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
+from protocol.messages import TrainingConfig
 
 
 def _round(synthetic_dir, prox_mu: float):
@@ -68,7 +69,7 @@ def test_a_round_starts_from_centres_imprinted_by_the_received_model(synthetic_d
     means = torch.stack([features[torch.from_numpy(crops.labels == c)].mean(0) for c in range(len(crops.identities))])
     for imprinted in (True, False):
         train_round(model, crops, global_state, epochs=1, batch_size=16, lr=1e-9,  # the head barely moves
-                    objective=LocalObjective(imprint_head=imprinted, dfc_steps=0))
+                    objective=TrainingConfig(imprint_head=imprinted, dfc_steps=0))
         cosine = torch.nn.functional.cosine_similarity(model.head.weight.detach(), means).min()
         assert (cosine > 0.999) == imprinted
         model.head.weight.data.normal_()  # a stale head, as after another model's round
