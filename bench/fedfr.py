@@ -19,9 +19,12 @@ import sys
 from pathlib import Path
 
 from bench.common import faces_dir, write_results
+from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
+from models.objective_cli import DFC_WEIGHT, FEDFR_DFC_WEIGHT
+from protocol.messages import TrainingConfig
 
 ABLATION = {  # key: (row, method, hard negatives, contrastive, dfc)
     "fedavg": ("FedAvg", "fedavg", False, False, False),
@@ -40,9 +43,11 @@ def _partition(name: str) -> dict:
 def run_one(args, data: Path, partition: str, row: tuple) -> dict:
     label, method, hn, con, dfc = row
     name = f"{partition}-{label.replace(' ', '').replace('+', '_').replace('(', '').replace(')', '')}"
-    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds,
-                       **_partition(partition), method=method, algorithm="fedavg", hard_negatives=hn, contrastive=con,
-                       dfc=dfc, patience=0, workers=args.workers,
+    training = TrainingConfig(algorithm="fedavg", hard_negatives=hn, contrastive=con, dfc=dfc,
+                              dfc_weight=FEDFR_DFC_WEIGHT if method == "fedfr" else DFC_WEIGHT)
+    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients,
+                       server=RoundSettings(rounds=args.rounds, training=training),
+                       **_partition(partition), method=method, patience=0, workers=args.workers,
                        centralized=args.centralized and method == "fedavg", init="face", mlflow=False,
                        public_data=str(args.public_data) if method == "fedfr" else None,
                        public_limit=args.public_limit)

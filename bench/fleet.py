@@ -19,16 +19,19 @@ import sys
 from pathlib import Path
 
 from bench.common import face_set, write_results
+from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
 from protocol.codecs import TOPK_FRACTION
+from protocol.messages import TrainingConfig
 
 SETTINGS = {"iid": ("iid", None), "dirichlet0.5": ("dirichlet", 0.5), "dirichlet0.1": ("dirichlet", 0.1)}
 # FedAvg on the IID partition again, with one thing changed: who runs the devices, or how updates travel
-VARIANTS = {"ray": ("Ray backend", {"backend": "ray"}), "int8": ("int8 updates", {"codec": "int8"}),
-            "topk": (f"top-k {TOPK_FRACTION:.0%} updates", {"codec": "topk", "topk_fraction": TOPK_FRACTION}),
-            "fp32": ("fp32 updates", {"codec": "fp32"})}
+# (label, simulation options, local training options)
+VARIANTS = {"ray": ("Ray backend", {"backend": "ray"}, {}), "int8": ("int8 updates", {}, {"codec": "int8"}),
+            "topk": (f"top-k {TOPK_FRACTION:.0%} updates", {}, {"codec": "topk", "topk_fraction": TOPK_FRACTION}),
+            "fp32": ("fp32 updates", {}, {"codec": "fp32"})}
 PHASES = ("fetch_s", "train_s", "upload_s", "turn_s", "aggregation_s", "eval_s", "wall_s")
 
 
@@ -88,7 +91,7 @@ def initial_row(summary: dict, run: Path) -> dict:
 
         config = SimConfig.load(run / "config.json")
         config.progress = False
-        model = global_embedder(Store(run / "coordinator").load_model(0), config.width_mult)
+        model = global_embedder(Store(run / "coordinator").load_model(0), config.training.width_mult)
         report, _ = verification(model, prepare(config, run).holdout(), config.max_eval_pairs, config.seed)
         initial = flat(report)
     init = json.loads((run / "config.json").read_text()).get("init", "imagenet")
@@ -145,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     for scheme, alpha in (SETTINGS[p] for p in args.partitions):
         for algorithm in args.algorithms:
             name = f"{algorithm}-{scheme}" + (f"{alpha}" if alpha else "")
-            config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds,
-                               partition=scheme, alpha=alpha or 0.5, algorithm=algorithm, dfc=True, patience=0,
-                               workers=args.workers, centralized=central is None, init=args.init)
+            server = RoundSettings(rounds=args.rounds, training=TrainingConfig(algorithm=algorithm, dfc=True))
+            config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, partition=scheme,
+                               alpha=alpha or 0.5, patience=0, workers=args.workers, centralized=central is None,
+                               init=args.init, server=server)
             print(f"== {name}", flush=True)
             done = args.runs / name / "summary.json"
             reuse = args.reuse and done.exists()
@@ -158,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row(f"{algorithm}, {scheme}" + (f" α={alpha}" if alpha else ""), summary))
     phases = [phase_row(n, summaries[n]) for n in summaries]
     for variant in args.variants:
-        label, change = VARIANTS[variant]
+        label, change, local = VARIANTS[variant]
         name = f"fedavg-iid-{variant}"
-        config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds,
-                           partition="iid", alpha=0.5,
-                           algorithm="fedavg", dfc=True, patience=0, workers=args.workers, centralized=False,
-                           init=args.init, **change)
+        server = RoundSettings(rounds=args.rounds, training=TrainingConfig(algorithm="fedavg", dfc=True, **local))
+        config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, partition="iid", alpha=0.5,
+                           patience=0, workers=args.workers, centralized=False, init=args.init, server=server,
+                           **change)
         print(f"== {name}", flush=True)
         done = args.runs / name / "summary.json"
         summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)

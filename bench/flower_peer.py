@@ -51,11 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         shareable_state,
     )
     from models.faces.splits import relabel
-    from models.objective_cli import objective_settings
-    from protocol.messages import TrainingConfig
 
     config = SimConfig.load(args.run / "config.json")
     config.progress = False
+    local = config.training  # the simulated devices' local round, as the fleet run sent it
     data = prepare(config, args.run)
     clients = data.training_clients
     private_dir = args.run / "flower_private"
@@ -82,18 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         k = clients[int(context.node_config["partition-id"])]
         crops = client_crops(k)
-        model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=config.width_mult, pretrained=False,
-                                      dfc=config.dfc, dfc_weight=objective_settings(config)["dfc_weight"]))
+        model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=local.width_mult, pretrained=False,
+                                      dfc=local.dfc, dfc_weight=local.dfc_weight))
         saved = private_dir / f"client-{k:03d}.safetensors"
         if saved.exists():
             model.load_state_dict(load_file(str(saved)), strict=False)
         global_state = msg.content["arrays"].to_torch_state_dict()
         round_no = int(msg.content["config"]["server-round"])
         training = time.perf_counter()
-        result = train_round(model, crops, global_state, config.local_epochs, config.batch_size, config.lr,
-                             0.0, seed=config.seed * 1000 + k + round_no,
-                             objective=TrainingConfig(dfc_steps=config.dfc_steps, dfc_lr=config.dfc_lr,
-                                                      imprint_head=config.imprint_head))
+        result = train_round(model, crops, global_state, local.epochs, local.batch_size, local.lr,
+                             0.0, seed=config.seed * 1000 + k + round_no, objective=local)
         save_file({n: v.contiguous() for n, v in private_state(model).items()}, str(saved))
         content = RecordDict({"arrays": ArrayRecord(shareable_state(model)),
                               "metrics": MetricRecord({"train_loss": result.metrics["train_loss"],
@@ -125,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     @server_app.main()
     def main_fn(grid: Grid, context: Context) -> None:
-        initial = initial_global_state(config.width_mult, 128, config.init)
+        initial = initial_global_state(local.width_mult, 128, config.init)
         strategy = TimedFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=len(clients),
                                min_available_nodes=len(clients))
         started = time.perf_counter()
@@ -140,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=len(clients),
                    backend_config={"client_resources": {"num_cpus": max(1, (os.cpu_count() or 2) // args.workers)}})
     wall = time.perf_counter() - started
-    model = global_embedder(final["arrays"].to_torch_state_dict(), config.width_mult)  # integer buffers cast back
+    model = global_embedder(final["arrays"].to_torch_state_dict(), local.width_mult)  # integer buffers cast back
     report, _ = verification(model, data.holdout(), config.max_eval_pairs, config.seed)
     rounds = len(stats["round_s"])
     out = {"framework": "flwr", "rounds": rounds, "clients": len(clients), "wall_seconds": wall,

@@ -22,24 +22,29 @@ import sys
 from pathlib import Path
 
 from bench.common import face_set, write_results
+from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
+from protocol.messages import TrainingConfig
 
-PART1_METHODS = {"FedAvg": {"algorithm": "fedavg", "method": "fedavg"},
-                 "HF-MAML": {"algorithm": "fedavg", "method": "hfmaml"},
-                 "HF-MAML + embedding reg.": {"algorithm": "fedavg", "method": "hfmaml", "embedding_reg": 1.0}}
+# label: (--method, the local training it sends)
+PART1_METHODS = {"FedAvg": ("fedavg", {"algorithm": "fedavg"}),
+                 "HF-MAML": ("hfmaml", {"algorithm": "fedavg", "hfmaml": True}),
+                 "HF-MAML + embedding reg.": ("hfmaml", {"algorithm": "fedavg", "hfmaml": True, "embedding_reg": 1.0})}
 PART1_PARTITIONS = {"equal": {"partition": "equal"},
                     "lognormal": {"partition": "lognormal", "lognormal_mu": 3.0, "lognormal_sigma": 3.0}}
 
 
-def _run(args, data: Path, name: str, **options) -> dict:
+def _run(args, data: Path, name: str, training: dict, server: dict | None = None, **options) -> dict:
+    """One simulation: `training` and `server` are the spec's local-training and rounds parts, `options` its own."""
     done = args.runs / name / "summary.json"
     if args.reuse and done.exists():
         return json.loads(done.read_text())
-    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, rounds=args.rounds, dfc=False,
-                       patience=0,
-                       workers=args.workers, init=args.init, fraction=args.fraction, **options)
+    rounds = RoundSettings(rounds=args.rounds, fraction=args.fraction, training=TrainingConfig(dfc=False, **training),
+                           **(server or {}))
+    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, patience=0, workers=args.workers,
+                       init=args.init, server=rounds, **options)
     print(f"== {name}", flush=True)
     return simulate(config, args.runs / name)
 
@@ -48,9 +53,9 @@ def part1_rows(args, data: Path) -> list[dict]:
     rows = []
     for partition in args.partitions:
         p_options = PART1_PARTITIONS[partition]
-        for method, m_options in PART1_METHODS.items():
+        for method, (flag, training) in PART1_METHODS.items():
             name = f"metafed1-{partition}-{method.lower().replace(' ', '').replace('.', '').replace('+', '-')}"
-            summary = _run(args, data, name, centralized=False, tune_steps=5, **p_options, **m_options)
+            summary = _run(args, data, name, training, method=flag, centralized=False, tune_steps=5, **p_options)
             clients = summary["personalized"]["training_clients"]
             for model in ("global", "tuned"):
                 stats = clients.get(model) or {}
@@ -67,14 +72,15 @@ def part1_rows(args, data: Path) -> list[dict]:
 def part2_rows(args, data: Path) -> list[dict]:
     rows, central = [], None
     for epochs in args.intervals:
-        for label, options in (("FedAvg", {"algorithm": "fedavg", "lr": args.lr_fedavg}),
-                               ("FedAvg + FV", {"algorithm": "fedavg", "lr": args.lr_fedavg, "fv": True}),
-                               ("PFM", {"algorithm": "pfm", "lr": args.lr_pfm}),
-                               ("FedFace (PFM + FV)", {"algorithm": "pfm", "lr": args.lr_pfm, "fv": True})):
+        for label, algorithm, lr, fv in (("FedAvg", "fedavg", args.lr_fedavg, False),
+                                         ("FedAvg + FV", "fedavg", args.lr_fedavg, True),
+                                         ("PFM", "pfm", args.lr_pfm, False),
+                                         ("FedFace (PFM + FV)", "pfm", args.lr_pfm, True)):
             name = f"metafed2-e{epochs}-" + label.split(" (")[0].lower().replace(" + ", "-").replace(" ", "")
             # generic verification only: no per-client evaluation (eval_clients=0), the costliest part of a run
-            summary = _run(args, data, name, partition="iid", local_epochs=epochs, centralized=central is None,
-                           heldout_clients=1, fv_phi=args.fv_phi, eval_clients=0, **options)
+            summary = _run(args, data, name, {"algorithm": algorithm, "lr": lr, "epochs": epochs},
+                           {"fv": fv, "fv_phi": args.fv_phi}, partition="iid", centralized=central is None,
+                           heldout_clients=1, eval_clients=0)
             central = central or summary.get("centralized")
             rows.append({"method": label, "local epochs per round": epochs, "unseen AUC": summary["global"]["auc"],
                          "unseen EER": summary["global"]["eer"], "s/round": summary["round_seconds_mean"]})

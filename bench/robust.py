@@ -31,32 +31,21 @@ import sys
 from pathlib import Path
 
 from bench.common import face_set, faces_dir, write_results
+from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.simulate import simulate
 from models.evaluation.separation import Scores
+from protocol.messages import TrainingConfig
 
 
 def run_one(args, data: Path, rule: str, attack: str | None, dp_noise: float | None = None) -> dict:
     name = f"{rule}-{attack or 'clean'}" + (f"-dp{dp_noise:g}" if dp_noise is not None else "")
-    config = SimConfig(
-        data=str(data),
-        holdout_identities=0.1,
-        clients=args.clients,
-        rounds=args.rounds,
-        partition="iid",
-        algorithm="fedavg",
-        dfc=False,
-        patience=0,
-        workers=args.workers,
-        centralized=False,
-        init="face",
-        malicious=args.malicious if attack else 0.0,
-        attack=attack or "scaled",
-        combine=rule,
-        mlflow=False,
-        dp_clip=args.dp_clip if dp_noise is not None else None,
-        dp_noise=dp_noise or 0.0,
-    )
+    training = TrainingConfig(algorithm="fedavg", dfc=False, dp_clip=args.dp_clip if dp_noise is not None else None)
+    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, partition="iid", patience=0,
+                       workers=args.workers, centralized=False, init="face", mlflow=False,
+                       malicious=args.malicious if attack else 0.0, attack=attack or "scaled",
+                       server=RoundSettings(rounds=args.rounds, combine=rule, dp_noise=dp_noise or 0.0,
+                                            training=training))
     done = args.runs / name / "summary.json"
     print(f"== {name}", flush=True)
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
@@ -89,11 +78,11 @@ def run_collapse(args, set_name: str, clients: int, malicious: float, rule: str,
                  eval_faces, public: Path) -> tuple[dict, Scores]:
     data = face_set(None, set_name)
     name = f"{set_name}-{rule}-{attack or 'clean'}-{'gate' if gate else 'nogate'}"
-    config = SimConfig(data=str(data), clients=clients, rounds=args.rounds, partition="iid", algorithm="fedavg",
-                       dfc=False, patience=0, workers=args.workers, centralized=False, init="face",
-                       malicious=malicious if attack else 0.0, attack=attack or "scaled", combine=rule, mlflow=False,
-                       gate_data=str(public) if gate else None, no_gate=not gate, holdout_identities=0.2,
-                       eval_clients=1)
+    server = RoundSettings(rounds=args.rounds, combine=rule, training=TrainingConfig(algorithm="fedavg", dfc=False))
+    config = SimConfig(data=str(data), clients=clients, partition="iid", patience=0, workers=args.workers,
+                       centralized=False, init="face", malicious=malicious if attack else 0.0,
+                       attack=attack or "scaled", mlflow=False, gate_data=str(public) if gate else None,
+                       no_gate=not gate, holdout_identities=0.2, eval_clients=1, server=server)
     done = args.runs / name / "summary.json"
     print(f"== {name}", flush=True)
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)

@@ -6,43 +6,86 @@ from pathlib import Path
 
 from coordinator.engine import ROUND_TIMEOUT_S
 from models.cli_common import add_init_option
-from models.objective_cli import add_codec_options, add_method_options, add_objective_options
+from models.objective_cli import (
+    add_codec_options,
+    add_local_training_options,
+    add_method_options,
+    add_objective_options,
+)
 
 
 def cmd_coordinator_serve(args) -> int:
-    from coordinator.engine import RoundSettings
     from coordinator.service import ServiceConfig, serve
-    from models.objective_cli import aggregation_algorithm, objective_settings
-    from protocol.messages import TrainingConfig
+    from models.objective_cli import training_config
 
-    args.strategy = aggregation_algorithm(args.method)
     public = {}
     if args.public_set is not None:
         from coordinator.public_set import announce_public_set, public_set_url
 
         public = announce_public_set(args.public_set, public_set_url(args.http_host, args.http_port, args.public_url))
-    elif objective_settings(args)["hard_negatives"]:
+    training = training_config(args, chunk_bytes=args.chunk_kib * 1024, **public)
+    if training.hard_negatives and not public:
         print("hard negatives are on but this coordinator serves no public set (--public-set): each device needs "
               "its own (`ffr edge run --public-set FILE`)", flush=True)
-    training = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
-                              codec=args.codec, topk_fraction=args.topk_fraction, chunk_bytes=args.chunk_kib * 1024,
-                              width_mult=args.width_mult,
-                              algorithm=args.strategy, prox_mu=args.prox_mu, dp_clip=args.dp_clip,
-                              **objective_settings(args), **public)
-    settings = RoundSettings(rounds=args.rounds, min_clients=args.min_clients, fraction=args.fraction,
-                             round_timeout_s=args.round_timeout, training=training, seed=args.seed,
-                             combine=args.combine, trim=args.trim, byzantine=args.byzantine,
-                             norm_factor=args.norm_factor, norm_ceiling=args.norm_ceiling,
-                             norm_action=args.norm_action, dp_noise=args.dp_noise, dp_delta=args.dp_delta,
-                             fv=args.fv or args.method == "fedface", fv_candidates=args.fv_candidates,
-                             fv_phi=args.fv_phi, fv_epsilon=args.fv_epsilon, fv_timeout_s=args.fv_timeout)
+    settings = round_settings(args, training, min_clients=args.min_clients)
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
-                           strategy=args.strategy, prox_mu=args.prox_mu, server_momentum=args.server_momentum,
                            init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls,
                            public_set=args.public_set, gate_data=args.gate_data, gate=gate_settings(args, args.seed),
                            no_gate=args.no_gate)
     return serve(config, settings, exit_when_done=args.exit_when_done, docs=args.api_docs)
+
+
+def round_settings(args, training, **fixed):
+    """A run's `RoundSettings` from the options `add_round_options` added (and `--seed`, `--method`,
+    `--server-momentum`): `ffr coordinator serve` and `ffr fleet simulate` build them here alike. `fixed`: what a
+    command decides itself (the quorum)."""
+    from coordinator.settings import RoundSettings
+
+    return RoundSettings(rounds=args.rounds, fraction=args.fraction, round_timeout_s=args.round_timeout,
+                         training=training, server_momentum=args.server_momentum, seed=args.seed,
+                         combine=args.combine, trim=args.trim, byzantine=args.byzantine,
+                         norm_factor=args.norm_factor, norm_ceiling=args.norm_ceiling, norm_action=args.norm_action,
+                         dp_noise=args.dp_noise, dp_delta=args.dp_delta, fv=args.fv or args.method == "fedface",
+                         fv_candidates=args.fv_candidates, fv_phi=args.fv_phi, fv_epsilon=args.fv_epsilon,
+                         fv_timeout_s=args.fv_timeout, **fixed)
+
+
+def add_round_options(p: argparse.ArgumentParser, validators: str) -> None:
+    """What a run's rounds are (coordinator.settings.RoundSettings): their number and sampling, the combination
+    rule and its bounds, DP-FedAvg and Federated Validation. `validators`: who validates, in this command."""
+    from coordinator.robust import COMBINERS
+
+    g = p.add_argument_group("rounds")
+    g.add_argument("--rounds", type=int, default=10, help="federated rounds (default 10)")
+    g.add_argument("--fraction", type=float, default=1.0, help="fraction of devices sampled per round (default 1)")
+    g.add_argument("--round-timeout", type=float, default=ROUND_TIMEOUT_S,
+                   help=f"seconds a round waits for updates (default {ROUND_TIMEOUT_S:g})")
+    g = p.add_argument_group("robust aggregation (every update is norm-bounded; the new model is checked)")
+    g.add_argument("--combine", choices=COMBINERS, default="mean",
+                   help="how updates are combined: the weighted mean (FedAvg), a coordinate-wise trimmed mean or "
+                        "median, or Multi-Krum (default mean)")
+    g.add_argument("--trim", type=float, default=0.2, help="trimmed mean: fraction dropped at each end (default 0.2)")
+    g.add_argument("--byzantine", type=int, help="Krum: devices assumed malicious (default (n - 3) / 2)")
+    g.add_argument("--norm-factor", type=float, default=3.0,
+                   help="an update's norm may be at most this x the median of recent ones (default 3)")
+    g.add_argument("--norm-ceiling", type=float, default=0.1,
+                   help="... and never above this fraction of the global model's norm (default 0.1)")
+    g.add_argument("--norm-action", choices=("clip", "reject"), default="clip",
+                   help="what happens to an update above the bound (default clip)")
+    g = p.add_argument_group("differential privacy (DP-FedAvg, McMahan et al. 2018)")
+    g.add_argument("--dp-clip", type=float, help="devices clip their update to this L2 norm; updates weigh the same")
+    g.add_argument("--dp-noise", type=float, default=0.0,
+                   help="noise multiplier z: N(0, (z * clip / n)^2) is added to the mean (default 0: none)")
+    g.add_argument("--dp-delta", type=float, default=1e-5, help="delta at which epsilon is reported (default 1e-5)")
+    g = p.add_argument_group("Federated Validation (FedFace; coordinator.validation)")
+    g.add_argument("--fv", action="store_true",
+                   help=f"{validators} score candidate aggregation weightings every round (they send only the "
+                        "score; they do not train)")
+    g.add_argument("--fv-candidates", type=int, default=3, help="T: candidate weightings per round (default 3)")
+    g.add_argument("--fv-phi", type=float, default=0.01, help="eq. 13's smoothing rate phi (default 0.01)")
+    g.add_argument("--fv-epsilon", type=float, default=1e-3, help="eq. 8's epsilon (default 1e-3)")
+    g.add_argument("--fv-timeout", type=float, default=120.0, help="seconds validators have per round (default 120)")
 
 
 def cmd_coordinator_admit(args) -> int:
@@ -95,8 +138,6 @@ def gate_settings(args, seed: int):
 
 def add_commands(csub) -> None:
     """The `ffr coordinator` subcommands, added to its subparsers."""
-    from coordinator.robust import COMBINERS
-
     p = csub.add_parser("serve", help="run federated rounds over MQTT, with an HTTP API",
                         description="Run rounds: sample devices, announce, collect backbone deltas, aggregate, "
                                     "publish the new global model. State (models, history) lives in --state and "
@@ -104,32 +145,15 @@ def add_commands(csub) -> None:
     add_broker_options(p, None)
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API and dashboard listen on")
     p.add_argument("--http-port", type=int, default=8080, help="port of the HTTP API and dashboard")
-    p.add_argument("--rounds", type=int, default=10, help="rounds to run")
     p.add_argument("--min-clients", type=int, default=2, help="devices needed to start a round and to aggregate it")
-    p.add_argument("--fraction", type=float, default=1.0, help="fraction of registered devices sampled per round")
+    add_round_options(p, validators="devices run with `ffr edge run --validation DIR`")
     g = p.add_argument_group("federated method")
     add_method_options(g, public_flag="--public-set", old_spelling="--strategy")
     p.add_argument("--state", type=Path, default=Path("coordinator_state"),
                    help="state folder (models, history, keys); kept across restarts")
-    p.add_argument("--round-timeout", type=float, default=ROUND_TIMEOUT_S, help="seconds a round waits for updates")
-    p.add_argument("--local-epochs", type=int, default=1, help="epochs each device trains per round")
-    p.add_argument("--batch-size", type=int, default=32, help="devices' training batch size")
-    p.add_argument("--lr", type=float, default=1e-4, help="devices' Adam learning rate")
-    p.add_argument("--dfc", action=argparse.BooleanOptionalAction, default=True,
-                   help="devices train the DFC personalisation branch")
-    p.add_argument("--dfc-weight", type=float, default=None,
-                   help="alpha_3: weight of the DFC loss on devices (default 1; 10 with --method fedfr)")
-    add_codec_options(p)
-    p.add_argument("--fv", action="store_true",
-                   help="FedFace's Federated Validation: devices run with `ffr edge run --validation DIR` "
-                        "score candidate aggregation weightings every round (they send only the score; "
-                        "they do not train)")
-    p.add_argument("--fv-candidates", type=int, default=3, help="T: candidate weightings per round (default 3)")
-    p.add_argument("--fv-phi", type=float, default=0.01, help="eq. 13's smoothing rate (default 0.01)")
-    p.add_argument("--fv-epsilon", type=float, default=1e-3, help="eq. 8's epsilon (default 1e-3)")
-    p.add_argument("--fv-timeout", type=float, default=120.0, help="seconds validators have per round (default 120)")
+    add_local_training_options(g)
+    add_codec_options(g)
     p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
-    p.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier")
     add_init_option(p, "round 0's model")
     p.add_argument("--seed", type=int, default=0, help="seed of device sampling and of round 0's model")
     p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
@@ -144,24 +168,7 @@ def add_commands(csub) -> None:
                         "sha256 in every round; devices fetch it once")
     g.add_argument("--public-url", help="the URL devices fetch the public set from (default: "
                                         "http://HTTP-HOST:HTTP-PORT/public-set)")
-    g = p.add_argument_group("robust aggregation (every update is norm-bounded; the new model is checked)")
-    g.add_argument("--combine", choices=COMBINERS, default="mean",
-                   help="how updates are combined: the weighted mean (FedAvg), a coordinate-wise trimmed mean or "
-                        "median, or Multi-Krum (default mean)")
-    g.add_argument("--trim", type=float, default=0.2, help="trimmed mean: fraction dropped at each end (default 0.2)")
-    g.add_argument("--byzantine", type=int, help="Krum: devices assumed malicious (default (n - 3) / 2)")
-    g.add_argument("--norm-factor", type=float, default=3.0,
-                   help="an update's norm may be at most this x the median of recent ones (default 3)")
-    g.add_argument("--norm-ceiling", type=float, default=0.1,
-                   help="... and never above this fraction of the global model's norm (default 0.1)")
-    g.add_argument("--norm-action", choices=("clip", "reject"), default="clip",
-                   help="what happens to an update above the bound (default clip)")
     add_gate_options(p)
-    g = p.add_argument_group("differential privacy (DP-FedAvg, McMahan et al. 2018)")
-    g.add_argument("--dp-clip", type=float, help="devices clip their update to this L2 norm; updates weigh the same")
-    g.add_argument("--dp-noise", type=float, default=0.0,
-                   help="noise multiplier z: N(0, (z * clip / n)^2) is added to the mean (default 0: none)")
-    g.add_argument("--dp-delta", type=float, default=1e-5, help="delta at which epsilon is reported (default 1e-5)")
     p.add_argument("--tls", action="store_true",
                    help="the embedded broker speaks TLS (mqtts://) with a CA generated in STATE/tls; devices get the "
                         "CA in their credential files")

@@ -44,9 +44,6 @@ class ServiceConfig:
     ca_file: str | None = None
     http_host: str = "127.0.0.1"
     http_port: int = 8080
-    strategy: str = "fedavg"
-    prox_mu: float = 0.01
-    server_momentum: float = 0.9
     init: str = "face"                 # round 0: the shipped face embedder, imagenet, or none (random)
     tick_seconds: float = 0.2
     start_paused: bool = False  # rounds start only when the caller resumes the engine or opens one
@@ -56,6 +53,14 @@ class ServiceConfig:
     gate_data: Path | None = None   # faces the quality gate scores candidates on; default: the public set
     gate: GateSettings | None = None  # None: the gate's defaults; the gate runs when it has faces
     no_gate: bool = False
+
+
+def _strategy(settings: RoundSettings):
+    """The aggregation the round configuration names (`training.algorithm`), with its own parameters."""
+    t = settings.training
+    options = {"fedprox": {"mu": t.prox_mu}, "fedavgm": {"momentum": settings.server_momentum},
+               "pfm": {"lr": t.lr, "beta": t.pfm_beta}}.get(t.algorithm, {})
+    return make_strategy(t.algorithm, **options)
 
 
 def api_token(state: Path) -> tuple[str, bool]:
@@ -99,10 +104,7 @@ class Service:
         self.client.on_disconnect = self._on_disconnect
         self.client.on_message = self._on_message
         self.disconnects, self.last_disconnect = 0, None
-        options = {"mu": config.prox_mu} if config.strategy == "fedprox" else \
-            {"momentum": config.server_momentum} if config.strategy == "fedavgm" else \
-            {"lr": settings.training.lr, "beta": settings.training.pfm_beta} if config.strategy == "pfm" else {}
-        strategy = make_strategy(config.strategy, **options)
+        strategy = _strategy(settings)
         self.gate = self._gate()
         self.engine = Engine(Store(config.state), strategy, settings, self._publish, self._initial_model, self.signer,
                              gate=self.gate)
@@ -112,7 +114,8 @@ class Service:
         self.client.loop_start()
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-clock", daemon=True)
         self._ticker.start()
-        log.info("coordinator: broker %s, state %s, strategy %s", self.broker_url, config.state, config.strategy)
+        log.info("coordinator: broker %s, state %s, strategy %s", self.broker_url, config.state,
+                 settings.training.algorithm)
 
     def _gate(self) -> QualityGate | None:
         """The quality gate on --gate-data, else on the public set; none (with a warning) without faces."""

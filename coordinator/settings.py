@@ -5,7 +5,7 @@ the options, so the service, the simulator and the tests all refuse the same thi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from coordinator.robust import COMBINERS
 from protocol.messages import TrainingConfig
@@ -19,7 +19,9 @@ class RoundSettings:
     min_clients: int = 2
     fraction: float = 1.0
     round_timeout_s: float = ROUND_TIMEOUT_S
-    training: TrainingConfig = field(default_factory=TrainingConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)  # the local round every device is sent;
+                                   # its `algorithm` is also how the coordinator aggregates (coordinator.strategies)
+    server_momentum: float = 0.9   # FedAvgM's server momentum
     max_update_bytes: int = 64 * 1024 * 1024
     max_inflight_bytes: int = 1024 * 1024 * 1024  # all half-received updates together
     seed: int = 0
@@ -51,6 +53,7 @@ class RoundSettings:
                   (self.dp_noise >= 0, f"--dp-noise must not be negative (got {self.dp_noise:g})"),
                   (self.fv_timeout_s > 0 and self.fv_candidates >= 2, "--fv-timeout must be positive and "
                                                                        "--fv-candidates at least 2"),
+                  (0 < self.fv_phi <= 1, f"--fv-phi must be in (0, 1] (got {self.fv_phi:g})"),
                   (self.combine in COMBINERS, f"unknown combination rule {self.combine!r}; "
                                               f"choose one of {', '.join(COMBINERS)}"),
                   (not self.fv or self.combine == "mean",
@@ -64,3 +67,13 @@ class RoundSettings:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def to_dict(self) -> dict:
+        """JSON-ready, the local training as its wire message's fields."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "training"},
+                "training": self.training.model_dump(exclude={"type"})}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> RoundSettings:
+        """From `to_dict`'s form; both parts are validated again."""
+        return cls(**{**raw, "training": TrainingConfig(**raw.get("training", {}))})

@@ -19,7 +19,7 @@ from models.training import TrainConfig, Trainer
 
 
 def budget_epochs(config: SimConfig) -> int:
-    return max(1, math.ceil(config.rounds * config.local_epochs * config.fraction))
+    return max(1, math.ceil(config.server.rounds * config.training.epochs * config.server.fraction))
 
 
 def centralized_split(data: FleetData) -> TrainingSplit:
@@ -32,8 +32,9 @@ def centralized_split(data: FleetData) -> TrainingSplit:
 def train_centralized(data: FleetData, config: SimConfig, out_dir: Path) -> tuple[FaceModel, dict]:
     """Train (or resume, or reuse a finished run in `out_dir`) and return the best model and its metrics."""
     epochs = budget_epochs(config)
-    train_config = TrainConfig(epochs=epochs, batch_size=config.batch_size, lr=config.lr, patience=epochs + 1,
-                               aug="weak", head="cosface", width_mult=config.width_mult, init=config.init,
+    local = config.training
+    train_config = TrainConfig(epochs=epochs, batch_size=local.batch_size, lr=local.lr, patience=epochs + 1,
+                               aug="weak", head="cosface", width_mult=local.width_mult, init=config.init,
                                seed=config.seed, progress=config.progress, max_eval_pairs=config.max_eval_pairs,
                                anchor_weight=0.0)  # the devices' objective (no anchor), so only federation differs
     trainer = Trainer(train_config, centralized_split(data), out_dir)

@@ -5,7 +5,7 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
 
 from models.cli_common import HOLDOUT_IDENTITIES, add_init_option, deprecated_alias
@@ -41,24 +41,35 @@ def _partition_options(p: argparse.ArgumentParser, data_required: bool) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the partition, sampling and training")
 
 
-from coordinator.engine import ROUND_TIMEOUT_S  # noqa: E402
-from coordinator.robust import COMBINERS  # noqa: E402 - numpy only
+from coordinator.cli import add_gate_options, add_round_options  # noqa: E402
 from fleet.attacks import ATTACKS  # noqa: E402
 from models.cli_common import add_detector_option  # noqa: E402
-from models.objective_cli import add_codec_options, add_method_options, add_objective_options, aggregation_algorithm  # noqa: E402
+from models.objective_cli import (  # noqa: E402
+    add_codec_options,
+    add_local_training_options,
+    add_method_options,
+    add_objective_options,
+)
 
 
 def _config(args):
+    """The nested spec (`fleet.config.SimConfig`) from the options: its `server` and `gate` parts are built by the
+    same functions as `ffr coordinator serve`'s, the rest by name."""
+    from dataclasses import fields
+
+    from coordinator.cli import gate_settings, round_settings
     from fleet.config import SimConfig
+    from models.objective_cli import training_config
 
     values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}
     values["rules"] = json.loads(args.rules.read_text()) if args.rules else None
     if getattr(args, "cache_dir", None) is not None:
         values["crop_cache"] = str(args.cache_dir)
-    if "method" in values:  # --method names the local objective and implies the aggregation
-        values["algorithm"] = aggregation_algorithm(values["method"])
-    if values.get("method") == "fedface":
-        values["fv"] = True
+    if hasattr(args, "method"):  # `ffr fleet simulate`; `partition` needs no rounds
+        values["server"] = round_settings(args, training_config(args), min_clients=1)
+        values["gate"] = gate_settings(args, args.seed)
+    else:
+        values["server"] = replace(SimConfig().server, seed=args.seed)
     return SimConfig(**values)
 
 
@@ -142,43 +153,26 @@ def add_commands(fsub) -> None:
                     "plots and an MLflow run. Ctrl-C stops cleanly; the same command resumes.")
     _partition_options(p, data_required=False)
     g = p.add_argument_group("federated training")
-    g.add_argument("--rounds", type=int, default=10, help="federated rounds (default 10)")
     add_method_options(g, public_flag="--public-data", old_spelling="--algorithm")
-    g.add_argument("--dfc", action=argparse.BooleanOptionalAction, default=True,
-                   help="train the DFC personalisation branch on devices (default on)")
-    g.add_argument("--dfc-weight", type=float, default=None,
-                   help="alpha_3: weight of the DFC loss (default 1; 10 with --method fedfr)")
-    g.add_argument("--local-epochs", type=int, default=1, help="epochs per device per round (default 1)")
-    g.add_argument("--batch-size", type=int, default=32, help="devices' training batch size")
-    g.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate on devices (default 1e-4)")
-    g.add_argument("--fraction", type=float, default=1.0, help="fraction of devices sampled per round (default 1)")
+    add_local_training_options(g)
     g.add_argument("--patience", type=int, default=5,
                    help="stop after this many rounds without a better validation AUC (0: never; default 5)")
     g.add_argument("--min-delta", type=float, default=1e-3, help="smallest AUC gain that counts as better")
-    g.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier")
     add_init_option(g, "round 0's model")
     add_codec_options(g)
+    add_round_options(p, validators="the first --fv-validators held-out clients (needs --holdout-clients)")
     g = p.add_argument_group("local objective (FedFR and its ablations)")
     add_objective_options(g)
     g.add_argument("--public-data", help="FedFR's public set D_g: a folder of aligned faces of people no client has "
                                          "(flat or one folder per person), packed once into RUN_DIR/public_set")
     g.add_argument("--public-limit", type=int, default=2000, help="at most this many public faces (default 2000)")
-    g = p.add_argument_group("robustness (malicious devices and the coordinator's defences)")
+    g = p.add_argument_group("attacks (malicious devices, against the coordinator's defences)")
     g.add_argument("--malicious", type=float, default=0.0,
                    help="fraction of training clients that poison their updates (default 0)")
     g.add_argument("--attack", choices=ATTACKS, default="scaled",
                    help="what they send: scaled (1000x delta), sign-flip (-10x delta), wipe (-global, 10^15 samples), "
                         "collapse (pull all embeddings together from inside the norm bound, largest accepted "
                         "sample count)")
-    g.add_argument("--combine", choices=COMBINERS, default="mean",
-                   help="coordinator's combination rule: mean (FedAvg), trimmed-mean, median, krum (default mean)")
-    g.add_argument("--dp-clip", type=float,
-                   help="DP-FedAvg: devices clip their update to this L2 norm; the coordinator averages with equal "
-                        "weights and reports epsilon per round")
-    g.add_argument("--dp-noise", type=float, default=0.0,
-                   help="DP-FedAvg: Gaussian noise multiplier z (std z * clip / n on the mean; default 0)")
-    from coordinator.cli import add_gate_options
-
     add_gate_options(p)
     g = p.add_argument_group("simulation")
     g.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR); an existing one is resumed")
@@ -202,19 +196,12 @@ def add_commands(fsub) -> None:
     cache = g.add_argument("--cache-dir", type=Path,
                            help="where cropped faces are cached (default $FFR_CACHE_DIR or ~/.cache/ffr-edge)")
     deprecated_alias(g, "--crop-cache", cache)
-    g.add_argument("--round-timeout", type=float, default=ROUND_TIMEOUT_S, help="seconds a round waits for updates")
     central = g.add_argument("--no-centralised", dest="centralized", action="store_false",
                              help="skip the centralised upper bound")
     deprecated_alias(g, "--no-centralized", central)
     g.add_argument("--impostor-images", type=int, default=300,
                    help="other clients' test images each client's verifier is tried against (default 300)")
-    g.add_argument("--fv", action="store_true",
-                   help="FedFace's Federated Validation: the first --fv-validators held-out clients score candidate "
-                        "aggregation weightings on their own images every round (needs --heldout-clients)")
     g.add_argument("--fv-validators", type=int, default=1, help="held-out clients that validate")
-    g.add_argument("--fv-candidates", type=int, default=3, help="T: candidate weightings per round (default 3)")
-    g.add_argument("--fv-phi", type=float, default=0.01, help="eq. 13's smoothing rate phi (default 0.01, the paper's)")
-    g.add_argument("--fv-epsilon", type=float, default=1e-3, help="epsilon of eq. 8 (default 1e-3, the paper's)")
     g.add_argument("--tune-steps", type=int, default=0,
                    help="also measure each client's global model after this many local batches on its training "
                         "images ('tuned', as the HF-MAML paper evaluates; it uses 5; default 0: off)")

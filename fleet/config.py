@@ -1,7 +1,14 @@
-"""What a fleet simulation runs: one dataclass, saved in the run folder so a run can be resumed or repeated.
+"""What a fleet simulation runs: one nested spec, saved in the run folder so a run can be resumed or repeated.
 
-Defaults follow the design document: 10 clients, weak augmentation, batch 32, Adam at 1e-4,
-FedProx with mu 0.01, DFC on.
+The spec has three parts, each the type the rest of the product uses for it: the simulation's own options
+(data, partition, the fleet's machines, evaluation, attacks) here; `server`, the coordinator's
+`coordinator.settings.RoundSettings` (rounds, combination rule, DP, Federated Validation), which holds the
+local training every device is sent (`server.training`, the wire's `protocol.messages.TrainingConfig`); and
+`gate`, the coordinator's `coordinator.quality_gate.GateSettings`. Each part validates itself when built;
+`validate` checks only what ties the parts to the simulation. `ffr fleet simulate` builds the parts with the same
+functions as `ffr coordinator serve`, so one flag means one thing in both.
+
+Defaults follow the design document: 10 clients, weak augmentation, batch 32, Adam at 1e-4, DFC on.
 """
 from __future__ import annotations
 
@@ -10,13 +17,14 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from protocol.codecs import CODECS, TOPK_FRACTION
-from protocol.messages import ALGORITHMS
+from coordinator.quality_gate import GateSettings
+from coordinator.settings import RoundSettings
+from protocol.messages import TrainingConfig
 
 # Options that may change between an interrupted run and its resumption; all others must match.
-RESUMABLE_CHANGES = {"rounds", "workers", "dashboard_port", "backend", "ray_address", "cpus_per_device",
-                     "gpus_per_device", "patience", "min_delta", "round_timeout", "centralized", "mlflow", "broker",
-                     "crop_cache", "progress", "eval_clients", "tune_steps"}
+RESUMABLE_CHANGES = {"server.rounds", "workers", "dashboard_port", "backend", "ray_address", "cpus_per_device",
+                     "gpus_per_device", "patience", "min_delta", "server.round_timeout_s", "centralized", "mlflow",
+                     "broker", "crop_cache", "progress", "eval_clients", "tune_steps"}
 
 
 @dataclass
@@ -27,7 +35,6 @@ class SimConfig:
     synthetic_images: int = 10
     detector: str = "auto"             # auto: none for SYNTHETIC data, else YuNet-aligned with Haar fallback
     clients: int = 10
-    rounds: int = 10
     partition: str = "iid"
     alpha: float = 0.5
     alpha_x100: bool = False
@@ -37,52 +44,23 @@ class SimConfig:
     holdout_identities: float = 0.2  # models.cli_common.HOLDOUT_IDENTITIES (the benchmarks pin their own)
     heldout_clients: int = 0
     split: tuple[float, float, float] = (0.7, 0.1, 0.2)
-    algorithm: str = "fedprox"
-    prox_mu: float = 0.01
-    server_momentum: float = 0.9
-    dfc: bool = True
-    dfc_weight: float | None = None    # alpha_3; None: 1, or 10 with method fedfr (models.objective_cli)
-    method: str | None = None          # the CLI's --method (models.objective_cli.METHODS); None: `algorithm` alone
-    hard_negatives: bool | None = None  # None: on with method fedfr
-    contrastive: bool | None = None     # None: on with method fedfr
-    t_hn: float = 0.4
-    tau: float = 0.5
-    alpha_cos: float = 1.0
-    alpha_con: float = 5.0
-    dfc_steps: int = 300
-    dfc_lr: float = 1e-2
-    imprint_head: bool = True
-    embedding_reg: float = 0.0         # C of the HF-MAML paper's eq. 4
-    maml_alpha: float = 0.01
-    maml_beta: float = 0.01
-    maml_delta: float = 1e-3
+    server: RoundSettings = field(default_factory=RoundSettings)  # the coordinator's rounds and devices' training
+    gate: GateSettings = field(default_factory=GateSettings)      # the coordinator's quality gate
+    method: str | None = None          # the CLI's --method (models.objective_cli.METHODS), for the run's label
     public_data: str | None = None     # FedFR's D_g: aligned faces of people no client has
     public_limit: int = 2000
-    local_epochs: int = 1
-    batch_size: int = 32
-    lr: float = 1e-4
-    fraction: float = 1.0
     patience: int = 5                  # rounds without a better validation AUC before stopping; 0: never
     min_delta: float = 1e-3
-    seed: int = 0
-    width_mult: float = 1.0
     init: str = "face"                 # round 0: face (shipped weights) | imagenet | none
-    codec: str = "fp16"                # how updates travel: fp16 | fp32 | int8 | topk (protocol.codecs)
-    topk_fraction: float = TOPK_FRACTION
     workers: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
     backend: str = "pool"              # pool (worker processes) | ray (fleet.ray_pool)
     ray_address: str | None = None     # an existing Ray cluster; None: start Ray on this machine
     cpus_per_device: float = 1.0       # what Ray reserves for each device turn
     gpus_per_device: float = 0.0
     dashboard_port: int | None = None  # serve the coordinator's dashboard on 127.0.0.1 during the run
-    round_timeout: float = 3600.0
     centralized: bool = True
     impostor_images: int = 300         # other clients' test images each client's verifier is tried on
-    fv: bool = False                   # FedFace's Federated Validation, validators = the first held-out clients
-    fv_validators: int = 1
-    fv_candidates: int = 3             # T
-    fv_phi: float = 0.01               # eq. 13
-    fv_epsilon: float = 1e-3
+    fv_validators: int = 1             # with server.fv: the first held-out clients validate
     tune_steps: int = 0                # also measure each client's "tuned" model: the global one after this many
                                        # local batches (the HF-MAML paper's evaluation; 5 there); 0: off
     eval_clients: int | None = None    # per-client evaluation on a seeded sample of this many clients; None: all
@@ -93,87 +71,55 @@ class SimConfig:
     progress: bool = True
     malicious: float = 0.0             # fraction of training clients that poison their updates (fleet.attacks)
     attack: str = "scaled"
-    combine: str = "mean"              # how the coordinator combines updates (coordinator.robust)
-    dp_clip: float | None = None       # DP-FedAvg: devices clip updates to this L2 norm (coordinator.dp)
-    dp_noise: float = 0.0              # DP-FedAvg: noise multiplier z
     gate_data: str | None = None       # the coordinator's quality gate faces (default: the packed --public-data)
-    gate_far: float = 1e-3             # coordinator.quality_gate.GateSettings
-    gate_far_ratio: float = 2.0
-    gate_auc_margin: float = 0.01
-    gate_faces: int = 400
     no_gate: bool = False
 
+    @property
+    def training(self) -> TrainingConfig:
+        """The local round every device is sent."""
+        return self.server.training
+
+    @property
+    def seed(self) -> int:
+        """The run's one seed: partition, sampling, round 0 and training (the server part's)."""
+        return self.server.seed
+
     def validate(self) -> None:
-        if self.clients < 1:
-            raise ValueError("--clients must be at least 1")
-        if self.rounds < 1:
-            raise ValueError("--rounds must be at least 1")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"unknown aggregation {self.algorithm!r} (--method); choose one of {', '.join(ALGORITHMS)}"
-            )
-        if not 0 < self.fraction <= 1:
-            raise ValueError("--fraction must be in (0, 1]")
-        if self.backend not in ("pool", "ray"):
-            raise ValueError(f"unknown --backend {self.backend!r}; choose pool or ray")
-        if self.ray_address and self.backend != "ray":
-            raise ValueError("--ray-address needs --backend ray")
-        if self.cpus_per_device <= 0 or self.gpus_per_device < 0:
-            raise ValueError("--cpus-per-device must be positive and --gpus-per-device not negative")
-        if self.codec not in CODECS or not 0 < self.topk_fraction <= 1:
-            raise ValueError("--codec must be fp16, fp32, int8 or topk, and --topk-fraction in (0, 1]")
-        if self.data is not None and not Path(self.data).exists():
-            raise FileNotFoundError(f"dataset path does not exist: {self.data}")
-        self._validate_defences()
-        self._validate_objective()
-        self._validate_public_and_gate()
-        if abs(sum(self.split) - 1.0) > 1e-6 or min(self.split) < 0:
-            raise ValueError(f"--split fractions must be >= 0 and sum to 1, got {self.split}")
+        """What ties the parts to the simulation; `server`, `server.training` and `gate` checked themselves."""
+        checks = [(self.clients >= 1, "--clients must be at least 1"),
+                  (self.backend in ("pool", "ray"), f"unknown --backend {self.backend!r}; choose pool or ray"),
+                  (not self.ray_address or self.backend == "ray", "--ray-address needs --backend ray"),
+                  (self.cpus_per_device > 0 and self.gpus_per_device >= 0,
+                   "--cpus-per-device must be positive and --gpus-per-device not negative"),
+                  (abs(sum(self.split) - 1.0) < 1e-6 and min(self.split) >= 0,
+                   f"--split fractions must be >= 0 and sum to 1, got {self.split}"),
+                  (0 <= self.malicious < 1, "--malicious must be in [0, 1)"),
+                  (not self.server.fv or 1 <= self.fv_validators <= self.heldout_clients,
+                   "--fv needs --holdout-clients of at least --fv-validators (validators are clients kept out of "
+                   "training, scoring on their own images)"),
+                  (self.public_limit >= 1, "--public-limit must be at least 1"),
+                  (not self.training.hard_negatives or self.public_data is not None,
+                   "hard negatives need a public set: --public-data DIR (aligned faces of people no client has, "
+                   "e.g. ../shared/faces/utkface_aligned), or --no-hard-negatives")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        self._validate_names()
+        self._validate_paths()
 
-    def _validate_defences(self) -> None:
-        """The attack, the combination rule, DP-FedAvg and FedFace's Federated Validation."""
-        from coordinator.robust import COMBINERS
+    def _validate_names(self) -> None:
         from fleet.attacks import ATTACKS
-
-        if not 0 <= self.malicious < 1:
-            raise ValueError("--malicious must be in [0, 1)")
-        if self.attack not in ATTACKS:
-            raise ValueError(f"unknown --attack {self.attack!r}; choose one of {', '.join(ATTACKS)}")
-        if self.combine not in COMBINERS:
-            raise ValueError(f"unknown --combine {self.combine!r}; choose one of {', '.join(COMBINERS)}")
-        if self.dp_noise > 0 and self.dp_clip is None:
-            raise ValueError("--dp-noise needs --dp-clip (the L2 norm devices clip their updates to)")
-        if self.dp_clip is not None and (self.dp_clip <= 0 or self.combine != "mean"):
-            raise ValueError("--dp-clip must be > 0, with --combine mean")
-        if self.fv and (self.fv_validators < 1 or self.heldout_clients < self.fv_validators):
-            raise ValueError("--fv needs --holdout-clients of at least --fv-validators (validators are clients kept "
-                             "out of training, scoring on their own images)")
-        if self.fv and self.combine != "mean":
-            raise ValueError("--fv weighs a mean: use --combine mean with it")
-        if self.fv_candidates < 2 or not 0 < self.fv_phi <= 1:
-            raise ValueError("--fv-candidates must be at least 2 and --fv-phi in (0, 1]")
-
-    def _validate_objective(self) -> None:
-        """--method and the local objective's switches, which some methods exclude."""
         from models.objective_cli import METHODS
 
+        if self.attack not in ATTACKS:
+            raise ValueError(f"unknown --attack {self.attack!r}; choose one of {', '.join(ATTACKS)}")
         if self.method is not None and self.method not in METHODS:
             raise ValueError(f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if self.embedding_reg < 0:
-            raise ValueError("--embedding-reg must not be negative")
-        if self.method == "hfmaml" and (self.hard_negatives or self.contrastive):
-            raise ValueError("--method hfmaml takes no hard negatives or contrastive term (FedFR's)")
-        if self.embedding_reg and (self.method == "fedfr" or self.hard_negatives or self.contrastive):
-            raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
 
-    def _validate_public_and_gate(self) -> None:
-        """FedFR's public set D_g (other people than --data) and the coordinator's quality gate."""
-        from coordinator.quality_gate import GateSettings
-        from models.objective_cli import objective_settings
-
-        if objective_settings(self)["hard_negatives"] and self.public_data is None:
-            raise ValueError("hard negatives need a public set: --public-data DIR (aligned faces of people no "
-                             "client has, e.g. ../shared/faces/utkface_aligned), or --no-hard-negatives")
+    def _validate_paths(self) -> None:
+        """--data, FedFR's public set D_g (other people than --data) and the quality gate's faces."""
+        if self.data is not None and not Path(self.data).exists():
+            raise FileNotFoundError(f"dataset path does not exist: {self.data}")
         if self.public_data is not None:
             public = Path(self.public_data).resolve()
             if not public.is_dir():
@@ -182,26 +128,78 @@ class SimConfig:
                 raise ValueError("--public-data must hold other people than --data (D_g is nobody's enrolled people)")
         if self.gate_data is not None and not Path(self.gate_data).exists():
             raise FileNotFoundError(f"--gate-data does not exist: {self.gate_data}")
-        GateSettings(self.gate_far, self.gate_far_ratio, self.gate_auc_margin, self.gate_faces)  # its own checks
-        if self.public_limit < 1:
-            raise ValueError("--public-limit must be at least 1")
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the simulation's options, then `server` (with `training`) and `gate` as sections."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("server", "gate")}
+        return {**json.loads(json.dumps(own)), "server": self.server.to_dict(), "gate": asdict(self.gate)}
+
+    def by_name(self) -> dict:
+        """Every option under its own name, one level (the run's summary and MLflow's parameters): the simulation's,
+        the rounds' and the local training's names do not clash; the gate's are `gate.*`."""
+        raw = self.to_dict()
+        server = {k: v for k, v in raw.pop("server").items() if k != "training"}
+        gate = {f"gate.{k}": v for k, v in raw.pop("gate").items()}
+        return {**raw, **server, "seed": self.seed, **self.training.model_dump(exclude={"type"}), **gate}
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=1))
+        path.write_text(json.dumps(self.to_dict(), indent=1))
 
     @classmethod
-    def load(cls, path: Path) -> SimConfig:
-        raw = json.loads(path.read_text())
-        known = {f.name for f in fields(cls)}
-        config = cls(**{k: v for k, v in raw.items() if k in known})
+    def from_dict(cls, raw: dict) -> SimConfig:
+        """From `to_dict`'s form, or from a run folder written before the spec was nested (`_nested`)."""
+        raw = raw if "server" in raw else _nested(raw)
+        known = {f.name for f in fields(cls)} - {"server", "gate"}
+        config = cls(**{k: v for k, v in raw.items() if k in known}, server=RoundSettings.from_dict(raw["server"]),
+                     gate=GateSettings(**raw.get("gate", {})))
         config.split = tuple(config.split)
         return config
 
+    @classmethod
+    def load(cls, path: Path) -> SimConfig:
+        return cls.from_dict(json.loads(path.read_text()))
+
     def differences(self, other: SimConfig) -> list[str]:
         """Options that differ from `other` and may not change when resuming."""
-        mine, theirs = asdict(self), asdict(other)
-        return [f"{k}: {theirs[k]!r} -> {mine[k]!r}" for k in mine
-                if k not in RESUMABLE_CHANGES and _norm(mine[k]) != _norm(theirs[k])]
+        mine, theirs = dotted(self.to_dict()), dotted(other.to_dict())
+        return [f"{k}: {theirs.get(k)!r} -> {mine[k]!r}" for k in mine
+                if k not in RESUMABLE_CHANGES and _norm(mine[k]) != _norm(theirs.get(k))]
+
+
+def dotted(raw: dict, prefix: str = "") -> dict:
+    """{"server.training.lr": ..., ...}: every option by its dotted path."""
+    out = {}
+    for key, value in raw.items():
+        if isinstance(value, dict) and key in ("server", "training", "gate"):
+            out.update(dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _nested(raw: dict) -> dict:
+    """A run folder's config.json from before the nested spec (one flat list of options), in today's form."""
+    from types import SimpleNamespace
+
+    from models.objective_cli import aggregation_algorithm, objective_settings
+
+    old = SimpleNamespace(**{"method": None, "hard_negatives": None, "contrastive": None, "dfc_weight": None,
+                             "t_hn": 0.4, "tau": 0.5, "alpha_cos": 1.0, "alpha_con": 5.0, "dfc_steps": 300,
+                             "dfc_lr": 1e-2, "imprint_head": True, "embedding_reg": 0.0, "maml_alpha": 0.01,
+                             "maml_beta": 0.01, "maml_delta": 1e-3, **raw})
+    algorithm = raw.get("algorithm") or aggregation_algorithm(old.method or "fedprox")
+    training = {"epochs": raw.get("local_epochs", 1), "algorithm": algorithm, **objective_settings(old),
+                **{k: raw[k] for k in ("batch_size", "lr", "dfc", "codec", "topk_fraction", "width_mult", "dp_clip",
+                                       "prox_mu") if k in raw}}
+    renamed = {"round_timeout": "round_timeout_s"}
+    server = {renamed.get(k, k): raw[k] for k in ("rounds", "fraction", "round_timeout", "seed", "combine",
+                                                    "dp_noise", "fv", "fv_candidates", "fv_phi", "fv_epsilon",
+                                                    "server_momentum") if k in raw}
+    gate = {new: raw[old_name] for old_name, new in (("gate_far", "far"), ("gate_far_ratio", "far_ratio"),
+                                                     ("gate_auc_margin", "auc_margin"), ("gate_faces", "limit"))
+            if old_name in raw}
+    return {**raw, "server": {**server, "min_clients": 1, "training": training},
+            "gate": {**gate, "seed": raw.get("seed", 0)}}
 
 
 def _norm(value):

@@ -4,7 +4,7 @@ the plots of it all. Kept apart from the simulator's round loop (`fleet.simulate
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +73,7 @@ class FinalEvaluation:
         return {
             "run": str(self.run_dir), "status": state.status,
             "data_kind": "synthetic" if self.data.crops.synthetic else "real",
-            "config": asdict(self.config),
+            "config": self.config.by_name(),
             "partition": self.data.partition.summary(self.images_per_identity()),
             "rounds_completed": len(trained), "best_round": result.best,
             "global": {**flat(global_report), "evaluated_on": "unseen identities (on no device)",
@@ -109,7 +109,8 @@ class FinalEvaluation:
             if client not in cache:
                 home = DeviceHome(self.run_dir / "devices" / device_id(client) / "home")
                 cache.clear()  # one client's model in memory at a time
-                cache[client] = load_local_model(home, len(self.data.partition.clients[client]), c.width_mult, c.dfc)
+                cache[client] = load_local_model(home, len(self.data.partition.clients[client]),
+                                                 c.training.width_mult, c.training.dfc)
             model = cache[client]
             return None if model is None else (lambda idx: embed(model, images[idx], personalised))
 
@@ -117,7 +118,7 @@ class FinalEvaluation:
         if central_model is not None:
             shared["centralized"] = embed_once(central_model, images, tests)
         verifiers = {"global": lambda k: shared["global"], "local": lambda k: local(k, False)}
-        if c.dfc:
+        if c.training.dfc:
             verifiers["local+dfc"] = lambda k: local(k, True)
         if central_model is not None:
             verifiers["centralized"] = lambda k: shared["centralized"]
@@ -130,8 +131,8 @@ class FinalEvaluation:
         if client in self.data.partition.heldout_clients:
             return None
         c = self.config
-        model = tuned_model(global_model, self.data.union(TRAIN, [client]), c.tune_steps, c.lr, c.batch_size,
-                            c.seed + client, c.width_mult)
+        model = tuned_model(global_model, self.data.union(TRAIN, [client]), c.tune_steps, c.training.lr,
+                            c.training.batch_size, c.seed + client, c.training.width_mult)
         return lambda idx: embed(model, self.data.crops.images[idx], False)
 
     def plots(self, history, best, global_curve, central_curve, central_report, clients, global_model) -> dict:

@@ -12,14 +12,13 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from coordinator.engine import RoundSettings
 from coordinator.service import Service, ServiceConfig
 from edge_client.home import DeviceHome
 from fleet.config import SimConfig
@@ -31,9 +30,7 @@ from fleet.report import write_summary
 from models.backbone import FaceEmbedder
 from models.evaluation.evaluate import verification
 from models.face_model import global_embedder
-from models.objective_cli import objective_settings
 from models.tracking import MlflowTracker, NullTracker, default_tracking_uri
-from protocol.messages import TrainingConfig
 
 log = logging.getLogger("ffr.fleet")
 
@@ -106,20 +103,12 @@ class Simulation:
         return path
 
     def _service(self) -> Service:
+        """The coordinator as `ffr coordinator serve` runs it, on the spec's server and gate parts; rounds start when
+        the simulator opens them, and any one device's update may close a round (the quorum of one)."""
         c = self.config
-        training = TrainingConfig(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, dfc=c.dfc,
-                                  codec=c.codec, topk_fraction=c.topk_fraction, width_mult=c.width_mult,
-                                  dp_clip=c.dp_clip, algorithm=c.algorithm, prox_mu=c.prox_mu, **objective_settings(c))
-        settings = RoundSettings(rounds=c.rounds, min_clients=1, fraction=c.fraction, round_timeout_s=c.round_timeout,
-                                 training=training, seed=c.seed, combine=c.combine, dp_noise=c.dp_noise, fv=c.fv,
-                                 fv_candidates=c.fv_candidates, fv_phi=c.fv_phi, fv_epsilon=c.fv_epsilon)
-        from coordinator.quality_gate import GateSettings
-
-        gate = GateSettings(c.gate_far, c.gate_far_ratio, c.gate_auc_margin, c.gate_faces, c.seed)
-        return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, strategy=c.algorithm,
-                                     prox_mu=c.prox_mu, server_momentum=c.server_momentum, init=c.init,
-                                     start_paused=True, gate_data=c.gate_data or self.public_set, gate=gate,
-                                     no_gate=c.no_gate), settings)
+        return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, init=c.init,
+                                     start_paused=True, gate_data=c.gate_data or self.public_set, gate=c.gate,
+                                     no_gate=c.no_gate), replace(c.server, min_clients=1))
 
     def _turn(self, client: int, round_id: int | None) -> Turn:
         root = self.run_dir / "devices" / device_id(client)
@@ -129,8 +118,8 @@ class Simulation:
         public = str(self.public_set) if self.public_set is not None else None
         return Turn(str(root / "credential.json"), str(root / "data"), str(root / "home"), self.service.broker_url,
                     str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
-                    self.config.round_timeout, self.config.attack if client in bad else None, public,
-                    attack_bound=self.service.engine.norms.bound, attack_epochs=self.config.local_epochs)
+                    self.config.server.round_timeout_s, self.config.attack if client in bad else None, public,
+                    attack_bound=self.service.engine.norms.bound, attack_epochs=self.config.training.epochs)
 
     # the run ----------------------------------------------------------------
     def run(self) -> dict:
@@ -138,7 +127,7 @@ class Simulation:
         started = time.time()
         write_device_folders(self.data, self.run_dir / "devices")
         tracker = MlflowTracker(default_tracking_uri(self.run_dir), "ffr-fleet") if c.mlflow else NullTracker()
-        tracker.start(self.run_dir.name, asdict(c), self.state.mlflow_run_id)
+        tracker.start(self.run_dir.name, c.by_name(), self.state.mlflow_run_id)
         self.state.mlflow_run_id, self.state.status = tracker.run_id, "running"
         self.service = self._service()
         if c.dashboard_port:
@@ -193,7 +182,7 @@ class Simulation:
     def _start_validators(self) -> list:
         """FedFace's validators: the first held-out clients, online for the whole run in this process, each scoring
         candidates on its own training and validation images (its test images stay for the final report)."""
-        if not self.config.fv:
+        if not self.config.server.fv:
             return []
         from edge_client.daemon import EdgeDevice
 
@@ -228,7 +217,7 @@ class Simulation:
     def _rounds(self, pool: DevicePool, tracker) -> None:
         c, engine = self.config, self.service.engine
         self._catch_up(tracker)
-        while engine.store.finished_rounds() < c.rounds:
+        while engine.store.finished_rounds() < c.server.rounds:
             if should_stop(self.state.history, c.patience, c.min_delta):
                 self.state.status = "early_stopped"
                 tqdm.write(f"early stop: no validation AUC gain of {c.min_delta} in {c.patience} rounds")
@@ -252,7 +241,7 @@ class Simulation:
         done = self.service.engine.store
         turns = [self._turn(k, round_id) for k in clients if not done.update_accepted(round_id, device_id(k))]
         number = self.service.engine.store.finished_rounds() + 1
-        bar = tqdm(pool.run(turns), total=len(turns), desc=f"round {number}/{self.config.rounds}", unit="device",
+        bar = tqdm(pool.run(turns), total=len(turns), desc=f"round {number}/{self.config.server.rounds}", unit="device",
                    disable=not self.config.progress)
         for result in bar:
             if result["ok"]:
@@ -274,7 +263,7 @@ class Simulation:
 
     def _privacy(self) -> dict | None:
         """DP-FedAvg's privacy spent after the last completed round (None when DP is off)."""
-        if self.config.dp_clip is None:
+        if self.config.training.dp_clip is None:
             return None
         done = [r for r in self.service.engine.store.rounds() if r["status"] == "completed"]
         last = done[-1]["metrics"] if done else {}
@@ -343,7 +332,7 @@ class Simulation:
         torch.set_num_threads(self.cores)
 
     def _global_model(self, version: int) -> FaceEmbedder:
-        return global_embedder(self.service.engine.store.load_model(version), self.config.width_mult)
+        return global_embedder(self.service.engine.store.load_model(version), self.config.training.width_mult)
 
     # the end ----------------------------------------------------------------
     def _finish(self, tracker, started: float) -> dict:

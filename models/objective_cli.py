@@ -10,7 +10,7 @@ import argparse
 
 from models.cli_common import deprecated_alias
 from protocol.codecs import CODECS, TOPK_FRACTION
-from protocol.messages import ALGORITHMS
+from protocol.messages import ALGORITHMS, TrainingConfig
 
 STRATEGIES = ALGORITHMS  # how the coordinator aggregates (protocol.messages spells the list)
 METHODS = (*STRATEGIES, "fedfr", "hfmaml", "fedface")  # the one --method choice: aggregation + local objective
@@ -62,6 +62,35 @@ def add_objective_options(group) -> None:
     group.add_argument("--imprint-head", action=argparse.BooleanOptionalAction, default=True,
                        help="each round, set the device's class centres to its people's mean embedding under the "
                             "received model before training (weight imprinting; default on)")
+
+
+def add_local_training_options(group) -> None:
+    """What every device does in a round, beside the method and the objective's terms."""
+    group.add_argument("--local-epochs", type=int, default=1, help="epochs each device trains per round (default 1)")
+    group.add_argument("--batch-size", type=int, default=32, help="devices' training batch size (default 32)")
+    group.add_argument("--lr", type=float, default=1e-4, help="devices' learning rate (Adam; default 1e-4)")
+    group.add_argument("--dfc", action=argparse.BooleanOptionalAction, default=True,
+                       help="devices train the DFC personalisation branch (default on)")
+    group.add_argument("--dfc-weight", type=float, default=None,
+                       help="alpha_3: weight of the DFC loss on devices (default 1; 10 with --method fedfr)")
+    group.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier (default 1)")
+
+
+def training_config(args, **extra) -> TrainingConfig:
+    """The round configuration devices are sent, from the options `add_method_options`,
+    `add_local_training_options`, `add_codec_options` and `add_objective_options` added; every command that runs
+    rounds builds it here, so a flag means the same in each. `extra`: fields a command sets itself."""
+    settings = objective_settings(args)
+    if not 0 < args.topk_fraction <= 1:  # the message names the pair; the bounds are TrainingConfig's
+        raise ValueError("--codec must be fp16, fp32, int8 or topk, and --topk-fraction in (0, 1]")
+    if settings["hfmaml"] and (settings["hard_negatives"] or settings["contrastive"]):
+        raise ValueError("--method hfmaml takes no hard negatives or contrastive term (FedFR's)")
+    if args.embedding_reg and (args.method == "fedfr" or settings["hard_negatives"] or settings["contrastive"]):
+        raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
+    return TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
+                          codec=args.codec, topk_fraction=args.topk_fraction, width_mult=args.width_mult,
+                          algorithm=aggregation_algorithm(args.method), prox_mu=args.prox_mu,
+                          dp_clip=args.dp_clip, **settings, **extra)
 
 
 def objective_settings(args) -> dict:

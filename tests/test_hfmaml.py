@@ -148,7 +148,8 @@ def test_hf_maml_through_the_cli(tmp_path, mosquitto):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds_completed"] == 1 and summary["history"][1]["updates"] == 2
     config = json.loads((out / "config.json").read_text())
-    assert config["method"] == "hfmaml" and config["algorithm"] == "fedavg" and config["embedding_reg"] == 1.0
+    local = config["server"]["training"]  # the nested spec: the local round devices were sent
+    assert config["method"] == "hfmaml" and local["algorithm"] == "fedavg" and local["embedding_reg"] == 1.0
     tuned = summary["personalized"]["training_clients"]["tuned"]  # the paper's "tuned": global + a few local batches
     assert tuned["clients"] == 2 and tuned["auc"]["std"] >= 0 and "| tuned |" in (out / "summary.md").read_text()
 
