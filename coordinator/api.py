@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
@@ -66,12 +66,6 @@ def create_app(service, docs: bool = False) -> FastAPI:
     app.add_middleware(HttpGuard, token=service.api_token)  # the token before any body, bodies capped
     if docs:
         add_offline_docs(app)
-    engine, store = service.engine, service.engine.store
-    registry = CollectorRegistry()
-    gauges = {name: Gauge(f"ffr_{name}", doc, registry=registry) for name, doc in (
-        ("model_version", "current global model version"), ("completed_rounds", "rounds aggregated so far"),
-        ("devices", "registered devices"), ("rejected_messages", "messages refused since the coordinator started"),
-        ("handler_errors", "unexpected errors while handling a message"))}
 
     def authorised(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -80,36 +74,61 @@ def create_app(service, docs: bool = False) -> FastAPI:
                                      "(the token is in STATE/api-token)", headers={"WWW-Authenticate": "Bearer"})
 
     auth = [Depends(authorised)]
+    for routes in (fleet_routes, model_routes, dashboard_routes, metrics_routes):
+        app.include_router(routes(service, auth))
+    return app
 
-    @app.get("/health")
+
+def fleet_routes(service, auth: list) -> APIRouter:
+    """Health (open), and the fleet's state, rounds and refusals; pausing and resuming training."""
+    router, engine, store = APIRouter(), service.engine, service.engine.store
+
+    @router.get("/health")
     def health() -> dict:
         broker = service.broker_health()
         return {"status": "ok" if broker["mqtt"] == "connected" else "degraded", **broker, **engine.status()}
 
-    @app.get("/status", dependencies=auth)
+    @router.get("/status", dependencies=auth)
     def status() -> dict:
         return {"mqtt": service.mqtt_state(), **engine.status(with_ids=True)}
 
-    @app.get("/devices", dependencies=auth)
+    @router.get("/devices", dependencies=auth)
     def devices() -> list[dict]:
         return store.devices()
 
-    @app.get("/rounds", dependencies=auth)
+    @router.get("/rounds", dependencies=auth)
     def rounds() -> list[dict]:
         return store.rounds()
 
-    @app.get("/rejections", dependencies=auth)
+    @router.get("/rejections", dependencies=auth)
     def rejections(offset: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=MAX_PAGE)) -> dict:
         return {"total_stored": store.count_rejections(), "offset": offset, "limit": limit,
                 "items": store.rejections(offset, limit)}
 
-    @app.get("/model", dependencies=auth)
+    @router.post("/training/stop", dependencies=auth)
+    def stop() -> dict:
+        engine.pause()
+        return engine.status()
+
+    @router.post("/training/start", dependencies=auth)
+    def start() -> dict:
+        engine.resume()
+        return engine.status()
+
+    return router
+
+
+def model_routes(service, auth: list) -> APIRouter:
+    """The global model's versions and bytes, operators' evaluations of them, and FedFR's public set (open)."""
+    router, engine, store = APIRouter(), service.engine, service.engine.store
+
+    @router.get("/model", dependencies=auth)
     def model() -> dict:
         status = engine.status()
         return {"version": status["model_version"], "sha256": status["model_sha256"], "versions": store.models(),
                 "download": f"/model/{status['model_version']}/download"}
 
-    @app.get("/model/{version}/download", dependencies=auth)
+    @router.get("/model/{version}/download", dependencies=auth)
     def download(version: int) -> Response:
         data = store.model_bytes(version)
         if data is None:
@@ -117,26 +136,7 @@ def create_app(service, docs: bool = False) -> FastAPI:
         return Response(data, media_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="backbone-v{version}.safetensors"'})
 
-    @app.post("/training/stop", dependencies=auth)
-    def stop() -> dict:
-        engine.pause()
-        return engine.status()
-
-    @app.post("/training/start", dependencies=auth)
-    def start() -> dict:
-        engine.resume()
-        return engine.status()
-
-    @app.get("/dashboard", response_class=HTMLResponse)
-    def dashboard() -> HTMLResponse:
-        """The fleet dashboard (self-contained: it loads nothing from anywhere else; its data needs the token)."""
-        return HTMLResponse(PAGE.read_text(), headers={"Content-Security-Policy": CSP, "X-Frame-Options": "DENY"})
-
-    @app.get("/dashboard/data", dependencies=auth)
-    def dashboard_json() -> dict:
-        return dashboard_data(service)
-
-    @app.post("/evaluations", dependencies=auth)
+    @router.post("/evaluations", dependencies=auth)
     def evaluation(body: Evaluation) -> dict:
         """An operator's held-out evaluation of a model version, plotted on the dashboard."""
         if store.model_bytes(body.model_version) is None:
@@ -144,7 +144,7 @@ def create_app(service, docs: bool = False) -> FastAPI:
         store.record_evaluation(body.model_version, body.metrics, body.source)
         return {"recorded": body.model_version}
 
-    @app.get(PUBLIC_SET_ROUTE)
+    @router.get(PUBLIC_SET_ROUTE)
     def public_set() -> Response:
         """FedFR's public set D_g (open: public faces of nobody's people; devices check its signed sha256)."""
         path = service.config.public_set
@@ -152,7 +152,33 @@ def create_app(service, docs: bool = False) -> FastAPI:
             raise HTTPException(404, "this coordinator serves no public set (ffr coordinator serve --public-set)")
         return FileResponse(path, media_type="application/octet-stream", filename="public_set.safetensors")
 
-    @app.get("/metrics")
+    return router
+
+
+def dashboard_routes(service, auth: list) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/dashboard", response_class=HTMLResponse)
+    def dashboard() -> HTMLResponse:
+        """The fleet dashboard (self-contained: it loads nothing from anywhere else; its data needs the token)."""
+        return HTMLResponse(PAGE.read_text(), headers={"Content-Security-Policy": CSP, "X-Frame-Options": "DENY"})
+
+    @router.get("/dashboard/data", dependencies=auth)
+    def dashboard_json() -> dict:
+        return dashboard_data(service)
+
+    return router
+
+
+def metrics_routes(service, auth: list) -> APIRouter:
+    """Prometheus gauges at /metrics (open, as scrapers expect: counts only, no ids)."""
+    router, engine, registry = APIRouter(), service.engine, CollectorRegistry()
+    gauges = {name: Gauge(f"ffr_{name}", doc, registry=registry) for name, doc in (
+        ("model_version", "current global model version"), ("completed_rounds", "rounds aggregated so far"),
+        ("devices", "registered devices"), ("rejected_messages", "messages refused since the coordinator started"),
+        ("handler_errors", "unexpected errors while handling a message"))}
+
+    @router.get("/metrics")
     def metrics() -> Response:
         status = engine.status()
         gauges["model_version"].set(status["model_version"])
@@ -162,4 +188,4 @@ def create_app(service, docs: bool = False) -> FastAPI:
         gauges["handler_errors"].set(status["handler_errors"])
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return router
