@@ -118,12 +118,16 @@ def test_decoded_updates_fold_in_one_pass_to_the_same_mean_and_norm(codec):
 
 
 def test_every_algorithm_the_protocol_names_has_one_strategy_and_one_command_line_choice():
-    """The algorithm names are spelled once (protocol.messages.ALGORITHMS); the coordinator, the fleet config
-    and the --method choices take them from there."""
+    """The algorithm names are spelled once (protocol.messages.ALGORITHMS); the coordinator, the round
+    configuration (which the fleet's spec nests) and the --method choices take them from there."""
     from coordinator.aggregation import STRATEGIES
-    from fleet.config import ALGORITHMS as fleet_algorithms
+    from fleet.config import SimConfig
     from models.objective_cli import METHODS
-    from protocol.messages import ALGORITHMS
+    from protocol.messages import ALGORITHMS, TrainingConfig
 
-    assert tuple(STRATEGIES) == ALGORITHMS and fleet_algorithms is ALGORITHMS
-    assert set(ALGORITHMS) <= set(METHODS)
+    assert tuple(STRATEGIES) == ALGORITHMS and set(ALGORITHMS) <= set(METHODS)
+    assert isinstance(SimConfig().training, TrainingConfig)
+    for name in ALGORITHMS:
+        assert TrainingConfig(algorithm=name).algorithm == name
+    with pytest.raises(ValueError):
+        TrainingConfig(algorithm="fedsomething")
