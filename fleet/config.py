@@ -140,7 +140,7 @@ class SimConfig:
         raw = self.to_dict()
         server = {k: v for k, v in raw.pop("server").items() if k != "training"}
         gate = {f"gate.{k}": v for k, v in raw.pop("gate").items()}
-        return {**raw, **server, "seed": self.seed, **self.training.model_dump(exclude={"type"}), **gate}
+        return {**raw, **server, **self.training.model_dump(exclude={"type"}), **gate}
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=1))
