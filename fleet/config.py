@@ -157,7 +157,16 @@ class SimConfig:
 
     @classmethod
     def load(cls, path: Path) -> SimConfig:
-        return cls.from_dict(json.loads(path.read_text()))
+        """A run folder's spec; a damaged or foreign file is refused in one line, never half-read."""
+        try:
+            raw = json.loads(path.read_text())
+            if not isinstance(raw, dict):
+                raise TypeError("not a JSON object")
+            return cls.from_dict(raw)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"{path} is damaged or was not written by ffr fleet simulate ({reason}); "
+                             "choose another --out") from None
 
     def differences(self, other: SimConfig) -> list[str]:
         """Options that differ from `other` and may not change when resuming."""

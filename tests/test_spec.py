@@ -77,3 +77,14 @@ def test_method_names_the_aggregation_and_the_local_objective(tmp_path, method, 
     args = build_parser().parse_args(["fleet", "simulate", "--out", str(tmp_path), "--method", method])
     config = _config(args)
     assert config.training.algorithm == algorithm and config.server.fv == fv and config.method == method
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{not json", '{"server": 3}', '{"server": {"training": {"lr": 99}}}',
+                                  '{"server": {"rounds": -1}}', '{"gate": {"far": 2}, "server": {}}',
+                                  '{"split": 5, "server": {}}', '{"server": {"training": {"evil": 1}}}'])
+def test_a_hostile_run_config_is_refused_in_one_line(tmp_path, text):
+    """config.json is read back from the run folder: whatever is written there, loading refuses it plainly."""
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="is damaged or was not written by ffr fleet simulate") as caught:
+        SimConfig.load(tmp_path / "config.json")
+    assert len(str(caught.value).splitlines()) == 1
