@@ -63,7 +63,7 @@ def latency_rows(onnx_path: Path, fr, repeats: int) -> list[dict]:
         t = time_calls(lambda: embedder.embed(face), repeats)
         rows.append({"pipeline": "  of which: our embedder alone, per aligned face", "threads": threads,
                      "median_ms": t["median_ms"], "p95_ms": t["p95_ms"], "frames_with_face": "-"})
-        from models.teacher import load_teacher
+        from models.networks.teacher import load_teacher
 
         teacher = load_teacher("sface", threads=threads)
         t = time_calls(lambda: teacher.embed(face[:, :112, :112]), repeats)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     except ImportError as exc:
         print(f"face_recognition not installed ({exc}); the peer is skipped", file=sys.stderr)
         fr = None
-    from models.face_weights import write_default_onnx
+    from models.networks.face_weights import write_default_onnx
 
     with tempfile.TemporaryDirectory() as tmp:
         onnx_path = write_default_onnx(Path(tmp) / "generic.onnx")  # what `ffr device install-model --default` installs

@@ -45,7 +45,7 @@ def run_arm(name: str, loss: str, views: int, args, data: list[Path], eval_set: 
 
 def baseline(args, data: list[Path], eval_set: Path) -> dict:
     """The shipped weights' figures on the same held-out images and eval set (no training)."""
-    from models.pretraining import PretrainConfig, Pretrainer
+    from models.training.pretraining import PretrainConfig, Pretrainer
 
     config = PretrainConfig(data=[str(d) for d in data], init="face", threads=args.threads, progress=False,
                             max_images=args.max_images, eval_data=[str(eval_set)])

@@ -3,8 +3,8 @@
 Called by `python -m bench.train_throughput` (its second table). Each row adds one change to the row
 above it; rows are measured in alternating rounds so drift in the machine's load hits all of them:
 - before: crops through a DataLoader worker with per-image torchvision transforms, fp32, contiguous;
-- crops held once as a uint8 tensor, augmentation vectorised over the batch (`models.online_views`);
-- channels_last; the trunk in bf16 (where the CPU has AMX or AVX-512 BF16, `models.fast_step`);
+- crops held once as a uint8 tensor, augmentation vectorised over the batch (`models.training.online_views`);
+- channels_last; the trunk in bf16 (where the CPU has AMX or AVX-512 BF16, `models.training.fast_step`);
 - a foreach AdamW; torch.compile of the student.
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from models.backbone import FaceEmbedder
-from models.distillation import distillation_loss
 from models.faces.preprocess import INPUT_SIZE, MEAN, STD
-from models.fast_step import cpu_has_fast_bf16
-from models.online_views import photometric, student_input
-from models.train_loop import Step, optimise
+from models.networks.backbone import FaceEmbedder
+from models.training.distillation import distillation_loss
+from models.training.fast_step import cpu_has_fast_bf16
+from models.training.loop import Step, optimise
+from models.training.online_views import photometric, student_input
 
 
 def per_image_augmentation() -> v2.Compose:

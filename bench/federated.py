@@ -28,8 +28,8 @@ from safetensors.numpy import load
 from bench.common import write_results
 from coordinator.aggregation import FedAvg, RunningMean
 from coordinator.robust import combine, l2_norm
-from models.face_model import initial_global_state
-from models.state_norms import clip_scale
+from models.maths.state_norms import clip_scale
+from models.networks.face_model import initial_global_state
 from protocol.chunks import DEFAULT_CHUNK_BYTES, split
 from protocol.codecs import CODECS, TOPK_FRACTION, Staging, decode_update, decode_verified, encode_update, layout
 from protocol.tensors import check_sha256

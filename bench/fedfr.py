@@ -23,7 +23,7 @@ from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
-from models.objective_cli import DFC_WEIGHT, FEDFR_DFC_WEIGHT
+from models.cli.objective import DFC_WEIGHT, FEDFR_DFC_WEIGHT
 from protocol.messages import TrainingConfig
 
 ABLATION = {  # key: (row, method, hard negatives, contrastive, dfc)

@@ -87,7 +87,7 @@ def initial_row(summary: dict, run: Path) -> dict:
         from fleet.data import prepare
         from fleet.evaluation import flat
         from models.evaluation.evaluate import verification
-        from models.face_model import global_embedder
+        from models.networks.face_model import global_embedder
 
         config = SimConfig.load(run / "config.json")
         config.progress = False

@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     from fleet.config import SimConfig
     from fleet.data import TRAIN, prepare
     from models.evaluation.evaluate import verification
-    from models.face_model import (
+    from models.faces.splits import relabel
+    from models.networks.face_model import (
         FaceModel,
         ModelConfig,
         from_numpy_state,
@@ -50,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
         private_state,
         shareable_state,
     )
-    from models.faces.splits import relabel
 
     config = SimConfig.load(args.run / "config.json")
     config.progress = False

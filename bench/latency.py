@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from bench.common import faces_dir, time_calls, write_results
-from models.face_model import FaceModel, ModelConfig
 from models.faces.detect import HaarDetector, YuNetDetector
 from models.faces.imageio import read_rgb
 from models.faces.preprocess import to_input
-from models.onnx_export import export_onnx
+from models.networks.face_model import FaceModel, ModelConfig
+from models.networks.onnx_export import export_onnx
 from models.runtime import OnnxEmbedder
 
 

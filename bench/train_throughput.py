@@ -2,7 +2,7 @@
 
 python -m bench.train_throughput --out bench/results
 Two tables. The distillation step (`ffr pretrain`'s, whose trunk settings `ffr train` and device
-training share through `models.fast_step`) before and after each speed change (`bench.distill_step`).
+training share through `models.training.fast_step`) before and after each speed change (`bench.distill_step`).
 Then the trainer's loop against a bare PyTorch loop: both loops read the same DataLoader (weak augmentation)
 and take the same Adam steps; the
 difference is what the trainer adds (loss parts, accuracy, progress). The full Trainer
@@ -21,18 +21,18 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import write_results
-from models.crop_batches import train_loader
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
 from models.faces.splits import training_split
 from models.faces.synthetic import write_dataset
-from models.fast_step import accelerate, optimiser_options
-from models.train_loop import train_epoch
-from models.training import TrainConfig, Trainer, build_model
+from models.training.crop_batches import train_loader
+from models.training.fast_step import accelerate, optimiser_options
+from models.training.loop import train_epoch
+from models.training.supervised import TrainConfig, Trainer, build_model
 
 
 def bare_epoch(model, loader, optimiser) -> None:
-    """The reference: a bare PyTorch loop, deliberately not the house's (`models.train_loop`), whose cost is
+    """The reference: a bare PyTorch loop, deliberately not the house's (`models.training.loop`), whose cost is
     what this bench measures."""
     model.train()
     for x, y in loader:
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         loader = train_loader(split.train, config.batch_size, config.aug, torch.Generator().manual_seed(0))
         n = len(loader) * args.batch_size if loader.drop_last else len(split.train)
         bare_epoch(model, loader, optimiser)  # warm-up
-        fast = copy.deepcopy(model)  # the same loop with the trunk settings ffr train now uses (models.fast_step)
+        fast = copy.deepcopy(model)  # ffr train's trunk settings (models.training.fast_step)
         fast_dtype = accelerate(fast, "auto")
         fast_optimiser = torch.optim.Adam(fast.parameters(), lr=config.lr, **optimiser_options("cpu"))
         bare_epoch(fast, loader, fast_optimiser)  # warm-up

@@ -28,7 +28,7 @@ from bench.common import faces_dir, write_results
 from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, held_out
 from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.faces.crops import FaceCrops
-from models.training import TrainConfig
+from models.training.supervised import TrainConfig
 
 
 def measure(scores: np.ndarray, same: np.ndarray) -> dict:
@@ -38,33 +38,33 @@ def measure(scores: np.ndarray, same: np.ndarray) -> dict:
 
 
 def ours(model, crops: FaceCrops, pairs: np.ndarray) -> np.ndarray:
-    from models.embedders import TorchEmbedder
     from models.evaluation.evaluate import embed_all
+    from models.networks.embedders import TorchEmbedder
 
     return cosine_scores(embed_all(TorchEmbedder(model), crops.images), pairs)
 
 
 def teacher_scores(crops: FaceCrops, pairs: np.ndarray) -> np.ndarray:
-    from models.teacher import load_teacher
+    from models.networks.teacher import load_teacher
 
     return cosine_scores(load_teacher("sface", threads=2).embed(crops.images), pairs)
 
 
 def finetune(split, args, run_dir: Path):
-    from models.training import Trainer
+    from models.training.supervised import Trainer
 
     config = TrainConfig(epochs=args.epochs, head="cosface", aug="weak", lr=args.lr, batch_size=32, seed=args.seed,
                          patience=10, progress=False, max_eval_pairs=args.max_pairs, init="face",
                          anchor_weight=args.anchor_weight)
     trainer = Trainer(config, split, run_dir)
     trainer.fit()
-    from models.face_model import load_checkpoint
+    from models.networks.face_model import load_checkpoint
 
     return load_checkpoint(run_dir / "best.pt")[0]
 
 
 def bench_set(name: str, root: Path, args, fr) -> list[dict]:
-    from models.face_model import new_embedder
+    from models.networks.face_model import new_embedder
 
     is_photo = name in PHOTO_SETS
     crops, split = held_out(root, ALIGNED if is_photo else GIVEN, args.seed)
@@ -114,7 +114,7 @@ def merged(previous: Path, rows: list[dict], sets: list[str]) -> tuple[list[dict
     Returns the rows and the command that produced the kept ones (None when nothing was kept)."""
     import json
 
-    from models.face_weights import SHIPPED_SHA256
+    from models.networks.face_weights import SHIPPED_SHA256
 
     if not previous.is_file():
         return rows, None
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     for name in args.sets:
         rows += bench_set(name, root / name, args, fr)
     rows, earlier = merged(args.out / "verify_quality.json", rows, args.sets)
-    from models.face_weights import SHIPPED_SHA256
+    from models.networks.face_weights import SHIPPED_SHA256
 
     command = ("python -m bench.verify_quality " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     if earlier:

@@ -7,7 +7,7 @@ and the mean delta into the next global model.
 - FedAvg (McMahan et al., AISTATS 2017): w <- w + eta * sum_k n_k d_k / sum_k n_k.
 - FedProx (Li et al., MLSys 2020): the same on the server; its proximal term lives on devices.
 - FedAvgM (Hsu et al., 2019, arXiv:1909.06335): v <- beta v + mean delta; w <- w + eta v.
-- PFM (FedFace, Liu et al.; `models.pfm`): FedAvg, and the global momentum M = (w_old - w_new) / eta
+- PFM (FedFace, Liu et al.; `models.maths.pfm`): FedAvg, and the global momentum M = (w_old - w_new) / eta
   that devices apply at every local step of the next round (the server never applies it).
 
 A strategy is a small class with the hooks the engine calls: `client_config` (what devices are told),
@@ -22,7 +22,7 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from models.pfm import global_momentum
+from models.maths.pfm import global_momentum
 from protocol.codecs import Decoded
 
 State = dict[str, np.ndarray]

@@ -5,8 +5,8 @@ import argparse
 from pathlib import Path
 
 from coordinator.engine import ROUND_TIMEOUT_S
-from models.cli_common import add_init_option
-from models.objective_cli import (
+from models.cli.common import add_init_option
+from models.cli.objective import (
     add_codec_options,
     add_local_training_options,
     add_method_options,
@@ -16,7 +16,7 @@ from models.objective_cli import (
 
 def cmd_coordinator_serve(args) -> int:
     from coordinator.service import ServiceConfig, serve
-    from models.objective_cli import training_config
+    from models.cli.objective import training_config
 
     public = {}
     if args.public_set is not None:

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from models.state_norms import RUNNING_STATS, State, float_names
+from models.maths.state_norms import RUNNING_STATS, State, float_names
 
 
 def add_noise(mean_delta: State, n_updates: int, noise_multiplier: float, clip: float,

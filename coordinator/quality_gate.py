@@ -84,7 +84,7 @@ def load_faces(path: Path, limit: int, seed: int = 0) -> FaceSet:
             raise ValueError(f"--gate-data: {exc}") from None
         images, labels = public.images, public.labels
     elif path.is_dir():
-        from models.distill_data import list_images, load_crops
+        from models.training.distill_data import list_images, load_crops
 
         files = list_images([path])
         labels_all = identity_labels(files, path)

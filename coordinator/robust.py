@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.state_norms import State, clip_to_norm, float_names, l2_norm  # noqa: F401 - re-exported
+from models.maths.state_norms import State, clip_to_norm, float_names, l2_norm  # noqa: F401 - re-exported
 
 COMBINERS = ("mean", "trimmed-mean", "median", "krum")
 

@@ -155,11 +155,11 @@ class Service:
         """Round 0's model. The face weights are read with safetensors + numpy: no torch on the coordinator."""
         t = self.settings.training
         if self.config.init == "face":
-            from models.face_weights import check_face_init, face_global_state
+            from models.networks.face_weights import check_face_init, face_global_state
 
             check_face_init(t.width_mult, t.embedding_dim)
             return face_global_state()
-        from models.face_model import initial_global_state
+        from models.networks.face_model import initial_global_state
 
         return initial_global_state(t.width_mult, t.embedding_dim, self.config.init)
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from coordinator import dp
 from coordinator.robust import NormBound
-from models.state_norms import State, clip_scale, l2_norm, without_running_stats
+from models.maths.state_norms import State, clip_scale, l2_norm, without_running_stats
 from protocol.tensors import PayloadError
 
 

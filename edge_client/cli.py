@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models.cli_common import add_detector_option
+from models.cli.common import add_detector_option
 
 
 def cmd_edge_run(args) -> int:

@@ -23,7 +23,7 @@ from edge_client.capture import QualityGate, SourceError, check_face, device_det
 from edge_client.home import DeviceHome
 from edge_client.recognizer import Recognizer, calibrate, file_sha256, install_default_model, seal_model
 from edge_client.vault import Vault
-from models.cli_common import add_detector_option
+from models.cli.common import add_detector_option
 
 MATCH, NO_MATCH, ERROR = 0, 1, 2
 DEFAULT_HOME = Path(os.environ.get("FFR_DEVICE_HOME", Path.home() / ".local" / "share" / "ffr-edge" / "device"))

@@ -5,13 +5,13 @@
 from __future__ import annotations
 
 from edge_client.home import DeviceHome
-from models.face_model import FaceModel
+from models.networks.face_model import FaceModel
 
 
 def export_models(model: FaceModel, home: DeviceHome, device_id: str) -> None:
     from edge_client.recognizer import seal_model
     from edge_client.vault import Vault
-    from models.onnx_export import export_onnx
+    from models.networks.onnx_export import export_onnx
 
     vault = Vault.open(home.root / "store")
     export_onnx(model, home.generic_onnx, personalised=False, extra={"device": device_id})

@@ -1,14 +1,14 @@
 """The device's local algorithms: one `fit` each, chosen by name from the round's configuration.
 
 Every one runs the same round (`edge_client.local_training.train_round` prepares it and takes the delta
-after) and steps through the house's one loop (`models.train_loop.optimise`); what differs is the loss
+after) and steps through the house's one loop (`models.training.loop.optimise`); what differs is the loss
 and the update rule:
   - `supervised`: margin head + DFC branch by Adam [+ FedProx's mu/2 ||w - w_global||^2, Li et al. 2020];
   - `fedfr`: eq. 7 of Liu et al. (AAAI 2022), alpha_1 L_cos + alpha_2 L_con + alpha_3 L_BCE with the hard
-    negatives of D_g in each batch (`models.fedfr`);
+    negatives of D_g in each batch (`models.training.fedfr`);
   - `hfmaml`: Hessian-free meta-learning steps over the supervised loss (eq. 1-3 of the HF-MAML paper,
-    `models.hfmaml`);
-  - `pfm`: FedFace's PFM (Algorithm 1, lines 6-10): SGD plus the global momentum (`models.pfm`).
+    `models.training.hfmaml`);
+  - `pfm`: FedFace's PFM (Algorithm 1, lines 6-10): SGD plus the global momentum (`models.maths.pfm`).
 A new local algorithm is a function of `LocalRound` added to `LOCAL_ALGORITHMS`.
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.dfc import NEGATIVE
-from models.face_model import FaceModel
 from models.faces import augment
-from models.fedfr import contrastive_loss, negative_margin_loss
-from models.hfmaml import hf_maml_step
-from models.pfm import apply_global_momentum
-from models.train_loop import Step, optimise, train_epoch
+from models.maths.pfm import apply_global_momentum
+from models.networks.dfc import NEGATIVE
+from models.networks.face_model import FaceModel
+from models.training.fedfr import contrastive_loss, negative_margin_loss
+from models.training.hfmaml import hf_maml_step
+from models.training.loop import Step, optimise, train_epoch
 from protocol.messages import TrainingConfig
 
 

@@ -2,13 +2,13 @@
 
 FedAvg/FedProx: loss = margin head (local classifier) + alpha_3 * DFC branch [+ mu/2 ||w - w_global||^2]
 [+ C (1 - cos(f_global(x), f_local(x))), eq. 4 of the HF-MAML paper]. HF-MAML replaces the Adam steps by
-Hessian-free meta-learning steps over the same loss (`models.hfmaml`).
+Hessian-free meta-learning steps over the same loss (`models.training.hfmaml`).
 FedFR (eq. 7 of Liu et al., AAAI 2022): alpha_1 L_cos + alpha_2 L_con + alpha_3 L_BCE, with the hard
 negatives of the device's public set D_g in the batch (a margin term against the local classes and
 negatives for the DFC classifiers), and the contrastive term against the global and the previous
-local model (`models.fedfr`). After the epochs the DFC branch is fitted on frozen features
-(`models.dfc.fit_dfc`). Each round the local classifier's centres are first imprinted from the
-received model's features (`models.heads.imprint`): a stale or random head would scramble the
+local model (`models.training.fedfr`). After the epochs the DFC branch is fitted on frozen features
+(`models.networks.dfc.fit_dfc`). Each round the local classifier's centres are first imprinted from the
+received model's features (`models.networks.heads.imprint`): a stale or random head would scramble the
 embedding before it learns anything (measured: per-client TAR@1e-2 of the local backbone 0.597
 with a random head, 0.693 imprinted, against 0.671 for the global model, two CelebA clients).
 Only `Theta_local - Theta_global` is returned for sending; the head, the DFC branch, and everything
@@ -22,15 +22,15 @@ import numpy as np
 import torch
 
 from edge_client.local_algorithms import LOCAL_ALGORITHMS, LocalRound, local_algorithm
-from models.crop_batches import as_chw, frozen_copy, frozen_features, train_loader
-from models.dfc import NEGATIVE, fit_dfc
-from models.face_model import FaceModel, load_shareable_state, shareable_state
 from models.faces.crops import FaceCrops
-from models.fast_step import accelerate
-from models.fedfr import hard_negatives
-from models.heads import CosineHead, class_centres, imprint
-from models.hfmaml import anchored_to
+from models.networks.dfc import NEGATIVE, fit_dfc
+from models.networks.face_model import FaceModel, load_shareable_state, shareable_state
+from models.networks.heads import CosineHead, class_centres, imprint
 from models.public_set import PublicSet
+from models.training.crop_batches import as_chw, frozen_copy, frozen_features, train_loader
+from models.training.fast_step import accelerate
+from models.training.fedfr import hard_negatives
+from models.training.hfmaml import anchored_to
 from protocol.messages import TrainingConfig
 
 
@@ -86,10 +86,10 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     `previous_state` the device's last local backbone (keys `backbone.*`), for the contrastive term.
     With `pfm_beta`, FedFace's PFM: plain SGD at `lr` for the backbone plus the global momentum
     `pfm_momentum` (keys `backbone.*`; None in the first round) spread over the round's steps, and classical
-    momentum SGD for the classifier (`models.pfm`). The steps themselves are `edge_client.local_algorithms`'."""
+    momentum SGD for the classifier (`models.maths.pfm`). The steps themselves are `edge_client.local_algorithms`'."""
     objective = objective or TrainingConfig()
     name = local_algorithm(objective, pfm=pfm_beta is not None)
-    # the trunk in bf16 where the CPU has it (models.fast_step); HF-MAML's finite-difference Hessian products
+    # the trunk in bf16 where the CPU has it (models.training.fast_step); HF-MAML's finite-difference Hessian products
     # (eq. 3) take the difference of two nearby gradients, which bf16 would drown, so it stays fp32
     accelerate(model, "fp32" if objective.hfmaml else "auto")
     load_shareable_state(model, global_state)

@@ -44,7 +44,7 @@ def current_model(home: DeviceHome, vault: Vault) -> Path:
 
 
 def install_default_model(home: DeviceHome, vault: Vault) -> Path:
-    from models.face_weights import FaceWeightsError, write_default_onnx
+    from models.networks.face_weights import FaceWeightsError, write_default_onnx
 
     try:
         path = write_default_onnx(home.generic_onnx)

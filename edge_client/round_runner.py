@@ -23,7 +23,8 @@ from edge_client.home import DeviceHome
 from edge_client.link import CoordinatorLink
 from edge_client.local_training import LocalResult, train_round
 from edge_client.public_set import DevicePublicSet
-from models.face_model import (
+from models.maths.state_norms import clip_to_norm, without_running_stats
+from models.networks.face_model import (
     FaceModel,
     ModelConfig,
     from_numpy_state,
@@ -31,7 +32,6 @@ from models.face_model import (
     private_state,
     shareable_state,
 )
-from models.state_norms import clip_to_norm, without_running_stats
 from protocol import topics
 from protocol.messages import ModelRelease, RoundAnnouncement, UpdateHeader
 from protocol.tensors import PayloadError, decode

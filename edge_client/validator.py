@@ -51,7 +51,7 @@ class Validator:
     def score(self, request: ValidationRequest) -> float:
         """Verification AUC of the candidate's embedding over every pair of the validation images."""
         from models.evaluation.evaluate import verification
-        from models.face_model import global_embedder
+        from models.networks.face_model import global_embedder
 
         payload = self._download(topics.candidate_chunks(request.round_id, request.candidate),
                                  f"candidate-{request.round_id}-{request.candidate}", request.model_sha256,

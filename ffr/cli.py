@@ -1,6 +1,6 @@
 """`ffr`: one command for every user task. Each subcommand's --help says what it does.
 
-This is the top of the import graph: each package adds its own commands (`models.cli`,
+This is the top of the import graph: each package adds its own commands (`models.cli.commands`,
 `coordinator.cli`, `edge_client.cli`, `edge_client.device_cli`, `fleet.cli`) and none of them
 imports this module, so imports only run downward.
 """
@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from models.cli_common import Parser
+from models.cli.common import Parser
 from models.faces.datasets import DatasetError
 
 LOGGERS = ("ffr", "models", "edge_client", "coordinator", "protocol")
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     from edge_client import cli as edge_cli
     from edge_client import device_cli
     from fleet import cli as fleet_cli
-    from models import cli as models_cli
+    from models.cli import commands as models_cli
 
     parser = Parser(prog="ffr", description="ffr-edge: federated face recognition for edge devices.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -56,9 +56,9 @@ def collapse_delta(global_state: dict[str, np.ndarray], images: np.ndarray, boun
     import torch
     import torch.nn.functional as F
 
-    from models.face_model import global_embedder
     from models.faces.preprocess import to_input
-    from models.train_loop import Step, optimise
+    from models.networks.face_model import global_embedder
+    from models.training.loop import Step, optimise
 
     torch.manual_seed(seed)
     embedder = global_embedder(global_state)  # eval mode: BatchNorm's statistics stay

@@ -13,9 +13,9 @@ import numpy as np
 
 from fleet.config import SimConfig
 from fleet.data import TRAIN, VAL, FleetData
-from models.face_model import FaceModel, load_checkpoint
 from models.faces.splits import TrainingSplit, relabel
-from models.training import TrainConfig, Trainer
+from models.networks.face_model import FaceModel, load_checkpoint
+from models.training.supervised import TrainConfig, Trainer
 
 
 def budget_epochs(config: SimConfig) -> int:

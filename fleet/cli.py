@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from models.cli_common import HOLDOUT_IDENTITIES, add_init_option, deprecated_alias
+from models.cli.common import HOLDOUT_IDENTITIES, add_init_option, deprecated_alias
 from models.faces.datasets import LAYOUTS
 
 PARTITIONS = ("iid", "dirichlet", "lognormal", "equal", "attribute")
@@ -43,8 +43,8 @@ def _partition_options(p: argparse.ArgumentParser, data_required: bool) -> None:
 
 from coordinator.cli import add_gate_options, add_round_options  # noqa: E402
 from fleet.attacks import ATTACKS  # noqa: E402
-from models.cli_common import add_detector_option  # noqa: E402
-from models.objective_cli import (  # noqa: E402
+from models.cli.common import add_detector_option  # noqa: E402
+from models.cli.objective import (  # noqa: E402
     add_codec_options,
     add_local_training_options,
     add_method_options,
@@ -59,7 +59,7 @@ def _config(args):
 
     from coordinator.cli import gate_settings, round_settings
     from fleet.config import SimConfig
-    from models.objective_cli import training_config
+    from models.cli.objective import training_config
 
     values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}
     values["rules"] = json.loads(args.rules.read_text()) if args.rules else None

@@ -41,12 +41,12 @@ class SimConfig:
     lognormal_mu: float = 3.0
     lognormal_sigma: float = 3.0
     rules: list | None = None
-    holdout_identities: float = 0.2  # models.cli_common.HOLDOUT_IDENTITIES (the benchmarks pin their own)
+    holdout_identities: float = 0.2  # models.cli.common.HOLDOUT_IDENTITIES (the benchmarks pin their own)
     heldout_clients: int = 0
     split: tuple[float, float, float] = (0.7, 0.1, 0.2)
     server: RoundSettings = field(default_factory=RoundSettings)  # the coordinator's rounds and devices' training
     gate: GateSettings = field(default_factory=GateSettings)      # the coordinator's quality gate
-    method: str | None = None          # the CLI's --method (models.objective_cli.METHODS), for the run's label
+    method: str | None = None          # the CLI's --method (models.cli.objective.METHODS), for the run's label
     public_data: str | None = None     # FedFR's D_g: aligned faces of people no client has
     public_limit: int = 2000
     patience: int = 5                  # rounds without a better validation AUC before stopping; 0: never
@@ -109,7 +109,7 @@ class SimConfig:
 
     def _validate_names(self) -> None:
         from fleet.attacks import ATTACKS
-        from models.objective_cli import METHODS
+        from models.cli.objective import METHODS
 
         if self.attack not in ATTACKS:
             raise ValueError(f"unknown --attack {self.attack!r}; choose one of {', '.join(ATTACKS)}")
@@ -190,7 +190,7 @@ def _nested(raw: dict) -> dict:
     """A run folder's config.json from before the nested spec (one flat list of options), in today's form."""
     from types import SimpleNamespace
 
-    from models.objective_cli import aggregation_algorithm, objective_settings
+    from models.cli.objective import aggregation_algorithm, objective_settings
 
     old = SimpleNamespace(**{"method": None, "hard_negatives": None, "contrastive": None, "dfc_weight": None,
                              "t_hn": 0.4, "tau": 0.5, "alpha_cos": 1.0, "alpha_con": 5.0, "dfc_steps": 300,

@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from edge_client.home import DeviceHome
 from fleet.data import TEST, FleetData
-from models.embedders import TorchEmbedder
 from models.evaluation.evaluate import embed_all
 from models.evaluation.metrics import cosine_scores, genuine_pairs, l2_normalise, roc_report
-from models.face_model import FaceModel, ModelConfig
+from models.networks.embedders import TorchEmbedder
+from models.networks.face_model import FaceModel, ModelConfig
 
 METRICS = ("auc", "eer", "tar@1e-2", "tar@1e-3")
 
@@ -71,10 +71,10 @@ def tuned_model(global_embedder, crops, steps: int, lr: float, batch_size: int, 
 
     import torch
 
-    from models.crop_batches import frozen_features, train_loader
     from models.faces.splits import relabel
-    from models.heads import imprint
-    from models.train_loop import Step, limited, optimise
+    from models.networks.heads import imprint
+    from models.training.crop_batches import frozen_features, train_loader
+    from models.training.loop import Step, limited, optimise
 
     crops = relabel(crops, np.unique(crops.labels))
     model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=width_mult, pretrained=False,

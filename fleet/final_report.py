@@ -15,9 +15,9 @@ from fleet import plots
 from fleet.config import SimConfig
 from fleet.data import TEST, TRAIN, FleetData, device_id
 from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model, tuned_model
-from models.backbone import FaceEmbedder
 from models.evaluation.evaluate import verification
-from models.face_model import FaceModel
+from models.networks.backbone import FaceEmbedder
+from models.networks.face_model import FaceModel
 
 
 def best_round(history: list[dict]) -> int | None:

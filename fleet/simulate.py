@@ -27,10 +27,10 @@ from fleet.devices import DevicePool, Turn
 from fleet.evaluation import flat
 from fleet.final_report import FinalEvaluation
 from fleet.report import write_summary
-from models.backbone import FaceEmbedder
 from models.evaluation.evaluate import verification
-from models.face_model import global_embedder
-from models.tracking import MlflowTracker, NullTracker, default_tracking_uri
+from models.networks.backbone import FaceEmbedder
+from models.networks.face_model import global_embedder
+from models.training.tracking import MlflowTracker, NullTracker, default_tracking_uri
 
 log = logging.getLogger("ffr.fleet")
 

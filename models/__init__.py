@@ -1,4 +1,12 @@
-"""ffr-edge models: face pipeline, networks, metrics and export.
+"""ffr-edge models, one home per concern:
+
+- `faces`: reading, detecting, aligning and cropping faces; data sets and partitions;
+- `networks`: backbone, heads, DFC branch, face model, teachers, shipped weights, ONNX export;
+- `training`: the one training loop and what runs in it (supervised, distillation, local loss terms);
+- `evaluation`: verification metrics, ROC, the separation check, plots;
+- `maths`: torch-free maths over state dicts that the coordinator needs;
+- `runtime` (ONNX inference) and `public_set` (the public negatives' file): torch-free, for devices;
+- `cli`: the models' commands and the option builders other packages share.
 
 Importing this package does not import torch: the on-device verification path
 (`models.runtime`, `models.faces`) must run with onnxruntime, OpenCV and numpy only.

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from models.pretrained import sha256_of
+from models.networks.pretrained import sha256_of
 
 KEY = "images"
 LABELS = "labels"
@@ -48,7 +48,7 @@ def identity_labels(files: list[Path], root: Path) -> np.ndarray | None:
 
 def build_public_set(folder: Path, out: Path, limit: int = 2000, seed: int = 0, progress: bool = False) -> str:
     """Sample up to `limit` aligned face images under `folder` (flat or per identity) into `out`; its sha256."""
-    from models.distill_data import list_images, load_crops
+    from models.training.distill_data import list_images, load_crops
 
     folder = Path(folder)
     files = list_images([folder])

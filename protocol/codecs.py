@@ -136,7 +136,7 @@ def _topk_tensors(delta: State, fraction: float) -> State:
 
 class Decoded(dict):
     """A decoded update, name -> array, whose floating tensors are all views into `flat` (one float32 vector in
-    the order `layout`): `models.state_norms.l2_norm` and `coordinator.aggregation.RunningMean` then read it in
+    the order `layout`): `models.maths.state_norms.l2_norm` and `coordinator.aggregation.RunningMean` then read it in
     one pass instead of one call per tensor. Read-only by contract: a changed entry would not change `flat`
     (transformations such as clipping build a plain dict)."""
 

@@ -87,7 +87,7 @@ def test_decoded_updates_fold_in_one_pass_to_the_same_mean_and_norm(codec):
     """Updates straight from the decoder (`protocol.codecs.Decoded`, every float in one vector) take the
     one-vector paths of RunningMean and l2_norm; the result must equal the per-tensor paths on plain dicts,
     also when decoded and plain updates are mixed in one round (a restored, clipped update is a plain dict)."""
-    from models.state_norms import l2_norm
+    from models.maths.state_norms import l2_norm
     from protocol.codecs import Decoded, Staging, decode_update, encode_update, layout
 
     rng = np.random.default_rng(2)
@@ -122,7 +122,7 @@ def test_every_algorithm_the_protocol_names_has_one_strategy_and_one_command_lin
     configuration (which the fleet's spec nests) and the --method choices take them from there."""
     from coordinator.aggregation import STRATEGIES
     from fleet.config import SimConfig
-    from models.objective_cli import METHODS
+    from models.cli.objective import METHODS
     from protocol.messages import ALGORITHMS, TrainingConfig
 
     assert tuple(STRATEGIES) == ALGORITHMS and set(ALGORITHMS) <= set(METHODS)

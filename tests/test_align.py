@@ -101,8 +101,8 @@ def test_eval_with_pairs_keeps_every_pair_and_reports_fallbacks(tmp_path, faces_
     import shutil
 
     from ffr.cli import main
-    from models.face_weights import write_default_onnx
     from models.faces.imageio import write_image
+    from models.networks.face_weights import write_default_onnx
 
     people = sorted(p for p in (faces_dir / "celeba_subset").iterdir() if p.is_dir())[:2]
     data = tmp_path / "lfw"

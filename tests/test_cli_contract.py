@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 
 from ffr.cli import build_parser, main
-from models.cli_common import HelpFormatter
+from models.cli.common import HelpFormatter
 
 # Old spellings of one concept: at most one of each group may be visible in the whole CLI.
 SYNONYMS = [{"--strategy", "--algorithm", "--method"}, {"--holdout-clients", "--heldout-clients"},

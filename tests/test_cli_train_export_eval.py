@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from ffr.cli import build_parser, main
-from models.embedders import TorchEmbedder
-from models.face_model import load_checkpoint
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
+from models.networks.embedders import TorchEmbedder
+from models.networks.face_model import load_checkpoint
 from models.runtime import OnnxEmbedder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_existing_run_needs_resume_or_force(trained_run, synthetic_dir):
 
 
 def test_interrupted_training_resumes_where_it_stopped(tmp_path, synthetic_dir, monkeypatch, capsys):
-    import models.training as training
+    import models.training.supervised as training
 
     out = tmp_path / "run"
     real_log = training.NullTracker.log_metrics

@@ -96,7 +96,7 @@ def test_fp16_decodes_every_bit_pattern_exactly_and_refuses_nan_and_inf(converte
 
 
 def test_bytes_per_update_on_the_real_backbone():
-    from models.face_model import initial_global_state
+    from models.networks.face_model import initial_global_state
 
     state = initial_global_state(init="none")
     d = {k: (RNG.normal(0, 1e-3, v.shape).astype(np.float32) if v.dtype.kind == "f" else np.zeros_like(v))

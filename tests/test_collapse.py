@@ -48,7 +48,7 @@ def test_collapse_stays_in_the_bound_and_makes_every_impostor_match():
     from coordinator.robust import l2_norm
     from fleet.attacks import poison
     from models.evaluation.separation import compare, score
-    from models.face_weights import face_global_state
+    from models.networks.face_weights import face_global_state
 
     state, faces = face_global_state(), _faces()
     honest = {k: np.zeros_like(v, dtype=np.float64) for k, v in state.items()}
@@ -150,7 +150,7 @@ def test_norm_bound_history_survives_a_restart(tmp_path):
 
 def test_a_swapped_adoption_reference_adopts_nothing(tmp_path):
     from edge_client.adoption import Adoption
-    from models.face_weights import face_global_state
+    from models.networks.face_weights import face_global_state
     from protocol.tensors import encode
 
     state = face_global_state()

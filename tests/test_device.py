@@ -139,8 +139,8 @@ def test_list_remove_and_templates_follow_a_new_model(tmp_path, home, videos):
     # a new model (as a federated round delivers): the templates are recomputed from the stored crops
     import torch
 
-    from models.face_model import FaceModel, ModelConfig
-    from models.onnx_export import export_onnx
+    from models.networks.face_model import FaceModel, ModelConfig
+    from models.networks.onnx_export import export_onnx
 
     torch.manual_seed(1)
     export_onnx(FaceModel(ModelConfig(n_classes=2, pretrained=False)), tmp_path / "new.onnx", personalised=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.face_weights import SHIPPED_SHA256, SHIPPED_WEIGHTS, file_sha256, read_embedder_numpy
+from models.networks.face_weights import SHIPPED_SHA256, SHIPPED_WEIGHTS, file_sha256, read_embedder_numpy
 
 
 def test_shipped_file_is_the_recorded_fp16_safetensors_under_5_mb():
@@ -24,8 +24,8 @@ def test_shipped_file_is_the_recorded_fp16_safetensors_under_5_mb():
 
 def test_saved_weights_round_trip_also_from_a_channels_last_model(tmp_path):
     """Training runs in channels_last; the file must still hold every tensor in its logical (NCHW) order."""
-    from models.backbone import FaceEmbedder
-    from models.face_weights import load_face_embedder, save_embedder
+    from models.networks.backbone import FaceEmbedder
+    from models.networks.face_weights import load_face_embedder, save_embedder
 
     torch.manual_seed(0)
     model = FaceEmbedder(pretrained=False).to(memory_format=torch.channels_last).eval()
@@ -39,7 +39,7 @@ def test_saved_weights_round_trip_also_from_a_channels_last_model(tmp_path):
 
 
 def test_a_tampered_file_is_refused(tmp_path, monkeypatch):
-    import models.face_weights as fw
+    import models.networks.face_weights as fw
 
     bad = tmp_path / "w.safetensors"
     bad.write_bytes(SHIPPED_WEIGHTS.read_bytes()[:-1] + b"\x00")
@@ -52,9 +52,9 @@ def test_same_person_scores_higher_than_different_people_on_real_faces(faces_dir
     """A handful of Glint24 people (aligned; never used in pretraining), through the device's ONNX model; the
     ImageNet-initialised embedder on the same pairs is the floor it must clear."""
     from models.evaluation.metrics import make_pairs, roc_report
-    from models.face_weights import write_default_onnx
     from models.faces.crops import CropConfig, crop_index
     from models.faces.datasets import load_index
+    from models.networks.face_weights import write_default_onnx
     from models.runtime import OnnxEmbedder
 
     index = load_index(faces_dir / "glint24_aligned")
@@ -64,8 +64,8 @@ def test_same_person_scores_higher_than_different_people_on_real_faces(faces_dir
     pairs, same = make_pairs(crops.labels)
     scores = (emb[pairs[:, 0]] * emb[pairs[:, 1]]).sum(1)
     assert scores[same].mean() > scores[~same].mean() + 0.05
-    from models.embedders import TorchEmbedder
-    from models.face_model import new_embedder
+    from models.networks.embedders import TorchEmbedder
+    from models.networks.face_model import new_embedder
 
     floor = TorchEmbedder(new_embedder("imagenet")).embed(crops.images)
     auc, floor_auc = (roc_report((e[pairs[:, 0]] * e[pairs[:, 1]]).sum(1), same)["auc"] for e in (emb, floor))
@@ -74,10 +74,10 @@ def test_same_person_scores_higher_than_different_people_on_real_faces(faces_dir
 
 def test_onnx_forms_agree_with_pytorch():
     """The torch-free ONNX build (device) and the torch exporter (ffr export) both match the PyTorch model."""
-    from models.embedders import TorchEmbedder
-    from models.face_model import FaceModel, ModelConfig
-    from models.face_weights import load_face_embedder, write_default_onnx
-    from models.onnx_export import export_onnx
+    from models.networks.embedders import TorchEmbedder
+    from models.networks.face_model import FaceModel, ModelConfig
+    from models.networks.face_weights import load_face_embedder, write_default_onnx
+    from models.networks.onnx_export import export_onnx
     from models.runtime import OnnxEmbedder
 
     crops = np.random.default_rng(0).integers(0, 256, (6, 128, 128, 3), dtype=np.uint8)
@@ -100,10 +100,10 @@ def test_onnx_forms_agree_with_pytorch():
 
 def test_round_zero_reads_the_weights_without_torch():
     """The coordinator's starting model comes from safetensors + numpy: torch is blocked in this subprocess."""
-    from models.face_model import FaceModel, ModelConfig, shareable_state
+    from models.networks.face_model import FaceModel, ModelConfig, shareable_state
 
     code = ("import sys, json; sys.modules['torch'] = None\n"
-            "from models.face_weights import face_global_state\n"
+            "from models.networks.face_weights import face_global_state\n"
             "s = face_global_state(); print(json.dumps({k: list(v.shape) for k, v in s.items()}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ})
@@ -118,7 +118,7 @@ def test_round_zero_reads_the_weights_without_torch():
 
 
 def test_init_choices_start_from_different_models():
-    from models.face_model import new_embedder
+    from models.networks.face_model import new_embedder
 
     face, imagenet = new_embedder("face"), new_embedder("imagenet")
     shipped, _ = read_embedder_numpy()

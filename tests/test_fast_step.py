@@ -1,4 +1,4 @@
-"""The fast training step (`models.fast_step`): same gradients as fp32 within bf16's tolerance, fp32 where the
+"""The fast training step (`models.training.fast_step`): same gradients as fp32 within bf16's tolerance, fp32 where the
 CPU has no fast bf16, and evaluation untouched."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.backbone import FaceEmbedder
-from models.distillation import distillation_loss
-from models.fast_step import accelerate, cpu_has_fast_bf16, optimiser_options, resolve_precision
+from models.networks.backbone import FaceEmbedder
+from models.training.distillation import distillation_loss
+from models.training.fast_step import accelerate, cpu_has_fast_bf16, optimiser_options, resolve_precision
 
 AMX_FLAGS = "flags : fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile"
 OLD_CPU_FLAGS = "flags : fpu sse2 avx2 fma"      # e.g. a Raspberry Pi-class or pre-2020 x86 device
@@ -43,9 +43,9 @@ def face_batch(synthetic_dir):
     (From a random initialisation the gradients are mostly noise, which any rounding moves a lot.)"""
     import numpy as np
 
-    from models.face_weights import load_face_embedder
     from models.faces.imageio import read_rgb
     from models.faces.preprocess import to_input
+    from models.networks.face_weights import load_face_embedder
 
     model = load_face_embedder()
     x = torch.from_numpy(to_input(np.stack([read_rgb(p) for p in sorted(synthetic_dir.rglob("*.png"))[:24]])))

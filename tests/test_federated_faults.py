@@ -342,7 +342,7 @@ def test_cli_coordinator_and_edge_processes_with_http_api(tmp_path):
             assert "lost the broker" in said and "final model v2 adopted" in said, said[-2000:]
         assert (tmp_path / "home0" / "models" / "personalised.onnx").exists()
         from coordinator.store import Store
-        from models.face_weights import face_global_state
+        from models.networks.face_weights import face_global_state
 
         start, shipped = Store(tmp_path / "state").load_model(0), face_global_state()
         assert start.keys() == shipped.keys() and all(np.array_equal(start[k], shipped[k]) for k in start)

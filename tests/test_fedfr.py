@@ -1,4 +1,4 @@
-"""FedFR's local techniques (models.fedfr, models.dfc.fit_dfc, edge_client.local_training)."""
+"""FedFR's local techniques (models.training.fedfr, models.networks.dfc.fit_dfc, edge_client.local_training)."""
 from __future__ import annotations
 
 import math
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from edge_client.local_training import train_round
-from models.dfc import NEGATIVE, BinaryClassifiers
-from models.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
+from models.networks.dfc import NEGATIVE, BinaryClassifiers
+from models.training.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
 from protocol.messages import TrainingConfig
 
 
@@ -44,7 +44,7 @@ def test_public_faces_are_negatives_for_every_one_vs_all_classifier():
     x = torch.randn(4, 8)
     none = torch.full((4,), NEGATIVE)
     g = torch.nn.functional.softplus  # the negative term alone, as SphereFace2 writes it
-    from models.dfc import sphereface2_g
+    from models.networks.dfc import sphereface2_g
 
     logits = clf.r * (sphereface2_g(clf.cosine(x), clf.t) + clf.m) + clf.bias
     expected = ((1 - clf.lam) * g(logits)).sum(1).mean() / clf.r
@@ -68,8 +68,8 @@ def _two_people(faces_dir, n_train: int = 10):
 
 def _separation(model, crops, personalised: bool) -> float:
     """d' of genuine against impostor cosines: how far apart the two people's scores lie."""
-    from models.embedders import TorchEmbedder
     from models.evaluation.evaluate import embed_all
+    from models.networks.embedders import TorchEmbedder
 
     emb = embed_all(TorchEmbedder(model, personalised), crops.images)
     i, j = np.triu_indices(len(emb), 1)
@@ -81,8 +81,8 @@ def _separation(model, crops, personalised: bool) -> float:
 def test_dfc_personalises_two_people_after_one_short_round(faces_dir):
     """Real faces (Glint24, two people, 10 training images each), one local epoch from the shipped model: the
     personalised embedding [Theta, Pi(Theta)] separates the two on their held-out images better than Theta."""
-    from models.face_model import FaceModel, ModelConfig, from_numpy_state
-    from models.face_weights import face_global_state
+    from models.networks.face_model import FaceModel, ModelConfig, from_numpy_state
+    from models.networks.face_weights import face_global_state
 
     train, held_out, _ = _two_people(faces_dir)
     separation = {}
@@ -98,8 +98,8 @@ def test_dfc_personalises_two_people_after_one_short_round(faces_dir):
 
 
 def test_a_fedfr_round_samples_hard_negatives_and_keeps_them_on_the_device(faces_dir):
-    from models.face_model import FaceModel, ModelConfig, from_numpy_state
-    from models.face_weights import face_global_state
+    from models.networks.face_model import FaceModel, ModelConfig, from_numpy_state
+    from models.networks.face_weights import face_global_state
     from models.public_set import PublicSet
 
     torch.manual_seed(0)
@@ -156,10 +156,10 @@ def test_a_labelled_public_set_joins_the_classification_for_one_round(faces_dir)
     """Balanced CosFace (eq. 3): sampled public people become extra classes, their centres imprinted from all
     their public images under the received model; they live for the round only and are never sent."""
     from edge_client.local_training import sample_hard_negatives
-    from models.crop_batches import frozen_features
-    from models.face_model import FaceModel, ModelConfig, from_numpy_state
-    from models.face_weights import face_global_state
+    from models.networks.face_model import FaceModel, ModelConfig, from_numpy_state
+    from models.networks.face_weights import face_global_state
     from models.public_set import PublicSet
+    from models.training.crop_batches import frozen_features
 
     torch.manual_seed(0)
     train, _, public = _two_people(faces_dir, 6)

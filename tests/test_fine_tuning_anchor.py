@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from ffr.cli import build_parser
-from models.embedders import TorchEmbedder
 from models.evaluation.evaluate import embed_all
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
 from models.faces.splits import training_split
-from models.training import FACE_ANCHOR_WEIGHT, TrainConfig, Trainer
+from models.networks.embedders import TorchEmbedder
+from models.training.supervised import FACE_ANCHOR_WEIGHT, TrainConfig, Trainer
 
 
 def test_the_anchor_is_on_from_the_face_weights_and_off_otherwise():

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.hfmaml import embedding_regulariser, fd_hessian_vector_product, gradients, hf_maml_step
+from models.training.hfmaml import embedding_regulariser, fd_hessian_vector_product, gradients, hf_maml_step
 
 
 def _tiny(dtype):
@@ -64,7 +64,7 @@ def test_one_hf_maml_step_is_eq_1_with_the_exact_hessian_up_to_the_approximation
 
 
 def test_the_embedding_regulariser_is_zero_when_local_equals_global():
-    from models.backbone import FaceEmbedder
+    from models.networks.backbone import FaceEmbedder
 
     torch.manual_seed(0)
     local = FaceEmbedder(128, 0.35, pretrained=False).double().eval()  # float64: no rounding to hide behind
@@ -85,9 +85,9 @@ def test_a_device_round_with_hf_maml_and_the_regulariser(tmp_path):
     from conftest import device_datasets
 
     from edge_client.local_training import train_round
-    from models.face_model import FaceModel, ModelConfig, from_numpy_state, initial_global_state
     from models.faces.crops import CropConfig, crop_index
     from models.faces.datasets import load_index
+    from models.networks.face_model import FaceModel, ModelConfig, from_numpy_state, initial_global_state
     from protocol.messages import TrainingConfig
 
     data = device_datasets(tmp_path, 1, ids_per_device=3, images=4)[0]

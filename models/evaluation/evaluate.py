@@ -21,8 +21,8 @@ def embed_all(embedder, images: np.ndarray, batch_size: int = 64, progress: bool
 def verification(model, crops: FaceCrops | None, max_pairs: int, seed: int,
                  personalised: bool = False) -> tuple[dict, tuple[np.ndarray, np.ndarray] | None]:
     """AUC/EER/TAR@FAR of a torch model's embedding on `crops` (a FaceModel, or a bare embedder such as
-    models.face_model.global_embedder's), plus the raw scores for ROC plots."""
-    from models.embedders import TorchEmbedder
+    models.networks.face_model.global_embedder's), plus the raw scores for ROC plots."""
+    from models.networks.embedders import TorchEmbedder
 
     if crops is None or len(crops) < 2 or len(np.unique(crops.labels)) < 2:
         return {}, None

@@ -68,7 +68,7 @@ def embedder_session(state: dict[str, np.ndarray], threads: int | None = 1):
     """An ONNX Runtime session of the backbone in `state` (keys with or without the `backbone.` prefix)."""
     import onnxruntime as ort
 
-    from models.embedder_onnx import build_embedder_onnx
+    from models.networks.embedder_onnx import build_embedder_onnx
 
     plain = {k.removeprefix(BACKBONE_PREFIX): np.asarray(v) for k, v in state.items()}
     options = ort.SessionOptions()

@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from models.cli_common import HOLDOUT_IDENTITIES, Parser, add_detector_option, add_init_option, deprecated_alias
+from models.cli.common import HOLDOUT_IDENTITIES, Parser, add_detector_option, add_init_option, deprecated_alias
 from models.faces.datasets import LAYOUTS, DatasetError
 
 log = logging.getLogger("ffr")
@@ -77,8 +77,8 @@ def _set_threads(threads: int | None) -> None:
 
 def cmd_train(args) -> int:
     from models.faces.splits import training_split
-    from models.tracking import MlflowTracker, NullTracker, default_tracking_uri
-    from models.training import TrainConfig, Trainer
+    from models.training.supervised import TrainConfig, Trainer
+    from models.training.tracking import MlflowTracker, NullTracker, default_tracking_uri
 
     _set_threads(args.threads)
     out: Path = args.out
@@ -120,7 +120,7 @@ def resume_command(args) -> str:
 
 
 def add_precision_option(p: argparse.ArgumentParser) -> None:
-    from models.fast_step import PRECISIONS
+    from models.training.fast_step import PRECISIONS
 
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="the trunk's training precision: auto (bf16 autocast on CUDA or on CPUs with AMX / AVX-512 "
@@ -128,8 +128,8 @@ def add_precision_option(p: argparse.ArgumentParser) -> None:
 
 
 def _pretrain_config(args):
-    """The one distillation spec (`models.pretraining.PretrainConfig`) from `ffr pretrain`'s options, either path."""
-    from models.pretraining import PretrainConfig
+    """The one distillation spec (`models.training.pretraining.PretrainConfig`) from `ffr pretrain`'s options."""
+    from models.training.pretraining import PretrainConfig
 
     spec = {} if str(args.teacher) == "sface" else {"input_size": args.teacher_size, "color": args.teacher_color,
                                                      "mean": args.teacher_mean, "std": args.teacher_std}
@@ -145,7 +145,7 @@ def _pretrain_config(args):
 
 
 def cmd_pretrain(args) -> int:
-    from models.pretraining import Pretrainer
+    from models.training.pretraining import Pretrainer
 
     out: Path = args.out
     online = args.online if args.online is not None else str(args.device).startswith("cuda")
@@ -165,8 +165,8 @@ def cmd_pretrain(args) -> int:
 
 
 def _pretrain_online(args) -> int:
-    """The teacher in the loop (`models.online_distill`): every step's views get their own targets."""
-    from models.online_distill import OnlineDistiller
+    """The teacher in the loop (`models.training.online_distill`): every step's views get their own targets."""
+    from models.training.online_distill import OnlineDistiller
 
     out: Path = args.out
     if (out / "progress.json").exists() and not (args.resume or args.force):
@@ -200,7 +200,7 @@ def _fit_and_report(args, trainer, fit) -> int:
 
 
 def cmd_pack_crops(args) -> int:
-    from models.crop_pack import PACK_SUFFIX, pack_crops
+    from models.training.crop_pack import PACK_SUFFIX, pack_crops
 
     if args.out.suffix != PACK_SUFFIX:
         raise SystemExit(f"ffr pack-crops: --out must end in {PACK_SUFFIX}")
@@ -213,8 +213,8 @@ def cmd_pack_crops(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from models.face_model import load_checkpoint
-    from models.onnx_export import export_onnx
+    from models.networks.face_model import load_checkpoint
+    from models.networks.onnx_export import export_onnx
 
     model, payload = load_checkpoint(args.model)
     out = export_onnx(model, args.out, personalised=args.personalised,
@@ -225,8 +225,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from models.embedders import load_embedder
     from models.evaluation.evaluate import evaluate_crops
+    from models.networks.embedders import load_embedder
 
     _set_threads(args.threads if args.model.suffix != ".onnx" else None)
     embedder = load_embedder(args.model, personalised=args.personalised, threads=args.threads)

@@ -17,7 +17,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from models.pretrained import sha256_of as _sha256
+from models.networks.pretrained import sha256_of as _sha256
 
 SFACE_FILE = "face_recognition_sface_2021dec_int8bq.onnx"
 SFACE_SHA256 = "fb143eea07838aa532d1c95df5f69899974ea0140e1fba05e94204be13ed74ee"

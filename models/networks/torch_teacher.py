@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.teacher import OnnxTeacher, TeacherError, TeacherSpec
+from models.networks.teacher import OnnxTeacher, TeacherError, TeacherSpec
 
 ONNX2TORCH_OPSET = 17    # onnx2torch converts up to this opset; SFace is saved at 21 with the same operators
 MIN_AGREEMENT = 0.999    # cosine to ONNX Runtime's embedding, per crop, before the converted teacher may teach
@@ -67,7 +67,7 @@ class TorchTeacher(torch.nn.Module):
 
 
 def to_torch(teacher: OnnxTeacher) -> TorchTeacher:
-    """Convert an ONNX teacher (already folded to fp32 by `models.teacher`) with onnx2torch."""
+    """Convert an ONNX teacher (already folded to fp32 by `models.networks.teacher`) with onnx2torch."""
     import onnx
     from onnx import version_converter
 

@@ -17,8 +17,8 @@ import onnx
 import torch
 from torch import nn
 
-from models.face_model import FaceModel
 from models.faces.preprocess import INPUT_SIZE, MEAN, STD
+from models.networks.face_model import FaceModel
 from models.runtime import METADATA_PREFIX
 
 OPSET = 17

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models import mobilenet_v2
 
-from models.pretrained import verified_imagenet_weights
+from models.networks.pretrained import verified_imagenet_weights
 
 
 class FaceEmbedder(nn.Module):
@@ -39,7 +39,7 @@ class FaceEmbedder(nn.Module):
         trunk = {k.removeprefix("features."): v for k, v in state.items() if k.startswith("features.")}
         self.features.load_state_dict(trunk, strict=True)
 
-    compute_dtype: torch.dtype | None = None  # the trunk's autocast dtype while training (models.fast_step)
+    compute_dtype: torch.dtype | None = None  # the trunk's autocast dtype while training (models.training.fast_step)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast = self.training and self.compute_dtype is not None

@@ -2,9 +2,9 @@
 
 FedFR (Liu et al., AAAI 2022, sec. 3) starts every device from a model pretrained on public
 data; this is how ours gets one without identity labels: the student learns the teacher's
-embedding of each aligned crop (`models.distillation`), the teacher's embeddings are computed
-once per image and view and cached (`models.distill_data`), the student sees the same view
-under photometric augmentation (vectorised over the batch, `models.online_views`). The run
+embedding of each aligned crop (`models.training.distillation`), the teacher's embeddings are computed
+once per image and view and cached (`models.training.distill_data`), the student sees the same view
+under photometric augmentation (vectorised over the batch, `models.training.online_views`). The run
 checkpoints every few minutes, stops cleanly on Ctrl-C and resumes (`--resume`) mid-epoch;
 `metrics.json` holds the learning curve.
 
@@ -25,14 +25,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from models.backbone import FaceEmbedder
-from models.distill_data import TeacherTargets, default_cache_root, list_images, load_crops, targets_dir, view
-from models.distillation import bank_distillation_loss, distillation_loss
-from models.face_weights import save_embedder
 from models.faces.preprocess import INPUT_SIZE
-from models.fast_step import accelerate, optimiser_options
-from models.online_views import photometric, student_input
-from models.train_loop import Step, optimise
+from models.networks.backbone import FaceEmbedder
+from models.networks.face_weights import save_embedder
+from models.training.distill_data import TeacherTargets, default_cache_root, list_images, load_crops, targets_dir, view
+from models.training.distillation import bank_distillation_loss, distillation_loss
+from models.training.fast_step import accelerate, optimiser_options
+from models.training.loop import Step, optimise
+from models.training.online_views import photometric, student_input
 
 LOSSES = ("cosine", "bank")
 CROP_SIZE = 112  # the aligned sets' and the teacher's size; the student sees them at INPUT_SIZE
@@ -56,7 +56,7 @@ class PretrainConfig:
     weight_decay: float = 1e-2
     warmup_steps: int = 300
     sim_weight: float = 2.0
-    loss: str = "cosine"            # cosine (L_cos + sim_weight L_sim over the batch) | bank (models.distillation)
+    loss: str = "cosine"            # cosine (L_cos + sim_weight L_sim over the batch) | bank (training.distillation)
     views: int = 8                  # cached teacher views per image: the image, its mirror, then geometric jitters
                                     # (8 won bench.distill_arms: the only arm that lifted Glint24's AUC)
     bank_weight: float = 1.0
@@ -74,7 +74,7 @@ class PretrainConfig:
     seed: int = 0
     progress: bool = True
     eval_every_steps: int = 500     # online: steps between held-out evaluations
-    jitter: dict = field(default_factory=dict)  # online: models.online_views.ViewJitter fields; {} = its defaults
+    jitter: dict = field(default_factory=dict)  # online: online_views.ViewJitter fields; {} = defaults
 
 
 class CachedViews:
@@ -82,7 +82,7 @@ class CachedViews:
 
     Each sample gets a random cached view (the image, its mirror or a fixed jitter: the teacher saw exactly
     that), then
-    photometric augmentation on the student's side only, vectorised over the batch (`models.online_views`):
+    photometric augmentation on the student's side only, vectorised over the batch (`models.training.online_views`):
     no per-image Python transform and no loader process competing with the step for the CPU's cores."""
 
     def __init__(self, images: np.ndarray, targets: np.ndarray, labels: np.ndarray, seed: int):
@@ -121,7 +121,7 @@ def student(init: str, teacher_dim: int) -> FaceEmbedder:
     if teacher_dim != 128:
         raise ValueError(f"the teacher's embedding has {teacher_dim} dimensions; the student's has 128")
     if init == "face":
-        from models.face_weights import load_face_embedder
+        from models.networks.face_weights import load_face_embedder
 
         return load_face_embedder()
     return FaceEmbedder(128, 1.0, pretrained=init == "imagenet")
@@ -157,7 +157,7 @@ def schedule_done(config, step: int, total_steps: int | None, trained_s: float) 
 
 class Pretrainer:
     def __init__(self, config: PretrainConfig, out: Path, cache_root: Path | None = None):
-        from models.teacher import TeacherSpec, load_teacher
+        from models.networks.teacher import TeacherSpec, load_teacher
 
         self.config, self.out = config, Path(out)
         if config.threads:
@@ -190,7 +190,7 @@ class Pretrainer:
         self.device = torch.device(config.device)
         self.model = student(self.config.init, self.teacher.dim).to(self.device)
         self.autocast = accelerate(self.model, config.precision, config.device)
-        from models.heads import CosFaceHead
+        from models.networks.heads import CosFaceHead
 
         self.head = CosFaceHead(128, self.n_identities).to(self.device) if self.n_identities else None
         params = list(self.model.parameters()) + (list(self.head.parameters()) if self.head is not None else [])
@@ -273,7 +273,7 @@ class Pretrainer:
         self.model.train()
         x = x.to(self.device)
         target = F.normalize(target.to(self.device), dim=1)
-        student = self.model(x)  # the trunk in bf16 where the hardware has it (models.fast_step)
+        student = self.model(x)  # the trunk in bf16 where the hardware has it (models.training.fast_step)
         if self.config.loss == "bank":
             loss, parts = bank_distillation_loss(student.float(), target, self.bank, self.config.bank_weight,
                                                  self.config.bank_temperature)

@@ -1,7 +1,7 @@
 """Build the embedder's ONNX graph straight from its weights, with numpy and `onnx` only (no torch).
 
 A device installs the shipped face model without torch: this writes the same network as
-`models.backbone.FaceEmbedder` (torchvision's MobileNetV2 features, global average pool,
+`models.networks.backbone.FaceEmbedder` (torchvision's MobileNetV2 features, global average pool,
 Linear, BatchNorm1d, L2 normalisation) with every BatchNorm folded into the conv before it.
 A test holds it to the PyTorch model (cosine >= 0.9999).
 """

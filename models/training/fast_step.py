@@ -49,7 +49,7 @@ def accelerate(model: torch.nn.Module, precision: str = "auto", device: str | to
     """Set every FaceEmbedder trunk in `model` to train in the resolved dtype, channels_last; returns the dtype."""
     import torch
 
-    from models.backbone import FaceEmbedder
+    from models.networks.backbone import FaceEmbedder
 
     dtype = resolve_precision(precision, device, flags)
     for module in model.modules():

@@ -75,7 +75,7 @@ def view(images: np.ndarray, v: int, index: np.ndarray | None = None) -> np.ndar
         return np.ascontiguousarray(images[:, :, ::-1])
     import torch
 
-    from models.online_views import ViewJitter, affines_from_uniforms, warp
+    from models.training.online_views import ViewJitter, affines_from_uniforms, warp
 
     if index is None or len(index) != len(images):
         raise ValueError("a jittered view needs the images' numbers")

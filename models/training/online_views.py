@@ -36,7 +36,7 @@ def _uniform(n: int, low: float, high: float, generator: torch.Generator) -> tor
 def affines_from_uniforms(u: torch.Tensor, jitter: ViewJitter) -> torch.Tensor:
     """(n, 5) uniforms in [0, 1) -> (n, 2, 3) affine matrices in `affine_grid`'s normalised coordinates
     (output -> input): zoom, rotation, shift x, shift y, mirror. A fixed u gives a fixed view, which is how a
-    cached view is recomputed exactly (`models.distill_data.view`)."""
+    cached view is recomputed exactly (`models.training.distill_data.view`)."""
     scale = 1 - jitter.scale + 2 * jitter.scale * u[:, 0]
     angle = (2 * u[:, 1] - 1) * jitter.rotate_deg * (math.pi / 180)
     shift = (2 * u[:, 2:4] - 1) * 2 * jitter.shift

@@ -78,7 +78,7 @@ def train_epoch(model: torch.nn.Module, loader: Iterable[Any], optimiser: torch.
                 regulariser: Callable[[], torch.Tensor] | None = None,
                 extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                 after_step: Callable[[], None] | None = None) -> dict:
-    """One supervised pass of a model with `losses(x, y, extra)` (models.face_model.FaceModel); returns mean loss
+    """One supervised pass of a model with `losses(x, y, extra)` (networks.face_model.FaceModel); returns mean loss
     and accuracy (margin-free logits).
 
     `regulariser` adds a term to every step's loss (FedProx's proximal term on devices); `extra(emb, x)` a term

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from models.pretrained import sha256_of as file_sha256
+from models.networks.pretrained import sha256_of as file_sha256
 
-WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"
 SHIPPED_WEIGHTS = WEIGHTS_DIR / "face_embedder.safetensors"
 MODEL_CARD = WEIGHTS_DIR / "MODEL_CARD.md"
 # sha256 of SHIPPED_WEIGHTS: a test pins it, and loading refuses a file that differs.
@@ -88,7 +88,7 @@ def load_face_embedder(path: Path | None = None):
     """A torch FaceEmbedder with the shipped (or given) weights."""
     import torch
 
-    from models.backbone import FaceEmbedder
+    from models.networks.backbone import FaceEmbedder
 
     state, _ = read_embedder_numpy(path)
     model = FaceEmbedder(128, 1.0, pretrained=False)
@@ -100,7 +100,7 @@ def write_default_onnx(out: Path) -> Path:
     """The face embedder as a device-ready ONNX file, built from the weights with numpy and onnx (no torch)."""
     import onnx
 
-    from models.embedder_onnx import build_embedder_onnx
+    from models.networks.embedder_onnx import build_embedder_onnx
 
     weights = shipped_weights()
     state, metadata = read_embedder_numpy(weights)

@@ -50,7 +50,7 @@ def load_embedder(path: str | Path, personalised: bool = False, threads: int | N
         from models.runtime import OnnxEmbedder
 
         return OnnxEmbedder(path, threads)
-    from models.face_model import load_checkpoint
+    from models.networks.face_model import load_checkpoint
 
     model, _ = load_checkpoint(path)
     return TorchEmbedder(model, personalised)

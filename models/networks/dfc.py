@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.train_loop import Step, optimise
+from models.training.loop import Step, optimise
 
 
 def sphereface2_g(z: torch.Tensor, t: float) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.cli_common import deprecated_alias
+from models.cli.common import deprecated_alias
 from protocol.codecs import CODECS, TOPK_FRACTION
 from protocol.messages import ALGORITHMS, TrainingConfig
 

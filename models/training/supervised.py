@@ -21,17 +21,17 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from models.crop_batches import CropDataset, frozen_copy, frozen_features, train_loader
 from models.evaluation.evaluate import verification
-from models.face_model import FaceModel, ModelConfig, load_checkpoint, save_checkpoint
 from models.faces import augment
 from models.faces.crops import FaceCrops
 from models.faces.splits import TrainingSplit
-from models.fast_step import accelerate, optimiser_options
-from models.heads import imprint, inverse_frequency_weights
-from models.hfmaml import anchored_to
-from models.tracking import NullTracker, Tracker
-from models.train_loop import train_epoch
+from models.networks.face_model import FaceModel, ModelConfig, load_checkpoint, save_checkpoint
+from models.networks.heads import imprint, inverse_frequency_weights
+from models.training.crop_batches import CropDataset, frozen_copy, frozen_features, train_loader
+from models.training.fast_step import accelerate, optimiser_options
+from models.training.hfmaml import anchored_to
+from models.training.loop import train_epoch
+from models.training.tracking import NullTracker, Tracker
 
 
 @dataclass
@@ -50,11 +50,11 @@ class TrainConfig:
     dfc: bool = False
     dfc_weight: float = 1.0
     class_weighted: bool = False
-    imprint_head: bool = True          # class centres from the starting model's features (models.heads.imprint)
+    imprint_head: bool = True          # class centres from the starting model's features (networks.heads.imprint)
     anchor_weight: float | None = None  # C of the anchor to the starting embedder; None: 10 from face weights, else 0
     seed: int = 0
     max_eval_pairs: int = 100_000
-    precision: str = "auto"            # the trunk's training dtype (models.fast_step): auto | bf16 | fp32
+    precision: str = "auto"            # the trunk's training dtype (models.training.fast_step): auto | bf16 | fp32
     progress: bool = True
     extra: dict = field(default_factory=dict)
 

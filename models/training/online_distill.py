@@ -1,11 +1,11 @@
 """`ffr pretrain --online`: distillation with the teacher in the loop, for a GPU (and tested on CPU).
 
-The cached path (`models.pretraining`) embeds two views per image once, because on 2 CPU cores
+The cached path (`models.training.pretraining`) embeds two views per image once, because on 2 CPU cores
 the teacher costs more than a student step. On a GPU the teacher is cheap, so here every step
 draws a fresh geometric view of each crop and asks the teacher (converted to torch,
-`models.torch_teacher`) for that exact view (Beyer et al., CVPR 2022, "consistent" teaching).
-The crops live on the device as one uint8 tensor, augmentation runs there (`models.online_views`),
-the student's trunk runs in bf16 autocast, channels_last, with a fused AdamW (`models.fast_step`).
+`models.networks.torch_teacher`) for that exact view (Beyer et al., CVPR 2022, "consistent" teaching).
+The crops live on the device as one uint8 tensor, augmentation runs there (`models.training.online_views`),
+the student's trunk runs in bf16 autocast, channels_last, with a fused AdamW (`models.training.fast_step`).
 
 A run may be bounded by wall time (`budget_minutes`): the learning rate then decays with the
 fraction of the budget spent rather than of the steps (Li et al., "Budget-constrained training",
@@ -25,19 +25,19 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from models.distillation import distillation_loss
-from models.face_weights import save_embedder
-from models.online_views import ViewJitter, geometric_views, photometric, student_input
-from models.pretraining import PretrainConfig, schedule_done, scheduled_lr
-from models.train_loop import Means, Step, optimise
+from models.networks.face_weights import save_embedder
+from models.training.distillation import distillation_loss
+from models.training.loop import Means, Step, optimise
+from models.training.online_views import ViewJitter, geometric_views, photometric, student_input
+from models.training.pretraining import PretrainConfig, schedule_done, scheduled_lr
 
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
 
 
 def load_training_crops(data: list[str], size: int, threads: int, progress: bool) -> tuple[np.ndarray, list[str]]:
-    """Crops from folders of images and/or crop packs (`models.crop_pack`), in the order given."""
-    from models.crop_pack import is_pack, unpack_crops
-    from models.distill_data import list_images, load_crops
+    """Crops from folders of images and/or crop packs (`models.training.crop_pack`), in the order given."""
+    from models.training.crop_pack import is_pack, unpack_crops
+    from models.training.distill_data import list_images, load_crops
 
     images, names = [], []
     for item in map(Path, data):
@@ -57,8 +57,8 @@ class OnlineDistiller:
     """State and steps of one online distillation run; `fit` is its loop."""
 
     def __init__(self, config: PretrainConfig, out: Path, teacher=None):
-        from models.fast_step import accelerate, optimiser_options
-        from models.pretraining import CROP_SIZE, student
+        from models.training.fast_step import accelerate, optimiser_options
+        from models.training.pretraining import CROP_SIZE, student
 
         self.config, self.out = config, Path(out)
         self.teacher_agreement: float | None = None
@@ -92,8 +92,8 @@ class OnlineDistiller:
 
     def _teacher(self, check_crops: np.ndarray):
         """The ONNX teacher, converted to torch and checked against ONNX Runtime on real crops before it teaches."""
-        from models.teacher import TeacherSpec, load_teacher
-        from models.torch_teacher import check_against_onnx, to_torch
+        from models.networks.teacher import TeacherSpec, load_teacher
+        from models.networks.torch_teacher import check_against_onnx, to_torch
 
         spec = TeacherSpec(**self.config.teacher_spec) if self.config.teacher_spec else None
         onnx_teacher = load_teacher(self.config.teacher, threads=self.config.threads, spec=spec)
@@ -146,7 +146,7 @@ class OnlineDistiller:
             target = self.teacher(views)
         x = student_input(photometric(views / 255.0, self.generator))
         self.model.train()
-        student = self.model(x)  # the trunk in bf16 where the hardware has it (models.fast_step)
+        student = self.model(x)  # the trunk in bf16 where the hardware has it (models.training.fast_step)
         loss, parts = distillation_loss(student.float(), target, self.config.sim_weight)
         return Step(loss, 1.0, {**parts, "lr": self._current_lr})
 

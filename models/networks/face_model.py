@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.backbone import FaceEmbedder
-from models.dfc import DFCBranch, personalised_embedding
-from models.face_weights import INITS, check_face_init, face_global_state, load_face_embedder
-from models.heads import build_head
+from models.networks.backbone import FaceEmbedder
+from models.networks.dfc import DFCBranch, personalised_embedding
+from models.networks.face_weights import INITS, check_face_init, face_global_state, load_face_embedder
+from models.networks.heads import build_head
 
 SHAREABLE_PREFIX = "backbone."
 

@@ -14,7 +14,7 @@ import cv2
 import numpy as np
 from tqdm import tqdm
 
-from models.distill_data import list_images, load_crops
+from models.training.distill_data import list_images, load_crops
 
 PACK_SUFFIX = ".npz"
 MAX_PACKED_IMAGES = 1_000_000   # a hostile pack cannot make us allocate without bound
