@@ -108,7 +108,7 @@ def add_broker_options(p: argparse.ArgumentParser, default: str | None) -> None:
 
 def add_gate_options(p: argparse.ArgumentParser) -> None:
     """The quality gate's options (coordinator.quality_gate), shared by `ffr coordinator serve` and `ffr fleet`."""
-    from coordinator.quality_gate import DEFAULT_LIMIT, GateSettings
+    from coordinator.quality_gate import GateSettings
 
     d = GateSettings()
     g = p.add_argument_group("quality gate (each new global model is scored on the coordinator's faces before it "
@@ -124,8 +124,7 @@ def add_gate_options(p: argparse.ArgumentParser) -> None:
                         f"threshold (default {d.far_ratio:g})")
     g.add_argument("--gate-auc-margin", type=float, default=d.auc_margin,
                    help=f"... or loses more than this much AUC (default {d.auc_margin:g})")
-    g.add_argument("--gate-faces", type=int, default=DEFAULT_LIMIT,
-                   help=f"faces scored, at most (default {DEFAULT_LIMIT})")
+    g.add_argument("--gate-faces", type=int, default=d.limit, help=f"faces scored, at most (default {d.limit})")
     g.add_argument("--no-gate", action="store_true", help="publish without the quality gate (not for deployments)")
 
 

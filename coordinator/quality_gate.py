@@ -20,30 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from models.evaluation.separation import FaceSet, Scores, compare, score
+from models.evaluation.separation import FaceSet, Scores, SeparationSettings, score
 
 log = logging.getLogger("coordinator")
-DEFAULT_LIMIT = 400  # faces: 80k impostor pairs, a FAR of 1e-3 measured on ~80 of them; ~3 s per model on 2 cores
 
 
-@dataclass
-class GateSettings:
-    far: float = 1e-3          # the operating point devices calibrate for
-    far_ratio: float = 2.0     # the candidate may accept at most this x the current model's impostors there
-    auc_margin: float = 0.01   # ... and lose at most this much AUC
-    limit: int = DEFAULT_LIMIT
-    seed: int = 0
-    threads: int | None = None
-
-    def __post_init__(self):
-        if not 0 < self.far < 0.5:
-            raise ValueError(f"gate FAR must be in (0, 0.5), got {self.far}")
-        if self.far_ratio < 1:
-            raise ValueError(f"gate FAR ratio must be at least 1, got {self.far_ratio}")
-        if not 0 <= self.auc_margin < 1:
-            raise ValueError(f"gate AUC margin must be in [0, 1), got {self.auc_margin}")
-        if self.limit < 3:
-            raise ValueError(f"the gate needs at least 3 faces, got a limit of {self.limit}")
+GateSettings = SeparationSettings  # the gate's bar: the spec's defaults
 
 
 @dataclass
@@ -61,8 +43,7 @@ class QualityGate:
         s = self.settings
         if self._current is None or self._current[0] != current_sha:
             self._current = (current_sha, score(current_state, self.faces, s.threads))
-        verdict = compare(self._current[1], score(candidate_state, self.faces, s.threads), s.far, s.far_ratio,
-                          s.auc_margin)
+        verdict = s.judge(self._current[1], score(candidate_state, self.faces, s.threads))
         metrics = {f"gate_{k}": v for k, v in verdict.metrics.items()}
         return ("" if verdict.ok else f"quality gate: {verdict.reason}"), metrics
 

@@ -14,38 +14,34 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from models.evaluation.separation import FaceSet, Verdict, compare, score
+from models.evaluation.separation import FaceSet, SeparationSettings, Verdict, score
 
 log = logging.getLogger("edge_client")
 ADOPTED_METRIC = "global_adopted"  # 1: the announced model passed the device's check, 0: it kept its last
 ADOPTED_FILE = "adopted.safetensors"  # its hash is kept in the device's sealed settings
 
 
-@dataclass(frozen=True)
-class AdoptionSettings:
-    far: float = 1e-2          # a device has few impostor pairs: its operating point is measured at 1e-2
-    far_ratio: float = 3.0     # ... and judged with more slack than the coordinator's larger set
-    auc_margin: float = 0.02
-    own_images: int = 160
-    public_images: int = 80
+# a device has few impostor pairs: its operating point is measured at 1e-2 and judged with more slack than the
+# coordinator's larger set; `limit`: the device's own faces scored, at most
+ADOPTION = SeparationSettings(far=1e-2, far_ratio=3.0, auc_margin=0.02, limit=160)
+PUBLIC_IMAGES = 80  # public negatives added to them, at most
 
 
 def check_faces(images: np.ndarray, labels: np.ndarray, public: np.ndarray | None,
-                settings: AdoptionSettings = AdoptionSettings(), seed: int = 0) -> FaceSet | None:
-    """The device's people (at most `own_images`, every person kept with two or more) and up to `public_images`
+                settings: SeparationSettings = ADOPTION, seed: int = 0) -> FaceSet | None:
+    """The device's people (at most `settings.limit`, every person kept with two or more) and up to PUBLIC_IMAGES
     public negatives, each its own person; None when there is no impostor pair to judge by."""
     rng = np.random.default_rng(seed)
     people = [rng.permutation(np.flatnonzero(labels == k)) for k in np.unique(labels)]
-    per_person = max(2, settings.own_images // max(1, len(people)))
+    per_person = max(2, settings.limit // max(1, len(people)))
     own = np.sort(np.concatenate([p[:per_person] for p in people if len(p) >= 2] or [np.zeros(0, int)]))
     parts, ids = [images[own]], [labels[own].astype(np.int64)]
     if public is not None and len(public):
-        chosen = rng.choice(len(public), min(settings.public_images, len(public)), replace=False)
+        chosen = rng.choice(len(public), min(PUBLIC_IMAGES, len(public)), replace=False)
         extra = public[chosen]
         if extra.shape[1:] != images.shape[1:]:
             import cv2
@@ -64,7 +60,7 @@ class Adoption:
     hash the device's sealed settings hold for it (edge_client.recognizer.Settings), so that a file swapped on
     disk cannot become the reference a poisoned model is judged against."""
 
-    def __init__(self, folder: Path, settings: AdoptionSettings = AdoptionSettings(), sealed: str | None = None):
+    def __init__(self, folder: Path, settings: SeparationSettings = ADOPTION, sealed: str | None = None):
         self.folder, self.settings, self.sealed = Path(folder), settings, sealed
         self.weights, self.record = self.folder / "adopted.safetensors", self.folder / "adopted.json"
 
@@ -96,8 +92,7 @@ class Adoption:
         if last is not None and last[0] == sha:
             return Verdict(True, "", {})
         if last is not None and faces is not None:
-            s = self.settings
-            verdict = compare(score(last[1], faces), score(state, faces), s.far, s.far_ratio, s.auc_margin)
+            verdict = self.settings.judge(score(last[1], faces), score(state, faces))
             if not verdict.ok:
                 return verdict
         else:

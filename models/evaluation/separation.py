@@ -25,6 +25,35 @@ from models.evaluation.thresholds import threshold_at_far
 
 BACKBONE_PREFIX = "backbone."
 DEGENERATE_THRESHOLD = 0.98  # a current model whose FAR threshold is this high maps every face to about one point
+DEFAULT_LIMIT = 400  # faces: 80k impostor pairs, a FAR of 1e-3 measured on ~80 of them; ~3 s per model on 2 cores
+
+
+@dataclass(frozen=True)
+class SeparationSettings:
+    """The bar a candidate model must clear against the current one (`compare`), and the faces it is judged on.
+    One spec for both ends: the defaults are the coordinator's quality gate; a device judges with more slack
+    (`edge_client.adoption.ADOPTION`)."""
+
+    far: float = 1e-3          # the operating point devices calibrate for
+    far_ratio: float = 2.0     # the candidate may accept at most this x the current model's impostors there
+    auc_margin: float = 0.01   # ... and lose at most this much AUC
+    limit: int = DEFAULT_LIMIT  # faces scored, at most
+    seed: int = 0              # which faces, when there are more than `limit`
+    threads: int | None = None
+
+    def __post_init__(self):
+        if not 0 < self.far < 0.5:
+            raise ValueError(f"gate FAR must be in (0, 0.5), got {self.far}")
+        if self.far_ratio < 1:
+            raise ValueError(f"gate FAR ratio must be at least 1, got {self.far_ratio}")
+        if not 0 <= self.auc_margin < 1:
+            raise ValueError(f"gate AUC margin must be in [0, 1), got {self.auc_margin}")
+        if self.limit < 3:
+            raise ValueError(f"the gate needs at least 3 faces, got a limit of {self.limit}")
+
+    def judge(self, current: Scores, candidate: Scores) -> Verdict:
+        """`compare` at this bar."""
+        return compare(current, candidate, self.far, self.far_ratio, self.auc_margin)
 
 
 @dataclass(frozen=True)
