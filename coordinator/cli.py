@@ -15,25 +15,34 @@ from models.cli.objective import (
 
 
 def cmd_coordinator_serve(args) -> int:
-    from coordinator.service import ServiceConfig, serve
-    from models.cli.objective import training_config
+    from coordinator.service import serve
 
     public = {}
     if args.public_set is not None:
         from coordinator.public_set import announce_public_set, public_set_url
 
         public = announce_public_set(args.public_set, public_set_url(args.http_host, args.http_port, args.public_url))
-    training = training_config(args, chunk_bytes=args.chunk_kib * 1024, **public)
-    if training.hard_negatives and not public:
+    config, settings = serve_spec(args, public)
+    if settings.training.hard_negatives and not public:
         print("hard negatives are on but this coordinator serves no public set (--public-set): each device needs "
               "its own (`ffr edge run --public-set FILE`)", flush=True)
+    return serve(config, settings, exit_when_done=args.exit_when_done, docs=args.api_docs)
+
+
+def serve_spec(args, public: dict | None = None):
+    """(`ServiceConfig`, `RoundSettings`) from `ffr coordinator serve`'s options; `public`: the announced public
+    set's fields of `TrainingConfig` (public_set_url, _sha256, _bytes), when it serves one."""
+    from coordinator.service import ServiceConfig
+    from models.cli.objective import training_config
+
+    training = training_config(args, chunk_bytes=args.chunk_kib * 1024, **(public or {}))
     settings = round_settings(args, training, min_clients=args.min_clients)
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
                            init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls,
                            public_set=args.public_set, gate_data=args.gate_data, gate=gate_settings(args, args.seed),
                            no_gate=args.no_gate)
-    return serve(config, settings, exit_when_done=args.exit_when_done, docs=args.api_docs)
+    return config, settings
 
 
 def round_settings(args, training, **fixed):

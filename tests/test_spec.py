@@ -88,3 +88,143 @@ def test_a_hostile_run_config_is_refused_in_one_line(tmp_path, text):
     with pytest.raises(ValueError, match="is damaged or was not written by ffr fleet simulate") as caught:
         SimConfig.load(tmp_path / "config.json")
     assert len(str(caught.value).splitlines()) == 1
+
+
+# --- the flags, checked against the spec (issue 28: "the CLI flags ... checked against it") ---------------------
+# Each option of `ffr fleet simulate` and `ffr coordinator serve` is given a value other than its default, the spec
+# is built as the command builds it, and the spec fields that moved are that flag's concept. Spec fields no flag of
+# a command reaches are listed here with the reason, so a new field without a flag fails until it is declared.
+FIXED = {  # spec fields neither command takes a flag for
+    "server.training.pfm_beta": "PFM's beta: --server-momentum's devices' share, fixed by the method",
+    "server.training.dfc_views": "the DFC fit's views: fixed",
+    "server.training.embedding_dim": "the shipped embedder's width (128): a model choice, not a round's",
+    "server.max_update_bytes": "a deployment bound",
+    "server.max_inflight_bytes": "a deployment bound",
+    "server.errors_per_minute": "a deployment bound",
+    "server.weight_factor": "a deployment bound",
+    "server.model_dtype": "the wire's weight type",
+    "server.dp_noise": "reached with --dp-clip only (DP needs a clipping norm)",
+    "gate.threads": "the machine's",
+}
+NOT_FLAGS = {  # ... and those `ffr fleet simulate` has none for
+    **FIXED,
+    "server.training.public_set_url": "a simulation's devices read the public set from --public-data",
+    "server.training.public_set_sha256": "a simulation's devices read the public set from --public-data",
+    "server.training.public_set_bytes": "a simulation's devices read the public set from --public-data",
+    "server.min_clients": "1: a simulated fleet is its own quorum",
+    "server.training.chunk_bytes": "serve: --chunk-kib; a simulation keeps the default",
+    "split": "train/val/test fractions: fixed",
+    "max_eval_pairs": "fixed",
+    "progress": "the global -q",
+    "rules": "a JSON file's contents (--rules FILE)",
+}
+SERVE_NOT_FLAGS = {  # ... and those `ffr coordinator serve` has none for
+    **FIXED,
+    "server.training.public_set_url": "set from the served public set (--public-set), not typed",
+    "server.training.public_set_sha256": "set from the served public set, not typed",
+    "server.training.public_set_bytes": "set from the served public set, not typed",
+    "service.tick_seconds": "the service's clock",
+    "service.start_paused": "the dashboard's and tests' (POST /api/pause)",
+}
+CLI_DEFAULTS = {"method": "fedprox", "server.training.algorithm": "fedprox",  # DEFAULT_METHOD in every command
+                "server.min_clients": 1}  # a simulated fleet is its own quorum
+
+
+def _subparser(parser, *path):
+    import argparse
+
+    for name in path:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return parser
+
+
+def _values(action) -> list[list[str]]:
+    """Command-line tails giving `action` a value other than its default (empty: none can be made up)."""
+    import argparse
+
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+        return [[s] for s in action.option_strings]
+    if action.choices:
+        return [[action.option_strings[0], str(c)] for c in action.choices if c != action.default]
+    numbers = {int: [2, 3, 1, 5], float: [0.5, 2, 0.25, 1e-3, 3]}.get(action.type)
+    if numbers is not None:
+        return [[action.option_strings[0], str(v)] for v in numbers if v != action.default]
+    if action.type in (None, str) or getattr(action.type, "__name__", "") == "Path":
+        return [[action.option_strings[0], "somewhere"]]
+    return []
+
+
+def _simulate_spec(argv):
+    from fleet.config import dotted
+
+    return dotted(_config(build_parser().parse_args(["fleet", "simulate", "--out", "/nowhere", *argv])).to_dict())
+
+
+def _serve_spec(argv):
+    from dataclasses import asdict
+
+    from coordinator.cli import serve_spec
+    from fleet.config import dotted
+
+    config, settings = serve_spec(build_parser().parse_args(["coordinator", "serve", "--state", "/nowhere", *argv]))
+    service = {f"service.{k}": v for k, v in asdict(config).items() if k != "gate"}
+    return {**service, **dotted({"gate": asdict(config.gate), "server": settings.to_dict()})}
+
+
+def _reach(command: tuple[str, ...], spec) -> tuple[dict, dict[str, set[str]]]:
+    """(the spec with no options, {flag: the spec fields it moves})."""
+    import argparse
+
+    base = spec([])
+    reach = {}
+    for action in _subparser(build_parser(), *command)._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
+            continue
+        moved = set()
+        for tail in _values(action):
+            try:
+                built = spec(tail)
+            except (SystemExit, ValueError, OSError):  # a value the option refuses (or a file that is not there)
+                continue
+            moved |= {k for k, v in built.items() if v != base.get(k)}
+        reach[action.option_strings[-1]] = moved
+    return base, reach
+
+
+@pytest.mark.parametrize("command, spec, exempt", [(("fleet", "simulate"), _simulate_spec, set(NOT_FLAGS)),
+                                                   (("coordinator", "serve"), _serve_spec, set(SERVE_NOT_FLAGS))])
+def test_every_spec_field_has_a_flag_and_no_concept_has_two(command, spec, exempt, capsys):
+    base, reach = _reach(command, spec)
+    capsys.readouterr()
+    reached = set().union(*reach.values())
+    assert set(base) - reached <= exempt, f"spec fields no flag of {' '.join(command)} sets (give them one, or " \
+                                          f"say why in NOT_FLAGS): {sorted(set(base) - reached - exempt)}"
+    assert not exempt & reached, f"declared flagless but a flag sets them: {sorted(exempt & reached)}"
+    single = {}
+    for flag, moved in reach.items():
+        if len(moved) == 1:
+            single.setdefault(next(iter(moved)), []).append(flag)
+    negations = {f for f in reach if f.startswith("--no-")}
+    twice = {field: flags for field, flags in single.items() if len(set(flags) - negations) > 1}
+    assert not twice, f"one spec field, several flags: {twice}"
+
+
+def test_a_flag_both_commands_take_moves_the_same_spec_fields():
+    _, simulate = _reach(("fleet", "simulate"), _simulate_spec)
+    _, serve = _reach(("coordinator", "serve"), _serve_spec)
+    def strip(fields: set[str]) -> set[str]:  # serve nests ServiceConfig; `method` is a simulated run's label
+        return {f.removeprefix("service.") for f in fields} - {"method"}
+
+    for flag in sorted(set(simulate) & set(serve) - {"--init", "--broker"}):  # a simulation's own fleet / broker
+        assert strip(serve[flag]) == strip(simulate[flag]), flag
+
+
+def test_with_no_options_the_spec_is_the_specs_defaults(tmp_path):
+    """The flags' defaults are the spec's: parsed with no options, only the documented CLI choices differ."""
+    from fleet.config import dotted
+
+    parsed = _simulate_spec([])
+    defaults = dotted(SimConfig().to_dict())
+    differ = {k: (defaults.get(k), parsed.get(k)) for k in set(parsed) | set(defaults)
+              if parsed.get(k) != defaults.get(k)}
+    assert differ == {k: (defaults[k], v) for k, v in CLI_DEFAULTS.items()}
