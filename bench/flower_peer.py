@@ -22,65 +22,44 @@ from pathlib import Path
 import numpy as np
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, type=Path, help="a finished `ffr fleet simulate` run folder")
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--workers", type=int, default=2, help="clients trained at once (Ray actors)")
-    args = parser.parse_args(argv)
-
-    import torch
-    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.serverapp.strategy import FedAvg
-    from flwr.simulation import run_simulation
-    from safetensors.torch import load_file, save_file
-
-    from edge_client.local_training import train_round
-    from fleet.config import SimConfig
-    from fleet.data import TRAIN, prepare
-    from models.evaluation.evaluate import verification
+def _write_private_crops(data, clients: list[int], private_dir: Path) -> None:
+    """Each client's training crops, written once: Ray actors read their own file, not the whole dataset."""
+    from fleet.data import TRAIN
     from models.faces.splits import relabel
-    from models.networks.face_model import (
-        FaceModel,
-        ModelConfig,
-        from_numpy_state,
-        global_embedder,
-        initial_global_state,
-        private_state,
-        shareable_state,
-    )
 
-    config = SimConfig.load(args.run / "config.json")
-    config.progress = False
-    local = config.training  # the simulated devices' local round, as the fleet run sent it
-    data = prepare(config, args.run)
-    clients = data.training_clients
-    private_dir = args.run / "flower_private"
     private_dir.mkdir(exist_ok=True)
-    stats = {"bytes_down": 0, "bytes_up": 0, "round_started": [], "round_s": [], "train_s": [], "aggregation_s": []}
-
-    # each client's training crops, written once: Ray actors read their own file, not the whole dataset
     for k in clients:
         crops = data.union(TRAIN, [k])
         crops = relabel(crops, np.unique(crops.labels))
         np.savez(private_dir / f"client-{k:03d}.npz", images=crops.images, labels=crops.labels,
                  identities=np.array(crops.identities))
 
-    def client_crops(k: int):
-        from models.faces.crops import CropReport, FaceCrops
 
-        with np.load(private_dir / f"client-{k:03d}.npz") as saved:
-            return FaceCrops(saved["images"], saved["labels"], saved["identities"].tolist(), [], CropReport())
+def _client_crops(private_dir: Path, k: int):
+    from models.faces.crops import CropReport, FaceCrops
 
+    with np.load(private_dir / f"client-{k:03d}.npz") as saved:
+        return FaceCrops(saved["images"], saved["labels"], saved["identities"].tolist(), [], CropReport())
+
+
+def _client_app(config, clients: list[int], private_dir: Path):
+    """Flower's client: one local round of this project's `train_round`; the private head and DFC stay on disk."""
+    import torch
+    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from safetensors.torch import load_file, save_file
+
+    from edge_client.local_training import train_round
+    from models.networks.face_model import FaceModel, ModelConfig, private_state, shareable_state
+
+    local = config.training  # the simulated devices' local round, as the fleet run sent it
     client_app = ClientApp()
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
         torch.set_num_threads(1)
         k = clients[int(context.node_config["partition-id"])]
-        crops = client_crops(k)
+        crops = _client_crops(private_dir, k)
         model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=local.width_mult, pretrained=False,
                                       dfc=local.dfc, dfc_weight=local.dfc_weight))
         saved = private_dir / f"client-{k:03d}.safetensors"
@@ -98,9 +77,14 @@ def main(argv: list[str] | None = None) -> int:
                                                        "num-examples": result.n_samples})})
         return Message(content=content, reply_to=msg)
 
-    class TimedFedAvg(FedAvg):
-        """Flower's FedAvg, counting the arrays it sends and receives and timing each round."""
+    return client_app
 
+
+def _timed_fedavg(stats: dict):
+    """Flower's FedAvg, counting the arrays it sends and receives and timing each round into `stats`."""
+    from flwr.serverapp.strategy import FedAvg
+
+    class TimedFedAvg(FedAvg):
         def configure_train(self, server_round, arrays, config_record, grid):
             stats["round_started"].append(time.perf_counter())
             messages = list(super().configure_train(server_round, arrays, config_record, grid))
@@ -117,36 +101,75 @@ def main(argv: list[str] | None = None) -> int:
             stats["round_s"].append(time.perf_counter() - stats["round_started"][-1])
             return out
 
-    final = {}
+    return TimedFedAvg
+
+
+def _server_app(config, n_clients: int, rounds: int, stats: dict, final: dict):
+    """Flower's server: FedAvg from the fleet run's starting model for its rounds; the result goes to `final`."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context
+    from flwr.serverapp import Grid, ServerApp
+
+    from models.networks.face_model import from_numpy_state, initial_global_state
+
     server_app = ServerApp()
 
     @server_app.main()
     def main_fn(grid: Grid, context: Context) -> None:
-        initial = initial_global_state(local.width_mult, 128, config.init)
-        strategy = TimedFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=len(clients),
-                               min_available_nodes=len(clients))
+        initial = initial_global_state(config.training.width_mult, 128, config.init)
+        strategy = _timed_fedavg(stats)(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=n_clients,
+                                        min_available_nodes=n_clients)
         started = time.perf_counter()
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(from_numpy_state(initial)),
-                                train_config=ConfigRecord({}),
-                                num_rounds=sum(h["round"] > 0 for h in  # round 0 is the starting model
-                                               json.loads((args.run / "state.json").read_text())["history"]))
+                                train_config=ConfigRecord({}), num_rounds=rounds)
         final["seconds"] = time.perf_counter() - started
         final["arrays"] = result.arrays
 
+    return server_app
+
+
+def _figures(stats: dict, final: dict, wall: float, n_clients: int, report: dict) -> dict:
+    rounds = len(stats["round_s"])
+    return {"framework": "flwr", "rounds": rounds, "clients": n_clients, "wall_seconds": wall,
+            "strategy_seconds": final["seconds"], "round_seconds_mean": float(np.mean(stats["round_s"])),
+            "bytes_down": stats["bytes_down"], "bytes_up": stats["bytes_up"],
+            "bytes_up_per_round": stats["bytes_up"] / max(1, rounds),
+            "train_seconds_mean": float(np.mean(stats["train_s"])),
+            "aggregation_seconds_mean": float(np.mean(stats["aggregation_s"])),
+            "global_auc": report.get("auc"), "global_eer": report.get("eer")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True, type=Path, help="a finished `ffr fleet simulate` run folder")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--workers", type=int, default=2, help="clients trained at once (Ray actors)")
+    args = parser.parse_args(argv)
+
+    from flwr.simulation import run_simulation
+
+    from fleet.config import SimConfig
+    from fleet.data import prepare
+    from models.evaluation.evaluate import verification
+    from models.networks.face_model import global_embedder
+
+    config = SimConfig.load(args.run / "config.json")
+    config.progress = False
+    data = prepare(config, args.run)
+    clients = data.training_clients
+    private_dir = args.run / "flower_private"
+    _write_private_crops(data, clients, private_dir)
+    history = json.loads((args.run / "state.json").read_text())["history"]
+    rounds = sum(h["round"] > 0 for h in history)  # round 0 is the starting model
+    stats = {"bytes_down": 0, "bytes_up": 0, "round_started": [], "round_s": [], "train_s": [], "aggregation_s": []}
+    final = {}
     started = time.perf_counter()
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=len(clients),
+    run_simulation(server_app=_server_app(config, len(clients), rounds, stats, final),
+                   client_app=_client_app(config, clients, private_dir), num_supernodes=len(clients),
                    backend_config={"client_resources": {"num_cpus": max(1, (os.cpu_count() or 2) // args.workers)}})
     wall = time.perf_counter() - started
-    model = global_embedder(final["arrays"].to_torch_state_dict(), local.width_mult)  # integer buffers cast back
+    model = global_embedder(final["arrays"].to_torch_state_dict(), config.training.width_mult)  # int buffers back
     report, _ = verification(model, data.holdout(), config.max_eval_pairs, config.seed)
-    rounds = len(stats["round_s"])
-    out = {"framework": "flwr", "rounds": rounds, "clients": len(clients), "wall_seconds": wall,
-           "strategy_seconds": final["seconds"], "round_seconds_mean": float(np.mean(stats["round_s"])),
-           "bytes_down": stats["bytes_down"], "bytes_up": stats["bytes_up"],
-           "bytes_up_per_round": stats["bytes_up"] / max(1, rounds),
-           "train_seconds_mean": float(np.mean(stats["train_s"])),
-           "aggregation_seconds_mean": float(np.mean(stats["aggregation_s"])),
-           "global_auc": report.get("auc"), "global_eer": report.get("eer")}
+    out = _figures(stats, final, wall, len(clients), report)
     args.out.write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
     return 0
