@@ -36,7 +36,7 @@ from coordinator.store import Store
 from coordinator.update_filters import update_filter
 from coordinator.update_intake import UpdateIntake
 from coordinator.validation import FederatedValidation
-from coordinator.validation_round import ValidationPhase
+from coordinator.validation_round import NoValidation, ValidationPhase
 from protocol import topics
 from protocol.auth import Signer
 from protocol.codecs import layout
@@ -94,7 +94,7 @@ class Engine:
         self.fv = FederatedValidation(settings.fv_candidates, settings.fv_phi, settings.fv_epsilon, settings.seed,
                                       dict(robust.get("fv_factors", {})))
         self.validation = ValidationPhase(self.fv, self.broadcast, self._tell, settings.weight_factor,
-                                          settings.fv_timeout_s)
+                                          settings.fv_timeout_s) if settings.fv else NoValidation()
         if strategy.stateful:  # FedAvgM's velocity, PFM's global momentum
             strategy.state = store.load_strategy_state()
         self._publish_model()
@@ -285,16 +285,13 @@ class Engine:
         current = self.current
         if not (current.done == set(current.participants) or self.now() >= current.deadline):
             return
-        mean_delta = None
-        if current.validation is not None:
-            if not self.validation.ready(current, self.now()):
-                return
-            mean_delta = self.validation.finish(current)
+        if self.validation.holding(current, self.now()):
+            return
+        mean_delta = self.validation.release(current)
         dropped = len(current.participants) - len(current.done)
         enough = len(current.done) >= min(self.settings.min_clients, len(current.participants)) and current.done
-        if enough and mean_delta is None and self.settings.fv and self.validators and len(current.done) >= 2:
-            deltas = [self.aggregator.load_delta(current, d) for d in sorted(current.done)]
-            self.validation.start(current, deltas, self.global_state, self.validators, self.now())
+        if enough and mean_delta is None and self.validation.hold(current, self.aggregator.load_delta,
+                                                                  self.global_state, self.validators, self.now()):
             return
         if enough:
             self._aggregate(current, dropped, mean_delta)

@@ -23,7 +23,28 @@ log = logging.getLogger("coordinator")
 State = dict[str, np.ndarray]
 
 
+class NoValidation:
+    """Federated Validation off: a round goes from quorum straight to aggregation, and a score is refused."""
+
+    def holding(self, current: OpenRound, now: float) -> bool:
+        return False
+
+    def release(self, current: OpenRound) -> State | None:
+        return None
+
+    def hold(self, current: OpenRound, load_delta: Callable[[OpenRound, str], State], global_state: State,
+             validators: set[str], now: float) -> bool:
+        return False
+
+    def on_score(self, current: OpenRound | None, device_id: str, score: ValidationScore) -> None:
+        raise MessageError(f"round {score.round_id} is not being validated")
+
+
 class ValidationPhase:
+    """The stage between quorum and aggregation the engine asks, in order: is the round `holding` (candidates
+    out, scores still coming)? what does it `release` (the validated mean delta, once)? should it `hold` a round
+    that has just reached quorum?"""
+
     def __init__(self, fv: FederatedValidation, broadcast: ModelBroadcast, tell: Callable[[str, object], None],
                  weight_factor: float, timeout_s: float):
         self.fv, self.broadcast, self.tell = fv, broadcast, tell
@@ -54,6 +75,21 @@ class ValidationPhase:
                                         means)
         log.info("round %d: %d candidate weightings sent to %d validator(s)", current.round_id, len(candidates),
                  len(validators))
+
+    def holding(self, current: OpenRound, now: float) -> bool:
+        return current.validation is not None and not self.ready(current, now)
+
+    def release(self, current: OpenRound) -> State | None:
+        """The round's mean delta under the validated weighting, when it was validated; None otherwise."""
+        return self.finish(current) if current.validation is not None else None
+
+    def hold(self, current: OpenRound, load_delta: Callable[[OpenRound, str], State], global_state: State,
+             validators: set[str], now: float) -> bool:
+        """At quorum, with validators online and two or more updates to weigh: send the candidates and hold."""
+        if not validators or len(current.done) < 2:
+            return False
+        self.start(current, [load_delta(current, d) for d in sorted(current.done)], global_state, validators, now)
+        return True
 
     def on_score(self, current: OpenRound | None, device_id: str, score: ValidationScore) -> None:
         validation = current.validation if current is not None else None
