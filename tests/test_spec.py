@@ -95,8 +95,8 @@ def test_a_hostile_run_config_is_refused_in_one_line(tmp_path, text):
 # is built as the command builds it, and the spec fields that moved are that flag's concept. Spec fields no flag of
 # a command reaches are listed here with the reason, so a new field without a flag fails until it is declared.
 FIXED = {  # spec fields neither command takes a flag for
-    "server.training.pfm_beta": "PFM's beta: --server-momentum's devices' share, fixed by the method",
-    "server.training.dfc_views": "the DFC fit's views: fixed",
+    "server.training.pfm_beta": "PFM's momentum beta (FedFace eq. 1-3): the paper's 0.9",
+    "server.training.dfc_views": "views of each image for the DFC fit: 2",
     "server.training.embedding_dim": "the shipped embedder's width (128): a model choice, not a round's",
     "server.max_update_bytes": "a deployment bound",
     "server.max_inflight_bytes": "a deployment bound",
