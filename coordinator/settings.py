@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from coordinator.robust import COMBINERS
+from models.typed_fields import check_types
 from protocol.messages import TrainingConfig
 
 ROUND_TIMEOUT_S = 3600.0  # devices on phones train when they can; the simulator's rounds take turns on a few cores
@@ -44,6 +45,7 @@ class RoundSettings:
 
     def __post_init__(self):
         """Settings that cannot work are refused here, named as `ffr coordinator serve` spells them."""
+        check_types(self)
         checks = [(self.rounds >= 1, f"--rounds must be at least 1 (got {self.rounds})"),
                   (self.min_clients >= 1, f"--min-clients must be at least 1 (got {self.min_clients})"),
                   (0 < self.fraction <= 1, f"--fraction must be in (0, 1] (got {self.fraction:g})"),
@@ -51,6 +53,13 @@ class RoundSettings:
                   (0 <= self.trim < 0.5, f"--trim must be in [0, 0.5) (got {self.trim:g})"),
                   (self.norm_factor > 0 and self.norm_ceiling > 0, "--norm-factor and --norm-ceiling must be positive"),
                   (self.dp_noise >= 0, f"--dp-noise must not be negative (got {self.dp_noise:g})"),
+                  (0 < self.dp_delta < 1, f"--dp-delta must be in (0, 1) (got {self.dp_delta:g})"),
+                  (0 <= self.server_momentum < 1,
+                   f"--server-momentum must be in [0, 1) (got {self.server_momentum:g})"),
+                  (self.byzantine is None or self.byzantine >= 0, "--byzantine must not be negative"),
+                  (self.max_update_bytes > 0 and self.max_inflight_bytes > 0 and self.errors_per_minute >= 0
+                   and self.weight_factor > 0, "the update size limits and weight factor must be positive"),
+                  (self.fv_epsilon >= 0, f"--fv-epsilon must not be negative (got {self.fv_epsilon:g})"),
                   (self.fv_timeout_s > 0 and self.fv_candidates >= 2, "--fv-timeout must be positive and "
                                                                        "--fv-candidates at least 2"),
                   (0 < self.fv_phi <= 1, f"--fv-phi must be in (0, 1] (got {self.fv_phi:g})"),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from coordinator.quality_gate import GateSettings
 from coordinator.settings import RoundSettings
+from models.typed_fields import check_types
 from protocol.messages import TrainingConfig
 
 # Options that may change between an interrupted run and its resumption; all others must match.
@@ -153,6 +154,7 @@ class SimConfig:
         config = cls(**{k: v for k, v in raw.items() if k in known}, server=RoundSettings.from_dict(raw["server"]),
                      gate=GateSettings(**raw.get("gate", {})))
         config.split = tuple(config.split)
+        check_types(config)
         return config
 
     @classmethod

@@ -81,7 +81,10 @@ def test_method_names_the_aggregation_and_the_local_objective(tmp_path, method, 
 
 @pytest.mark.parametrize("text", ["[1, 2]", "{not json", '{"server": 3}', '{"server": {"training": {"lr": 99}}}',
                                   '{"server": {"rounds": -1}}', '{"gate": {"far": 2}, "server": {}}',
-                                  '{"split": 5, "server": {}}', '{"server": {"training": {"evil": 1}}}'])
+                                  '{"split": 5, "server": {}}', '{"server": {"training": {"evil": 1}}}',
+                                  '{"server": {"rounds": 2.5}}', '{"server": {"seed": "x"}}',
+                                  '{"server": {"max_update_bytes": -1}}', '{"gate": {"threads": [1]}, "server": {}}',
+                                  '{"clients": "many", "server": {}}', '{"server": {"fv": 1}}'])
 def test_a_hostile_run_config_is_refused_in_one_line(tmp_path, text):
     """config.json is read back from the run folder: whatever is written there, loading refuses it plainly."""
     (tmp_path / "config.json").write_text(text)

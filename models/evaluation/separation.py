@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.evaluation.thresholds import threshold_at_far
+from models.typed_fields import check_types
 
 BACKBONE_PREFIX = "backbone."
 DEGENERATE_THRESHOLD = 0.98  # a current model whose FAR threshold is this high maps every face to about one point
@@ -42,6 +43,9 @@ class SeparationSettings:
     threads: int | None = None
 
     def __post_init__(self):
+        check_types(self)
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"gate threads must be at least 1, got {self.threads}")
         if not 0 < self.far < 0.5:
             raise ValueError(f"gate FAR must be in (0, 0.5), got {self.far}")
         if self.far_ratio < 1:
