@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from coordinator.engine import ROUND_TIMEOUT_S
-from models.cli.common import add_init_option
+from models.cli.common import Owned, add_init_option, given, refuse_unowned
 from models.cli.objective import (
     add_codec_options,
     add_local_training_options,
@@ -51,13 +51,28 @@ def round_settings(args, training, **fixed):
     command decides itself (the quorum)."""
     from coordinator.settings import RoundSettings
 
-    return RoundSettings(rounds=args.rounds, fraction=args.fraction, round_timeout_s=args.round_timeout,
-                         training=training, server_momentum=args.server_momentum, seed=args.seed,
-                         combine=args.combine, trim=args.trim, byzantine=args.byzantine,
-                         norm_factor=args.norm_factor, norm_ceiling=args.norm_ceiling, norm_action=args.norm_action,
-                         dp_noise=args.dp_noise, dp_delta=args.dp_delta, fv=args.fv or args.method == "fedface",
-                         fv_candidates=args.fv_candidates, fv_phi=args.fv_phi, fv_epsilon=args.fv_epsilon,
-                         fv_timeout_s=args.fv_timeout, **fixed)
+    own = given(args, ROUND_OWNED)
+    if "fv_timeout" in own:
+        own["fv_timeout_s"] = own.pop("fv_timeout")
+    settings = RoundSettings(rounds=args.rounds, fraction=args.fraction, round_timeout_s=args.round_timeout,
+                             training=training, seed=args.seed, combine=args.combine, norm_factor=args.norm_factor,
+                             norm_ceiling=args.norm_ceiling, norm_action=args.norm_action, dp_noise=args.dp_noise,
+                             fv=args.fv or args.method == "fedface", **own, **fixed)
+    refuse_unowned(args, ROUND_OWNED, settings)
+    return settings
+
+
+# Each rule's own settings (models.cli.common.Owned): given while the rule is off, refused
+ROUND_OWNED: dict[str, Owned] = {
+    "--server-momentum": Owned("--method fedavgm", lambda s: s.training.algorithm == "fedavgm"),
+    "--trim": Owned("--combine trimmed-mean", lambda s: s.combine == "trimmed-mean"),
+    "--byzantine": Owned("--combine krum", lambda s: s.combine == "krum"),
+    "--dp-delta": Owned("--dp-noise", lambda s: s.dp_noise > 0, argv=("--dp-clip", "1", "--dp-noise", "1")),
+    "--fv-candidates": Owned("--fv", lambda s: s.fv),
+    "--fv-phi": Owned("--fv", lambda s: s.fv),
+    "--fv-epsilon": Owned("--fv", lambda s: s.fv),
+    "--fv-timeout": Owned("--fv", lambda s: s.fv),
+}
 
 
 def add_round_options(p: argparse.ArgumentParser, validators: str) -> None:
@@ -74,7 +89,7 @@ def add_round_options(p: argparse.ArgumentParser, validators: str) -> None:
     g.add_argument("--combine", choices=COMBINERS, default="mean",
                    help="how updates are combined: the weighted mean (FedAvg), a coordinate-wise trimmed mean or "
                         "median, or Multi-Krum (default mean)")
-    g.add_argument("--trim", type=float, default=0.2, help="trimmed mean: fraction dropped at each end (default 0.2)")
+    g.add_argument("--trim", type=float, help="trimmed mean: fraction dropped at each end (default 0.2)")
     g.add_argument("--byzantine", type=int, help="Krum: devices assumed malicious (default (n - 3) / 2)")
     g.add_argument("--norm-factor", type=float, default=3.0,
                    help="an update's norm may be at most this x the median of recent ones (default 3)")
@@ -86,15 +101,15 @@ def add_round_options(p: argparse.ArgumentParser, validators: str) -> None:
     g.add_argument("--dp-clip", type=float, help="devices clip their update to this L2 norm; updates weigh the same")
     g.add_argument("--dp-noise", type=float, default=0.0,
                    help="noise multiplier z: N(0, (z * clip / n)^2) is added to the mean (default 0: none)")
-    g.add_argument("--dp-delta", type=float, default=1e-5, help="delta at which epsilon is reported (default 1e-5)")
+    g.add_argument("--dp-delta", type=float, help="delta at which epsilon is reported (default 1e-5)")
     g = p.add_argument_group("Federated Validation (FedFace; coordinator.validation)")
     g.add_argument("--fv", action="store_true",
                    help=f"{validators} score candidate aggregation weightings every round (they send only the "
                         "score; they do not train)")
-    g.add_argument("--fv-candidates", type=int, default=3, help="T: candidate weightings per round (default 3)")
-    g.add_argument("--fv-phi", type=float, default=0.01, help="eq. 13's smoothing rate phi (default 0.01)")
-    g.add_argument("--fv-epsilon", type=float, default=1e-3, help="eq. 8's epsilon (default 1e-3)")
-    g.add_argument("--fv-timeout", type=float, default=120.0, help="seconds validators have per round (default 120)")
+    g.add_argument("--fv-candidates", type=int, help="T: candidate weightings per round (default 3)")
+    g.add_argument("--fv-phi", type=float, help="eq. 13's smoothing rate phi (default 0.01)")
+    g.add_argument("--fv-epsilon", type=float, help="eq. 8's epsilon (default 1e-3)")
+    g.add_argument("--fv-timeout", type=float, help="seconds validators have per round (default 120)")
 
 
 def cmd_coordinator_admit(args) -> int:

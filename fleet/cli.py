@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from models.cli.common import HOLDOUT_IDENTITIES, add_init_option, deprecated_alias
+from models.cli.common import HOLDOUT_IDENTITIES, Owned, add_init_option, deprecated_alias, given, refuse_unowned
 from models.faces.datasets import LAYOUTS
 
 PARTITIONS = ("iid", "dirichlet", "lognormal", "equal", "attribute")
@@ -23,13 +23,13 @@ def _partition_options(p: argparse.ArgumentParser, data_required: bool) -> None:
     g.add_argument("--clients", type=int, default=10, help="number of simulated devices (default 10)")
     g.add_argument("--partition", choices=PARTITIONS, default="iid",
                    help="how identities are spread over devices (default iid)")
-    g.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
+    g.add_argument("--alpha", type=float, help="Dirichlet concentration (default 0.5)")
     g.add_argument("--alpha-x100", action="store_true",
                    help="multiply alpha by 100, as the design document's code does")
-    mu = g.add_argument("--lognormal-mu", type=float, default=3.0, metavar="MU", help="lognormal partition's mu")
+    mu = g.add_argument("--lognormal-mu", type=float, metavar="MU", help="lognormal partition's mu (default 3)")
     deprecated_alias(g, "--mu", mu, note=" (the lognormal partition's; FedProx's weight is --prox-mu)")
-    sigma = g.add_argument("--lognormal-sigma", type=float, default=3.0, metavar="SIGMA",
-                           help="lognormal partition's sigma")
+    sigma = g.add_argument("--lognormal-sigma", type=float, metavar="SIGMA",
+                           help="lognormal partition's sigma (default 3)")
     deprecated_alias(g, "--sigma", sigma)
     g.add_argument("--rules", type=Path,
                    help='attribute rules, JSON: [{"where": {"Male": 1}}, {"where": {"Male": -1}}]')
@@ -61,7 +61,9 @@ def _config(args):
     from fleet.config import SimConfig
     from models.cli.objective import training_config
 
-    values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}
+    values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)
+              and f"--{f.name.replace('_', '-')}" not in SIM_OWNED}
+    values.update(given(args, SIM_OWNED))
     values["rules"] = json.loads(args.rules.read_text()) if args.rules else None
     if getattr(args, "cache_dir", None) is not None:
         values["crop_cache"] = str(args.cache_dir)
@@ -70,7 +72,21 @@ def _config(args):
         values["gate"] = gate_settings(args, args.seed)
     else:
         values["server"] = replace(SimConfig().server, seed=args.seed)
-    return SimConfig(**values)
+    config = SimConfig(**values)
+    refuse_unowned(args, SIM_OWNED, config)
+    return config
+
+
+# The simulation's own owned settings (models.cli.common.Owned): given while their owner is off, refused
+SIM_OWNED: dict[str, Owned] = {
+    "--alpha": Owned("--partition dirichlet", lambda c: c.partition == "dirichlet"),
+    "--lognormal-mu": Owned("--partition lognormal", lambda c: c.partition == "lognormal"),
+    "--lognormal-sigma": Owned("--partition lognormal", lambda c: c.partition == "lognormal"),
+    "--attack": Owned("--malicious", lambda c: c.malicious > 0, argv=("--malicious", "0.2")),
+    "--fv-validators": Owned("--fv", lambda c: c.server.fv),
+    "--cpus-per-device": Owned("--backend ray", lambda c: c.backend == "ray"),
+    "--gpus-per-device": Owned("--backend ray", lambda c: c.backend == "ray"),
+}
 
 
 def cmd_partition(args) -> int:
@@ -169,10 +185,10 @@ def add_commands(fsub) -> None:
     g = p.add_argument_group("attacks (malicious devices, against the coordinator's defences)")
     g.add_argument("--malicious", type=float, default=0.0,
                    help="fraction of training clients that poison their updates (default 0)")
-    g.add_argument("--attack", choices=ATTACKS, default="scaled",
-                   help="what they send: scaled (1000x delta), sign-flip (-10x delta), wipe (-global, 10^15 samples), "
-                        "collapse (pull all embeddings together from inside the norm bound, largest accepted "
-                        "sample count)")
+    g.add_argument("--attack", choices=ATTACKS,
+                   help="what they send (default scaled): scaled (1000x delta), sign-flip (-10x delta), wipe "
+                        "(-global, 10^15 samples), collapse (pull all embeddings together from inside the norm "
+                        "bound, largest accepted sample count)")
     add_gate_options(p)
     g = p.add_argument_group("simulation")
     g.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR); an existing one is resumed")
@@ -187,8 +203,8 @@ def add_commands(fsub) -> None:
     g.add_argument("--dashboard-port", type=int,
                    help="serve the coordinator's dashboard at http://127.0.0.1:PORT/dashboard while the run goes on "
                         "(the address with its token is printed)")
-    g.add_argument("--cpus-per-device", type=float, default=1.0, help="CPUs Ray reserves per device turn (default 1)")
-    g.add_argument("--gpus-per-device", type=float, default=0.0, help="GPUs Ray reserves per device turn (default 0)")
+    g.add_argument("--cpus-per-device", type=float, help="CPUs Ray reserves per device turn (default 1)")
+    g.add_argument("--gpus-per-device", type=float, help="GPUs Ray reserves per device turn (default 0)")
     g.add_argument("--broker", help="use this MQTT broker (mqtt://HOST:PORT) instead of an embedded mosquitto")
     add_detector_option(g)
     g.add_argument("--synthetic-identities", type=int, default=60, help="without --data: SYNTHETIC identities")
@@ -201,7 +217,7 @@ def add_commands(fsub) -> None:
     deprecated_alias(g, "--no-centralized", central)
     g.add_argument("--impostor-images", type=int, default=300,
                    help="other clients' test images each client's verifier is tried against (default 300)")
-    g.add_argument("--fv-validators", type=int, default=1, help="held-out clients that validate")
+    g.add_argument("--fv-validators", type=int, help="held-out clients that validate (default 1)")
     g.add_argument("--tune-steps", type=int, default=0,
                    help="also measure each client's global model after this many local batches on its training "
                         "images ('tuned', as the HF-MAML paper evaluates; it uses 5; default 0: off)")

@@ -14,24 +14,72 @@ from models.cli.objective import training_config
 from protocol.messages import TrainingConfig
 
 SHARED = ["--rounds", "3", "--fraction", "0.5", "--round-timeout", "60", "--method", "fedprox", "--prox-mu", "0.2",
-          "--server-momentum", "0.5", "--local-epochs", "2", "--batch-size", "8", "--lr", "0.001", "--no-dfc",
-          "--width-mult", "0.5", "--codec", "int8", "--combine", "median", "--norm-factor", "2", "--norm-ceiling",
-          "0.2", "--dp-delta", "1e-6", "--fv-candidates", "4", "--fv-phi", "0.5", "--fv-epsilon", "0.01",
-          "--fv-timeout", "30", "--t-hn", "0.2", "--tau", "0.3", "--dfc-steps", "7", "--seed", "5"]
+          "--local-epochs", "2", "--batch-size", "8", "--lr", "0.001", "--width-mult", "0.5", "--codec", "int8",
+          "--combine", "median", "--norm-factor", "2", "--norm-ceiling", "0.2", "--hard-negatives", "--t-hn", "0.2",
+          "--contrastive", "--tau", "0.3", "--dfc-steps", "7", "--seed", "5"]
+SHARED_FV_DP = ["--method", "fedavgm", "--server-momentum", "0.5", "--no-dfc", "--fv", "--fv-candidates", "4",
+                "--fv-phi", "0.5", "--fv-epsilon", "0.01", "--fv-timeout", "30", "--dp-clip", "2", "--dp-noise", "0.5",
+                "--dp-delta", "1e-6", "--codec", "topk", "--topk-fraction", "0.3"]
 
 
-def test_serve_and_simulate_read_the_same_flags_into_the_same_spec(tmp_path):
+@pytest.mark.parametrize("shared", [SHARED, SHARED_FV_DP])
+def test_serve_and_simulate_read_the_same_flags_into_the_same_spec(tmp_path, shared):
     """Every option both commands take builds the same RoundSettings and TrainingConfig: one name, one meaning."""
     parser = build_parser()
-    serve = parser.parse_args(["coordinator", "serve", "--state", str(tmp_path / "s"), *SHARED])
-    fleet = parser.parse_args(["fleet", "simulate", "--out", str(tmp_path / "r"), *SHARED])
+    serve = parser.parse_args(["coordinator", "serve", "--state", str(tmp_path / "s"), *shared])
+    fleet = parser.parse_args(["fleet", "simulate", "--out", str(tmp_path / "r"), *shared])
     served = round_settings(serve, training_config(serve), min_clients=1).to_dict()
     simulated = _config(fleet).server.to_dict()
     assert served["training"].pop("chunk_bytes") == 256 * 1024  # `serve --chunk-kib`, which a simulation lacks
     simulated["training"].pop("chunk_bytes")
     assert served == simulated
-    assert simulated["rounds"] == 3 and simulated["training"]["lr"] == 0.001 and simulated["combine"] == "median"
-    assert simulated["training"]["algorithm"] == "fedprox" and simulated["training"]["prox_mu"] == 0.2
+    if shared is SHARED:
+        assert simulated["rounds"] == 3 and simulated["training"]["lr"] == 0.001 and simulated["combine"] == "median"
+        assert simulated["training"]["algorithm"] == "fedprox" and simulated["training"]["prox_mu"] == 0.2
+        assert simulated["training"]["t_hn"] == 0.2 and simulated["training"]["tau"] == 0.3
+    else:
+        assert simulated["server_momentum"] == 0.5 and simulated["fv_phi"] == 0.5 and simulated["dp_delta"] == 1e-6
+        assert simulated["fv_timeout_s"] == 30 and simulated["training"]["topk_fraction"] == 0.3
+
+
+# Issue 28: a method, technique or rule takes only its own settings; given while its owner is off, one is refused
+@pytest.mark.parametrize("argv, flag, owner", [
+    (["--method", "fedavg", "--prox-mu", "0.2"], "--prox-mu", "--method fedprox"),
+    (["--server-momentum", "0.5"], "--server-momentum", "--method fedavgm"),
+    (["--method", "fedfr", "--maml-beta", "0.1"], "--maml-beta", "--method hfmaml"),
+    (["--method", "fedfr", "--no-hard-negatives", "--t-hn", "0.1"], "--t-hn", "--hard-negatives"),
+    (["--tau", "0.3"], "--tau", "--contrastive"),
+    (["--no-dfc", "--dfc-steps", "7"], "--dfc-steps", "--dfc"),
+    (["--topk-fraction", "0.3"], "--topk-fraction", "--codec topk"),
+    (["--combine", "median", "--trim", "0.1"], "--trim", "--combine trimmed-mean"),
+    (["--byzantine", "1"], "--byzantine", "--combine krum"),
+    (["--dp-delta", "1e-6"], "--dp-delta", "--dp-noise"),
+    (["--fv-phi", "0.5"], "--fv-phi", "--fv"),
+])
+def test_a_setting_whose_owner_is_off_is_refused_in_one_line(tmp_path, capsys, argv, flag, owner):
+    from ffr.cli import main
+
+    for command in (["coordinator", "serve", "--state", str(tmp_path / "s")],
+                    ["fleet", "simulate", "--out", str(tmp_path / "r")]):
+        assert main(["-q", *command, *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"{flag} has no effect without {owner}" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("argv, flag, owner", [
+    (["--alpha", "0.1"], "--alpha", "--partition dirichlet"),
+    (["--partition", "dirichlet", "--lognormal-sigma", "2"], "--lognormal-sigma", "--partition lognormal"),
+    (["--attack", "wipe"], "--attack", "--malicious"),
+    (["--fv-validators", "2"], "--fv-validators", "--fv"),
+    (["--cpus-per-device", "2"], "--cpus-per-device", "--backend ray"),
+])
+def test_a_simulation_setting_whose_owner_is_off_is_refused(tmp_path, capsys, argv, flag, owner):
+    from ffr.cli import main
+
+    assert main(["-q", "fleet", "simulate", "--out", str(tmp_path / "r"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{flag} has no effect without {owner}" in err and len(err.splitlines()) == 1, err
 
 
 def test_the_spec_round_trips_and_resuming_refuses_only_what_may_not_change(tmp_path):
@@ -174,22 +222,34 @@ def _serve_spec(argv):
     return {**service, **dotted({"gate": asdict(config.gate), "server": settings.to_dict()})}
 
 
+def _owned() -> dict:
+    """Every option that is some owner's own setting (models.cli.common.Owned), with that owner."""
+    from coordinator.cli import ROUND_OWNED
+    from fleet.cli import SIM_OWNED
+    from models.cli.objective import OWNED
+
+    return {**OWNED, **ROUND_OWNED, **SIM_OWNED}
+
+
 def _reach(command: tuple[str, ...], spec) -> tuple[dict, dict[str, set[str]]]:
-    """(the spec with no options, {flag: the spec fields it moves})."""
+    """(the spec with no options, {flag: the spec fields it moves}); an owner's own setting is moved with its owner
+    on, against the spec with only the owner on."""
     import argparse
 
-    base = spec([])
+    base, owned = spec([]), _owned()
     reach = {}
     for action in _subparser(build_parser(), *command)._actions:
         if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
             continue
+        owner = owned[action.option_strings[0]].turn_on() if action.option_strings[0] in owned else []
+        start = spec(owner) if owner else base
         moved = set()
         for tail in _values(action):
             try:
-                built = spec(tail)
+                built = spec([*owner, *tail])
             except (SystemExit, ValueError, OSError):  # a value the option refuses (or a file that is not there)
                 continue
-            moved |= {k for k, v in built.items() if v != base.get(k)}
+            moved |= {k for k, v in built.items() if v != start.get(k)}
         reach[action.option_strings[-1]] = moved
     return base, reach
 

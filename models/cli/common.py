@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -79,3 +82,35 @@ def add_init_option(p, what: str) -> None:
                           help=f"{what}: face (the shipped face-pretrained embedder, default), imagenet "
                                "(ImageNet MobileNetV2), none (random)")
     deprecated_alias(p, "--no-pretrained", init, const="none")
+
+
+@dataclass(frozen=True)
+class Owned:
+    """An option that means something only while its owner is on: a method's, a technique's or a rule's own setting.
+
+    Given while its owner is off it would be ignored, so the command refuses it in one line instead (issue 28: each
+    choice takes only its own settings). Such options default to None, which leaves the spec's own default."""
+
+    needs: str                   # the owner, as the user turns it on: "--method fedprox"
+    on: Callable[[Any], bool]    # whether the part the command built has the owner on
+    argv: tuple[str, ...] = ()   # options that turn the owner on (default: `needs` split), for tests and examples
+
+    def turn_on(self) -> list[str]:
+        return list(self.argv or self.needs.split())
+
+
+def dest(flag: str) -> str:
+    """argparse's destination for a long option."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def given(args, flags) -> dict:
+    """{destination: value} of those options the user gave (None: not given, the spec's default stands)."""
+    return {dest(f): getattr(args, dest(f)) for f in flags if getattr(args, dest(f), None) is not None}
+
+
+def refuse_unowned(args, owned: dict[str, Owned], built) -> None:
+    """Raise ValueError, one line, for the first option given whose owner is off in `built`."""
+    for flag, owner in owned.items():
+        if getattr(args, dest(flag), None) is not None and not owner.on(built):
+            raise ValueError(f"{flag} has no effect without {owner.needs} (drop it, or use {owner.needs})")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.cli.common import deprecated_alias
+from models.cli.common import Owned, deprecated_alias, given, refuse_unowned
 from protocol.codecs import CODECS, TOPK_FRACTION
 from protocol.messages import ALGORITHMS, TrainingConfig
 
@@ -18,6 +18,22 @@ DEFAULT_METHOD = "fedprox"  # the design document's choice, in every command
 SERVER_FEDAVG = ("fedfr", "hfmaml")  # local objectives whose rounds the coordinator aggregates with FedAvg
 FEDFR_DFC_WEIGHT = 10.0  # alpha_3 of eq. 7
 DFC_WEIGHT = 1.0         # this project's default beside FedAvg/FedProx
+SPEC = TrainingConfig()  # the flags' defaults are the spec's
+
+# Each method's and technique's own settings: given while their owner is off, the command refuses them
+OWNED: dict[str, Owned] = {
+    "--prox-mu": Owned("--method fedprox", lambda t: t.algorithm == "fedprox"),
+    "--maml-alpha": Owned("--method hfmaml", lambda t: t.hfmaml),
+    "--maml-beta": Owned("--method hfmaml", lambda t: t.hfmaml),
+    "--maml-delta": Owned("--method hfmaml", lambda t: t.hfmaml),
+    "--t-hn": Owned("--hard-negatives", lambda t: t.hard_negatives),
+    "--tau": Owned("--contrastive", lambda t: t.contrastive),
+    "--alpha-con": Owned("--contrastive", lambda t: t.contrastive),
+    "--dfc-weight": Owned("--dfc", lambda t: t.dfc),
+    "--dfc-steps": Owned("--dfc", lambda t: t.dfc),
+    "--dfc-lr": Owned("--dfc", lambda t: t.dfc),
+    "--topk-fraction": Owned("--codec topk", lambda t: t.codec == "topk"),
+}
 
 
 def add_method_options(group, public_flag: str, old_spelling: str) -> None:
@@ -31,34 +47,36 @@ def add_method_options(group, public_flag: str, old_spelling: str) -> None:
              "and DFC, at the paper's weights) | hfmaml (Hessian-free MAML local steps, FedAvg aggregation; add "
              "--embedding-reg C for eq. 4) | fedface (pfm + Federated Validation)")
     deprecated_alias(group, old_spelling, method)
-    prox = group.add_argument("--prox-mu", type=float, default=0.01, help="FedProx proximal weight mu")
+    prox = group.add_argument("--prox-mu", type=float,
+                              help=f"FedProx's proximal weight mu (default {SPEC.prox_mu:g}; --method fedprox)")
     if old_spelling == "--strategy":  # `ffr coordinator serve --mu` meant FedProx's mu
         deprecated_alias(group, "--mu", prox)
-    group.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM's server momentum")
+    group.add_argument("--server-momentum", type=float,
+                       help="FedAvgM's server momentum (default 0.9; --method fedavgm)")
 
 
 def add_objective_options(group) -> None:
     group.add_argument("--hard-negatives", action=argparse.BooleanOptionalAction, default=None,
                        help="sample hard negatives from the device's public set (default: on with --method fedfr)")
-    group.add_argument("--t-hn", type=float, default=0.4, help="hard-negative cosine threshold t_HN (default 0.4)")
+    group.add_argument("--t-hn", type=float, help=f"hard-negative cosine threshold t_HN (default {SPEC.t_hn:g})")
     group.add_argument("--contrastive", action=argparse.BooleanOptionalAction, default=None,
                        help="FedFR's contrastive regulariser, eq. 5 (default: on with --method fedfr)")
-    group.add_argument("--tau", type=float, default=0.5, help="contrastive temperature (default 0.5)")
+    group.add_argument("--tau", type=float, help=f"contrastive temperature (default {SPEC.tau:g})")
     group.add_argument("--alpha-cos", type=float, default=1.0, help="alpha_1: weight of the CosFace loss (default 1)")
-    group.add_argument(
-        "--alpha-con", type=float, default=5.0, help="alpha_2: weight of the contrastive term (default 5)"
-    )
-    group.add_argument("--dfc-steps", type=int, default=300,
-                       help="steps fitting the DFC branch on frozen features after local training (default 300)")
-    group.add_argument("--dfc-lr", type=float, default=1e-2, help="learning rate of that fit (default 1e-2)")
+    group.add_argument("--alpha-con", type=float,
+                       help=f"alpha_2: weight of the contrastive term (default {SPEC.alpha_con:g})")
+    group.add_argument("--dfc-steps", type=int, help="steps fitting the DFC branch on frozen features after local "
+                                                     f"training (default {SPEC.dfc_steps})")
+    group.add_argument("--dfc-lr", type=float, help=f"learning rate of that fit (default {SPEC.dfc_lr:g})")
     group.add_argument("--embedding-reg", type=float, default=0.0,
                        help="C: add C * (1 - cos(global embedding, local embedding)) to the local loss (the HF-MAML "
                             "paper's eq. 4; FedAvg/FedProx/HF-MAML; default 0: off)")
-    group.add_argument("--maml-alpha", type=float, default=0.01, help="HF-MAML inner step size alpha (default 0.01)")
-    group.add_argument("--maml-beta", type=float, default=0.01,
-                       help="HF-MAML outer step size beta (default 0.01, the paper's Tab. IV)")
-    group.add_argument("--maml-delta", type=float, default=1e-3,
-                       help="HF-MAML finite-difference step delta of the Hessian-vector product (default 1e-3)")
+    group.add_argument("--maml-alpha", type=float,
+                       help=f"HF-MAML inner step size alpha (default {SPEC.maml_alpha:g})")
+    group.add_argument("--maml-beta", type=float,
+                       help=f"HF-MAML outer step size beta (default {SPEC.maml_beta:g}, the paper's Tab. IV)")
+    group.add_argument("--maml-delta", type=float, help="HF-MAML finite-difference step delta of the Hessian-vector "
+                                                        f"product (default {SPEC.maml_delta:g})")
     group.add_argument("--imprint-head", action=argparse.BooleanOptionalAction, default=True,
                        help="each round, set the device's class centres to its people's mean embedding under the "
                             "received model before training (weight imprinting; default on)")
@@ -81,29 +99,30 @@ def training_config(args, **extra) -> TrainingConfig:
     `add_local_training_options`, `add_codec_options` and `add_objective_options` added; every command that runs
     rounds builds it here, so a flag means the same in each. `extra`: fields a command sets itself."""
     settings = objective_settings(args)
-    if not 0 < args.topk_fraction <= 1:  # the message names the pair; the bounds are TrainingConfig's
+    if not 0 < given(args, ["--topk-fraction"]).get("topk_fraction", TOPK_FRACTION) <= 1:  # TrainingConfig's bounds
         raise ValueError("--codec must be fp16, fp32, int8 or topk, and --topk-fraction in (0, 1]")
     if settings["hfmaml"] and (settings["hard_negatives"] or settings["contrastive"]):
         raise ValueError("--method hfmaml takes no hard negatives or contrastive term (FedFR's)")
     if args.embedding_reg and (args.method == "fedfr" or settings["hard_negatives"] or settings["contrastive"]):
         raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
-    return TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
-                          codec=args.codec, topk_fraction=args.topk_fraction, width_mult=args.width_mult,
-                          algorithm=aggregation_algorithm(args.method), prox_mu=args.prox_mu,
-                          dp_clip=args.dp_clip, **settings, **extra)
+    config = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
+                            codec=args.codec, width_mult=args.width_mult, algorithm=aggregation_algorithm(args.method),
+                            dp_clip=args.dp_clip, **given(args, ["--prox-mu", "--topk-fraction"]), **settings,
+                            **extra)
+    refuse_unowned(args, OWNED, config)
+    return config
 
 
 def objective_settings(args) -> dict:
-    """TrainingConfig fields for the chosen method and switches."""
+    """TrainingConfig fields for the chosen method and switches; a setting not given keeps the spec's default."""
     fedfr = args.method == "fedfr"
     dfc_weight = args.dfc_weight if args.dfc_weight is not None else (FEDFR_DFC_WEIGHT if fedfr else DFC_WEIGHT)
     return {"hard_negatives": fedfr if args.hard_negatives is None else args.hard_negatives,
             "contrastive": fedfr if args.contrastive is None else args.contrastive,
-            "t_hn": args.t_hn, "tau": args.tau, "alpha_cos": args.alpha_cos, "alpha_con": args.alpha_con,
-            "dfc_steps": args.dfc_steps, "dfc_lr": args.dfc_lr, "dfc_weight": dfc_weight,
-            "imprint_head": args.imprint_head, "hfmaml": args.method == "hfmaml",
-            "embedding_reg": args.embedding_reg, "maml_alpha": args.maml_alpha, "maml_beta": args.maml_beta,
-            "maml_delta": args.maml_delta}
+            "alpha_cos": args.alpha_cos, "dfc_weight": dfc_weight, "imprint_head": args.imprint_head,
+            "hfmaml": args.method == "hfmaml", "embedding_reg": args.embedding_reg,
+            **given(args, ["--t-hn", "--tau", "--alpha-con", "--dfc-steps", "--dfc-lr", "--maml-alpha",
+                           "--maml-beta", "--maml-delta"])}
 
 
 def aggregation_algorithm(method: str) -> str:
@@ -120,6 +139,6 @@ def add_codec_options(group) -> None:
                             "topk (the --topk-fraction largest coordinates; 15%% is about 1/8.8); int8 and topk keep "
                             "what they could not send on the device and add it to the next update (error feedback)")
     deprecated_alias(group, "--wire-dtype", codec)
-    group.add_argument("--topk-fraction", type=float, default=TOPK_FRACTION,
+    group.add_argument("--topk-fraction", type=float,
                        help=f"fraction of coordinates the topk codec sends (default {TOPK_FRACTION}: with their "
                             "bitmask, about 1/8.8 of fp32's bytes)")
