@@ -55,31 +55,24 @@ def test_serve_and_simulate_read_the_same_flags_into_the_same_spec(tmp_path, sha
     (["--byzantine", "1"], "--byzantine", "--combine krum"),
     (["--dp-delta", "1e-6"], "--dp-delta", "--dp-noise"),
     (["--fv-phi", "0.5"], "--fv-phi", "--fv"),
-])
-def test_a_setting_whose_owner_is_off_is_refused_in_one_line(tmp_path, capsys, argv, flag, owner):
-    from ffr.cli import main
-
-    for command in (["coordinator", "serve", "--state", str(tmp_path / "s")],
-                    ["fleet", "simulate", "--out", str(tmp_path / "r")]):
-        assert main(["-q", *command, *argv]) == 2
-        err = capsys.readouterr().err.strip()
-        assert f"{flag} has no effect without {owner}" in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()  # refused before anything was written
-
-
-@pytest.mark.parametrize("argv, flag, owner", [
-    (["--alpha", "0.1"], "--alpha", "--partition dirichlet"),
+    (["--alpha", "0.1"], "--alpha", "--partition dirichlet"),  # the simulation's own (no serve option)
     (["--partition", "dirichlet", "--lognormal-sigma", "2"], "--lognormal-sigma", "--partition lognormal"),
     (["--attack", "wipe"], "--attack", "--malicious"),
     (["--fv-validators", "2"], "--fv-validators", "--fv"),
     (["--cpus-per-device", "2"], "--cpus-per-device", "--backend ray"),
 ])
-def test_a_simulation_setting_whose_owner_is_off_is_refused(tmp_path, capsys, argv, flag, owner):
+def test_a_setting_whose_owner_is_off_is_refused_in_one_line(tmp_path, capsys, argv, flag, owner):
     from ffr.cli import main
+    from fleet.cli import SIM_OWNED
 
-    assert main(["-q", "fleet", "simulate", "--out", str(tmp_path / "r"), *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert f"{flag} has no effect without {owner}" in err and len(err.splitlines()) == 1, err
+    commands = [["fleet", "simulate", "--out", str(tmp_path / "r")]]
+    if flag not in SIM_OWNED:
+        commands.append(["coordinator", "serve", "--state", str(tmp_path / "s")])
+    for command in commands:
+        assert main(["-q", *command, *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"{flag} has no effect without {owner}" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()  # refused before anything was written
 
 
 def test_the_spec_round_trips_and_resuming_refuses_only_what_may_not_change(tmp_path):
