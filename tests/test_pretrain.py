@@ -161,3 +161,21 @@ def test_a_budgeted_run_stops_on_time_and_resumes_to_the_same_budget(tmp_path, s
     assert metrics["step"] < metrics["total_steps"]   # the budget, not the epochs, ended it
     assert main([*args, "--resume"]) == 0              # finished: a no-op
     assert json.loads((out / "metrics.json").read_text())["step"] == metrics["step"]
+
+
+@pytest.mark.parametrize("argv, flag, owner", [
+    (["--bank-weight", "2"], "--bank-weight", "--loss bank"),
+    (["--margin-weight", "2"], "--margin-weight", "--labelled DIR"),
+    (["--teacher-std", "127.5"], "--teacher-std", "--teacher FILE.onnx"),
+    (["--no-online", "--eval-every", "5"], "--eval-every", "--online"),
+    (["--stop-after-minutes", "1"], "--stop-after-minutes", "--online"),  # --device cpu: the cached path
+])
+def test_an_option_of_another_path_loss_or_teacher_is_refused_in_one_line(tmp_path, synthetic_dir, capsys, argv,
+                                                                          flag, owner):
+    """Issue 28: `ffr pretrain` takes only the chosen path's, loss's and teacher's own settings."""
+    from ffr.cli import main
+
+    assert main(["-q", "pretrain", "--data", str(synthetic_dir), "--out", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{flag} has no effect without {owner}" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()

