@@ -140,7 +140,7 @@ def _pretrain_config(args):
     """The one distillation spec (`models.training.pretraining.PretrainConfig`) from `ffr pretrain`'s options."""
     from models.training.pretraining import PretrainConfig
 
-    spec = {TEACHER_SPEC[k]: v for k, v in given(args, TEACHER_FLAGS).items()}  # not given: TeacherSpec's
+    spec = {TEACHER_FIELDS[k]: v for k, v in given(args, TEACHER_FLAGS).items()}  # not given: TeacherSpec's
     own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature"])
     if args.eval_every is not None:
         own["eval_every_steps"] = args.eval_every
@@ -155,12 +155,12 @@ def _pretrain_config(args):
 
 
 # `ffr pretrain`'s options that belong to one path, loss or teacher (models.cli.common.Owned): refused while it is off
-TEACHER_SPEC = {"teacher_size": "input_size", "teacher_color": "color", "teacher_mean": "mean", "teacher_std": "std"}
+TEACHER_FIELDS = {"teacher_size": "input_size", "teacher_color": "color", "teacher_mean": "mean", "teacher_std": "std"}
 TEACHER_FLAGS = ["--teacher-size", "--teacher-color", "--teacher-mean", "--teacher-std"]
-_ONNX_TEACHER = Owned("--teacher FILE.onnx", lambda a: str(a.teacher) != "sface", argv=("--teacher", "t.onnx"))
+_ONNX_TEACHER = Owned("--teacher FILE.onnx", lambda a: str(a.teacher) != "sface")
 PRETRAIN_OWNED: dict[str, Owned] = {
     **{flag: _ONNX_TEACHER for flag in TEACHER_FLAGS},
-    "--margin-weight": Owned("--labelled DIR", lambda a: bool(a.labelled), argv=("--labelled", "somewhere")),
+    "--margin-weight": Owned("--labelled DIR", lambda a: bool(a.labelled)),
     "--bank-weight": Owned("--loss bank", lambda a: a.loss == "bank"),
     "--bank-temperature": Owned("--loss bank", lambda a: a.loss == "bank"),
     "--stop-after-minutes": Owned("--online", lambda a: a.online),
