@@ -284,3 +284,27 @@ def test_with_no_options_the_spec_is_the_specs_defaults(tmp_path):
     differ = {k: (defaults.get(k), parsed.get(k)) for k in set(parsed) | set(defaults)
               if parsed.get(k) != defaults.get(k)}
     assert differ == {k: (defaults[k], v) for k, v in CLI_DEFAULTS.items()}
+
+
+def test_an_owned_options_help_states_the_specs_default():
+    """An owned option defaults to None (the spec's default stands), so its help is the one place the default is
+    shown: it must be the spec's, for every owned option of `ffr fleet simulate`."""
+    import re
+
+    by_field = {k.rsplit(".", 1)[-1]: v for k, v in _simulate_spec([]).items()}
+    owned = _owned()
+    checked = 0
+    for action in _subparser(build_parser(), "fleet", "simulate")._actions:
+        if not action.option_strings or action.option_strings[0] not in owned:
+            continue
+        assert action.default is None, f"{action.option_strings[0]} has a default of its own: {action.default}"
+        value = by_field[{"fv_timeout": "fv_timeout_s"}.get(action.dest, action.dest)]
+        if value is None:  # Krum's f: computed from the round's size
+            continue
+        stated = re.search(r"\(default ([-\w.]+?)[:;,)]", action.help)
+        assert stated, f"{action.option_strings[0]}'s help states no default"
+        text = stated.group(1)
+        assert (float(text) == float(value)) if not isinstance(value, str) else text == value, \
+            f"{action.option_strings[0]}: help says {text}, the spec {value}"
+        checked += 1
+    assert checked == len(owned) - 1  # every owned option but Krum's f
