@@ -42,7 +42,16 @@ def serve_spec(args, public: dict | None = None):
                            init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls,
                            public_set=args.public_set, gate_data=args.gate_data, gate=gate_settings(args, args.seed),
                            no_gate=args.no_gate)
+    refuse_unowned(args, SERVE_OWNED, config)
     return config, settings
+
+
+# The deployment's owned options: the embedded broker's, and a login for a broker that asks for one
+_EMBEDDED = Owned("the embedded broker", lambda c: c.broker is None, argv=(), fix="leave out --broker")
+_LOGIN = Owned("--broker URL", lambda c: c.broker is not None or not c.broker_acl, argv=("--broker", "mqtt://h:1"),
+               fix="use --broker URL; the embedded broker makes its own logins")
+SERVE_OWNED: dict[str, Owned] = {"--tls": _EMBEDDED, "--no-broker-acl": _EMBEDDED, "--username": _LOGIN,
+                                 "--password": _LOGIN}
 
 
 def round_settings(args, training, **fixed):

@@ -93,10 +93,11 @@ class Owned:
 
     needs: str                   # the owner, as the user turns it on: "--method fedprox"
     on: Callable[[Any], bool]    # whether the part the command built has the owner on
-    argv: tuple[str, ...] = ()   # options that turn the owner on (default: `needs` split), for tests and examples
+    argv: tuple[str, ...] | None = None  # options that turn the owner on (None: `needs` split), for tests
+    fix: str = ""                # how to turn the owner on, where it is not "use NEEDS"
 
     def turn_on(self) -> list[str]:
-        return list(self.argv or self.needs.split())
+        return self.needs.split() if self.argv is None else list(self.argv)
 
 
 def dest(flag: str) -> str:
@@ -104,13 +105,20 @@ def dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
+def _given(args, flag: str) -> bool:
+    """Whether the user gave `flag`: a value (None: not given) or a switch (False: not given)."""
+    value = getattr(args, dest(flag), None)
+    return value is not None and value is not False
+
+
 def given(args, flags) -> dict:
-    """{destination: value} of those options the user gave (None: not given, the spec's default stands)."""
-    return {dest(f): getattr(args, dest(f)) for f in flags if getattr(args, dest(f), None) is not None}
+    """{destination: value} of those options the user gave (not given, the spec's default stands)."""
+    return {dest(f): getattr(args, dest(f)) for f in flags if _given(args, f)}
 
 
 def refuse_unowned(args, owned: dict[str, Owned], built) -> None:
     """Raise ValueError, one line, for the first option given whose owner is off in `built`."""
     for flag, owner in owned.items():
-        if getattr(args, dest(flag), None) is not None and not owner.on(built):
-            raise ValueError(f"{flag} has no effect without {owner.needs} (drop it, or use {owner.needs})")
+        if _given(args, flag) and not owner.on(built):
+            raise ValueError(f"{flag} has no effect without {owner.needs} (drop it, or "
+                             f"{owner.fix or 'use ' + owner.needs})")
