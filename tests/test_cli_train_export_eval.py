@@ -53,6 +53,17 @@ def test_train_defaults_follow_the_design():
     assert args.init == "face"  # the shipped face-pretrained embedder
 
 
+@pytest.mark.parametrize("init", ["face", "none"])
+def test_an_imagenet_weights_file_without_init_imagenet_is_refused(tmp_path, synthetic_dir, capsys, init):
+    """`--weights` is ImageNet's starting file: beside the face weights or a random start it would silently replace
+    them, so it is refused in one line, before any data is read."""
+    rc = main(["-q", "train", "--data", str(synthetic_dir), "--out", str(tmp_path / "run"), "--init", init,
+               "--weights", str(tmp_path / "mobilenet_v2.pth"), "--no-mlflow"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "--weights has no effect without --init imagenet" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_existing_run_needs_resume_or_force(trained_run, synthetic_dir):
     with pytest.raises(SystemExit, match="--resume"):
         main(["-q", "train", "--data", str(synthetic_dir), "--out", str(trained_run), "--no-mlflow"])

@@ -84,11 +84,16 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+# `ffr train`'s owned option (models.cli.common.Owned): a torchvision ImageNet file is only ImageNet's start
+TRAIN_OWNED = {"--weights": Owned("--init imagenet", lambda a: a.init == "imagenet")}
+
+
 def cmd_train(args) -> int:
     from models.faces.splits import training_split
     from models.training.supervised import TrainConfig, Trainer
     from models.training.tracking import MlflowTracker, NullTracker, default_tracking_uri
 
+    refuse_unowned(args, TRAIN_OWNED, args)
     _set_threads(args.threads)
     out: Path = args.out
     if (out / "latest.pt").exists() and not (args.resume or args.force):
@@ -337,7 +342,8 @@ def add_commands(sub) -> None:
     p.add_argument("--aug", choices=("weak", "strong", "none"), default="weak", help="augmentation strength")
     p.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier")
     add_init_option(p, "starting model")
-    p.add_argument("--weights", type=Path, help="a local torchvision MobileNetV2 weights file to start from")
+    p.add_argument("--weights", type=Path,
+                   help="with --init imagenet: a local torchvision MobileNetV2 weights file to start from")
     p.add_argument("--anchor-weight", type=_non_negative, metavar="C",
                    help="pull towards the starting embedder, C * mean(1 - cos(f(x), f_start(x))), so fine-tuning on "
                         "a few people does not forget everyone else (default 10 with --init face, else 0)")
