@@ -30,6 +30,16 @@ from protocol.transport import BrokerAddress, make_client
 log = logging.getLogger("edge_client")
 
 
+def refuse_plaintext(address: BrokerAddress, credential: Credential, ca_file: str | None) -> None:
+    """A device whose credential names a TLS broker (or carries its CA), or that was given a CA file, never talks to
+    a plain mqtt:// address: a `--broker` override must not silently send its login and updates in the clear."""
+    expects = ("its credential's broker is TLS" if credential.ca_pem or BrokerAddress.parse(credential.broker).tls
+               else "--ca-file was given" if ca_file else None)
+    if expects and not address.tls:
+        raise ValueError(f"{address} is plain MQTT but {expects}: refusing to send the device's login and updates "
+                         "unencrypted (use the mqtts:// address)")
+
+
 class CoordinatorLink:
     def __init__(self, credential: Credential, home: DeviceHome, on_body: Callable[[object], None],
                  hello_facts: Callable[[], dict], broker: str | None = None, ca_file: str | None = None):
@@ -45,10 +55,11 @@ class CoordinatorLink:
         self.dropped_messages = 0
         self.last_error: str | None = None
         self.stopping = False
-        if credential.ca_pem and ca_file is None:
-            ca_file = str(home.write_ca(credential.ca_pem))
         self.address = BrokerAddress.parse(broker or credential.broker, credential.broker_username,
                                            credential.broker_password)
+        refuse_plaintext(self.address, credential, ca_file)
+        if credential.ca_pem and ca_file is None:
+            ca_file = str(home.write_ca(credential.ca_pem))
         self.client = make_client(f"ffr-edge-{self.device_id}", self.address, ca_file)
         self.client.on_connect = self._on_connect
         self.client.on_connect_fail = self._on_connect_fail

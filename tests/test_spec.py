@@ -63,6 +63,7 @@ def test_serve_and_simulate_read_the_same_flags_into_the_same_spec(tmp_path, sha
     (["--broker", "mqtt://127.0.0.1:1", "--tls"], "--tls", "the embedded broker"),  # serve's own (no simulate)
     (["--broker", "mqtt://127.0.0.1:1", "--no-broker-acl"], "--no-broker-acl", "the embedded broker"),
     (["--username", "me", "--password", "pw"], "--username", "--broker URL"),
+    (["--broker", "mqtt://127.0.0.1:1", "--ca-file", "ca.pem"], "--ca-file", "a TLS broker"),  # plaintext
 ])
 def test_a_setting_whose_owner_is_off_is_refused_in_one_line(tmp_path, capsys, argv, flag, owner):
     from coordinator.cli import SERVE_OWNED

@@ -501,6 +501,35 @@ def test_broker_acls_keep_each_device_to_its_own_topics(tmp_path):
         service.close()
 
 
+@pytest.mark.parametrize("credential_broker, ca_pem, ca_file", [
+    ("mqtts://coordinator.example:8883", None, None),   # the credential names a TLS broker
+    ("mqtt://coordinator.example:1883", "PEM", None),   # ... or carries the broker's CA
+    ("mqtt://coordinator.example:1883", None, "ca.pem"),  # `ffr edge run --ca-file` was given
+])
+def test_a_device_never_downgrades_to_plain_mqtt(tmp_path, capsys, credential_broker, ca_pem, ca_file):
+    """A `--broker mqtt://...` override must not send a TLS device's login and updates in the clear: `ffr edge run`
+    refuses in one line before connecting (nothing listens at the address; the refusal comes first)."""
+    from ffr.cli import main
+    from models.faces.synthetic import write_dataset
+    from protocol.auth import Signer
+    from protocol.credential import Credential
+
+    path = tmp_path / "device.credential"
+    Credential(device_id="dev1", token="0" * 64, coordinator_public_key=Signer.generate().public_hex,
+               broker=credential_broker, broker_username="dev1", broker_password="secret", ca_pem=ca_pem).save(path)
+    data = write_dataset(tmp_path / "data", n_identities=2, n_images=2, seed=1)
+    argv = ["-q", "edge", "run", "--credential", str(path), "--data", str(data), "--home", str(tmp_path / "home"),
+            "--broker", "mqtt://127.0.0.1:1", "--detector", "none"]
+    assert main([*argv, *(["--ca-file", ca_file] if ca_file else [])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is plain MQTT but" in err and "unencrypted" in err and len(err.splitlines()) == 1, err
+    assert "secret" not in err
+    from edge_client.link import refuse_plaintext
+    from protocol.transport import BrokerAddress
+
+    refuse_plaintext(BrokerAddress.parse("mqtts://127.0.0.1:8883"), Credential.load(path), ca_file)  # TLS: fine
+
+
 def test_tls_broker_with_a_generated_ca(tmp_path):
     """`--tls`: the embedded broker speaks only TLS, with a CA from the state folder that the credential carries."""
     import ssl
