@@ -50,8 +50,15 @@ def serve_spec(args, public: dict | None = None):
 _EMBEDDED = Owned("the embedded broker", lambda c: c.broker is None, argv=(), fix="leave out --broker")
 _LOGIN = Owned("--broker URL", lambda c: c.broker is not None or not c.broker_acl, argv=("--broker", "mqtt://h:1"),
                fix="use --broker URL; the embedded broker makes its own logins")
-_TLS = Owned("a TLS broker", lambda c: (c.broker or "").startswith(("mqtts://", "ssl://")) or (c.tls and not c.broker),
-             argv=("--broker", "mqtts://h:1"), fix="use --broker mqtts://HOST:PORT, or --tls")
+def _speaks_tls(config) -> bool:
+    """Whether the coordinator's broker is TLS: an mqtts:// --broker, or the embedded one with --tls."""
+    from protocol.transport import BrokerAddress
+
+    return BrokerAddress.parse(config.broker).tls if config.broker else config.tls
+
+
+_TLS = Owned("a TLS broker", _speaks_tls, argv=("--broker", "mqtts://h:1"),
+             fix="use --broker mqtts://HOST:PORT, or --tls")
 SERVE_OWNED: dict[str, Owned] = {"--tls": _EMBEDDED, "--no-broker-acl": _EMBEDDED, "--username": _LOGIN,
                                  "--password": _LOGIN, "--ca-file": _TLS}
 
