@@ -50,6 +50,8 @@ def serve_spec(args, public: dict | None = None):
 _EMBEDDED = Owned("the embedded broker", lambda c: c.broker is None, argv=(), fix="leave out --broker")
 _LOGIN = Owned("--broker URL", lambda c: c.broker is not None or not c.broker_acl, argv=("--broker", "mqtt://h:1"),
                fix="use --broker URL; the embedded broker makes its own logins")
+
+
 def _speaks_tls(config) -> bool:
     """Whether the coordinator's broker is TLS: an mqtts:// --broker, or the embedded one with --tls."""
     from protocol.transport import BrokerAddress
@@ -69,9 +71,7 @@ def round_settings(args, training, **fixed):
     command decides itself (the quorum)."""
     from coordinator.settings import RoundSettings
 
-    own = given(args, ROUND_OWNED)
-    if "fv_timeout" in own:
-        own["fv_timeout_s"] = own.pop("fv_timeout")
+    own = given(args, ROUND_OWNED, {"fv_timeout": "fv_timeout_s"})
     settings = RoundSettings(rounds=args.rounds, fraction=args.fraction, round_timeout_s=args.round_timeout,
                              training=training, seed=args.seed, combine=args.combine, norm_factor=args.norm_factor,
                              norm_ceiling=args.norm_ceiling, norm_action=args.norm_action, dp_noise=args.dp_noise,

@@ -8,7 +8,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from models.cli.common import HOLDOUT_IDENTITIES, Owned, add_init_option, deprecated_alias, given, refuse_unowned
+from models.cli.common import (
+    HOLDOUT_IDENTITIES,
+    Owned,
+    add_init_option,
+    deprecated_alias,
+    dest,
+    given,
+    refuse_unowned,
+)
 from models.faces.datasets import LAYOUTS
 
 PARTITIONS = ("iid", "dirichlet", "lognormal", "equal", "attribute")
@@ -61,8 +69,8 @@ def _config(args):
     from fleet.config import SimConfig
     from models.cli.objective import training_config
 
-    values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)
-              and f"--{f.name.replace('_', '-')}" not in SIM_OWNED}
+    owned = {dest(flag) for flag in SIM_OWNED}  # given or not: not given, SimConfig's default stands
+    values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name) and f.name not in owned}
     values.update(given(args, SIM_OWNED))
     values["rules"] = json.loads(args.rules.read_text()) if args.rules else None
     if getattr(args, "cache_dir", None) is not None:

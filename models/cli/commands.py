@@ -145,10 +145,9 @@ def _pretrain_config(args):
     """The one distillation spec (`models.training.pretraining.PretrainConfig`) from `ffr pretrain`'s options."""
     from models.training.pretraining import PretrainConfig
 
-    spec = {TEACHER_FIELDS[k]: v for k, v in given(args, TEACHER_FLAGS).items()}  # not given: TeacherSpec's
-    own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature"])
-    if args.eval_every is not None:
-        own["eval_every_steps"] = args.eval_every
+    spec = given(args, TEACHER_FLAGS, TEACHER_FIELDS)  # not given: TeacherSpec's
+    own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every"],
+                {"eval_every": "eval_every_steps"})
     return PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                           init=args.init, labelled=[str(d) for d in args.labelled], epochs=args.epochs,
                           batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,

@@ -111,9 +111,11 @@ def _given(args, flag: str) -> bool:
     return value is not None and value is not False
 
 
-def given(args, flags) -> dict:
-    """{destination: value} of those options the user gave (not given, the spec's default stands)."""
-    return {dest(f): getattr(args, dest(f)) for f in flags if _given(args, f)}
+def given(args, flags, fields: dict[str, str] | None = None) -> dict:
+    """{spec field: value} of those options the user gave (not given, the spec's default stands); a field is the
+    option's destination unless `fields` names it otherwise ({destination: field})."""
+    fields = fields or {}
+    return {fields.get(dest(f), dest(f)): getattr(args, dest(f)) for f in flags if _given(args, f)}
 
 
 def refuse_unowned(args, owned: dict[str, Owned], built) -> None:
