@@ -16,6 +16,16 @@ def _private_cache(tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_to_the_tests():
+    """A background `ffr pretrain` (models.training.cpu_share) pauses while the tests run."""
+    from models.training.cpu_share import hold_cpu, release
+
+    fd = hold_cpu()
+    yield
+    release(fd)
+
+
 @pytest.fixture(scope="session")
 def faces_dir() -> Path:
     """The real face sets (../shared/faces, or $FFR_FACES_DIR)."""

@@ -155,7 +155,7 @@ def _pretrain_config(args):
                           budget_minutes=args.budget_minutes, precision=args.precision, device=args.device,
                           threads=args.threads, eval_data=[str(d) for d in args.eval_data],
                           max_images=args.max_images, checkpoint_every_s=args.checkpoint_every, seed=args.seed,
-                          progress=not args.quiet, **own)
+                          progress=not args.quiet, yield_cpu=args.yield_cpu, **own)
 
 
 # `ffr pretrain`'s options that belong to one path, loss or teacher (models.cli.common.Owned): refused while it is off
@@ -413,6 +413,9 @@ def add_commands(sub) -> None:
                    help="online: stop this call after so many minutes, checkpointed; --resume goes on")
     p.add_argument("--eval-every", type=int, help="online: steps between held-out evaluations (default 500)")
     p.add_argument("--threads", type=int, help="torch and ONNX Runtime CPU threads")
+    p.add_argument("--yield-cpu", action=argparse.BooleanOptionalAction, default=True,
+                   help="pause while `make test` or a benchmark runs, off the time budget's clock, and go on when "
+                        "it ends (default on: a long run can stay in the background)")
     p.add_argument("--eval-data", type=Path, action="append", default=[],
                    help="labelled folder of aligned crops (one folder per person) for the learning curve; "
                         "never people in --data")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,12 +123,16 @@ class TeacherTargets:
     def complete(self) -> bool:
         return bool(self.done.all())
 
-    def fill(self, teacher, images: np.ndarray, batch_size: int = 64, progress: bool = True) -> int:
-        """Embed every (view, image) not yet done; flushed every batch, so Ctrl-C loses at most one. Returns how
-        many embeddings the teacher computed (0 when the cache was complete)."""
+    def fill(self, teacher, images: np.ndarray, batch_size: int = 64, progress: bool = True,
+             between: Callable[[], object] | None = None) -> int:
+        """Embed every (view, image) not yet done; flushed every batch, so Ctrl-C loses at most one; `between()`
+        runs before each batch (a pause for the tests, `models.training.cpu_share`). Returns how many embeddings
+        the teacher computed (0 when the cache was complete)."""
         todo = [(v, i) for v in range(self.done.shape[0]) for i in np.flatnonzero(self.done[v] == 0)]
         bar = tqdm(total=len(todo), desc="teacher embeddings (cached)", unit="img", disable=not progress)
         for start in range(0, len(todo), batch_size):
+            if between is not None:
+                between()
             chunk = todo[start:start + batch_size]
             for v in sorted({v for v, _ in chunk}):
                 idx = np.array([i for w, i in chunk if w == v])

@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from tqdm import tqdm
 
 from models.networks.face_weights import save_embedder
+from models.training.cpu_share import Yielder
 from models.training.distillation import distillation_loss
 from models.training.loop import Means, Step, optimise
 from models.training.online_views import ViewJitter, geometric_views, photometric, student_input
@@ -88,6 +89,7 @@ class OnlineDistiller:
         self.steps_per_epoch = len(train_index) // config.batch_size
         self.total_steps = None if config.budget_minutes else self.steps_per_epoch * config.epochs
         self.step, self.trained_s, self.history = 0, 0.0, []
+        self.yielder = Yielder(config.yield_cpu, notify=tqdm.write)
         self._val_targets: list[torch.Tensor] | None = None
 
     def _teacher(self, check_crops: np.ndarray):
@@ -117,6 +119,7 @@ class OnlineDistiller:
 
         def steps():
             while not self.done() and not (stop_after_s and time.time() - started > stop_after_s):
+                self.yielder()  # off the clock: paused while the tests or a benchmark run
                 self._tick = time.time()
                 self.generator.manual_seed(self.config.seed * 1_000_003 + self.step)
                 yield self.step

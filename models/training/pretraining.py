@@ -28,6 +28,7 @@ from tqdm import tqdm
 from models.faces.preprocess import INPUT_SIZE
 from models.networks.backbone import FaceEmbedder
 from models.networks.face_weights import save_embedder
+from models.training.cpu_share import Yielder
 from models.training.distill_data import TeacherTargets, default_cache_root, list_images, load_crops, targets_dir, view
 from models.training.distillation import bank_distillation_loss, distillation_loss
 from models.training.fast_step import accelerate, optimiser_options
@@ -73,6 +74,7 @@ class PretrainConfig:
     max_images: int | None = None
     seed: int = 0
     progress: bool = True
+    yield_cpu: bool = True          # wait while the tests or a benchmark run (models.training.cpu_share)
     eval_every_steps: int = 500     # online: steps between held-out evaluations
     jitter: dict = field(default_factory=dict)  # online: online_views.ViewJitter fields; {} = defaults
 
@@ -200,6 +202,7 @@ class Pretrainer:
         self.total_steps = self.steps_per_epoch * config.epochs
         self.step, self.trained_s, self.history, self.teacher_embeddings_computed = 0, 0.0, [], 0
         self.eval_sets = [self._eval_set(Path(d)) for d in config.eval_data]
+        self.yielder = Yielder(config.yield_cpu, notify=tqdm.write)
 
     def _eval_set(self, root: Path):
         """A labelled set of aligned crops for the learning curve (people the student never sees)."""
@@ -212,7 +215,8 @@ class Pretrainer:
     # --- training -------------------------------------------------------------------------------------------
 
     def fill_targets(self) -> None:
-        self.teacher_embeddings_computed += self.targets.fill(self.teacher, self.images, progress=self.config.progress)
+        self.teacher_embeddings_computed += self.targets.fill(self.teacher, self.images, progress=self.config.progress,
+                                                             between=self.yielder)
         if self.config.loss == "bank":  # every cached view of the training images (never the held-out ones)
             bank = torch.from_numpy(self.targets.values[:, self.train_index].reshape(-1, self.teacher.dim))
             self.bank = F.normalize(bank.float(), dim=1).to(self.device)
@@ -240,8 +244,10 @@ class Pretrainer:
         return self.write_metrics("finished")
 
     def _timed(self, data: CachedViews, epoch: int, skip: int):
-        """The epoch's batches from `skip` on; the clock for the time budget starts as each batch is read."""
+        """The epoch's batches from `skip` on; the clock for the time budget starts as each batch is read (after
+        any pause for the tests or a benchmark)."""
         for step_index in self._epoch_batches(epoch, skip):
+            self.yielder()
             self._tick = time.time()
             yield data.batch(step_index, epoch, self.step)
 

@@ -1,0 +1,133 @@
+"""The distillation ratchet's gate: a candidate embedder replaces the shipped one only if it is better on every set.
+
+python -m bench.ratchet --candidate RUN_DIR/embedder.safetensors [--ship]
+
+Issue 27's rule, measured as `bench.verify_quality` measures (the labelled sets' held-out 30% of people, seed 0,
+all genuine pairs, the same impostor pairs): the shipped weights and the candidate side by side on every set and
+every crop kind (aligned or given; Haar squares too for photo sets). The candidate is better only if its AUC is
+higher on every row. With `--ship` a better candidate becomes `models/weights/face_embedder.safetensors` (fp16,
+at most 5 MB) and its sha256 is recorded in `models.networks.face_weights.SHIPPED_SHA256`; the model card's
+figures are then the next thing to rewrite (`python -m bench.verify_quality`). Every verdict is kept in
+`bench/results/ratchet.json` (its history) and the latest table in `ratchet.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.common import faces_dir, write_results
+from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, held_out
+from bench.verify_quality import measure, ours
+from models.evaluation.metrics import make_pairs
+from models.networks import face_weights
+
+MAX_BYTES = 5 * 1024 * 1024
+
+
+def load_candidate(path: Path) -> torch.nn.Module:
+    """The candidate as a FaceEmbedder, refused in one line unless it is the shipped architecture, every tensor
+    the shipped shape and every float finite (a run folder's file is read as if an attacker wrote it)."""
+    if not path.is_file():
+        raise SystemExit(f"bench.ratchet: no candidate at {path}")
+    try:
+        state, _ = face_weights.read_embedder_numpy(path)
+        model = face_weights.load_face_embedder(path)
+    except Exception as exc:  # safetensors' and load_state_dict's own errors name what is wrong
+        raise SystemExit(f"bench.ratchet: {path} is not a MobileNetV2-128 face embedder: "
+                         f"{str(exc).splitlines()[0]}") from None
+    bad = [k for k, v in state.items() if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
+    if bad:
+        raise SystemExit(f"bench.ratchet: {path} holds non-finite values in {bad[0]}")
+    return model.eval()
+
+
+def compare_set(name: str, root: Path, shipped, candidate, seed: int, max_pairs: int) -> list[dict]:
+    """Both embedders on the set's held-out people, the same pairs, each crop kind the quality bench uses."""
+    kinds = [("aligned (YuNet 5-point)", ALIGNED), ("Haar square", HAAR)] if name in PHOTO_SETS else [("given", GIVEN)]
+    rows = []
+    for crop_name, config in kinds:
+        held = held_out(root, config, seed)[1].holdout
+        pairs, same = make_pairs(held.labels, max_pairs, seed)
+        before, after = measure(ours(shipped, held, pairs), same), measure(ours(candidate, held, pairs), same)
+        rows.append({"set": name, "crops": crop_name, "identities": len(held.identities),
+                     "shipped_auc": before["auc"], "candidate_auc": after["auc"],
+                     "d_auc": after["auc"] - before["auc"], "shipped_eer": before["eer"],
+                     "candidate_eer": after["eer"], "shipped_tar@1e-3": before["tar@far=1e-3"],
+                     "candidate_tar@1e-3": after["tar@far=1e-3"]})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def better_everywhere(rows: list[dict]) -> bool:
+    return bool(rows) and all(r["candidate_auc"] > r["shipped_auc"] for r in rows)
+
+
+def ship(candidate: torch.nn.Module, source: Path, target: Path = face_weights.SHIPPED_WEIGHTS,
+         module: Path = Path(face_weights.__file__)) -> str:
+    """Write the candidate as the shipped file `target` (fp16, the shipped format) and its sha256 into `module`'s
+    SHIPPED_SHA256 line; returns the sha256. Nothing changes unless both can be written."""
+    _, metadata = face_weights.read_embedder_numpy(source)
+    tmp = target.with_name("candidate.safetensors")
+    face_weights.save_embedder(tmp, candidate, {**metadata, "ratchet_source": source.name})
+    if tmp.stat().st_size > MAX_BYTES:
+        tmp.unlink()
+        raise SystemExit(f"bench.ratchet: the candidate is {tmp.stat().st_size} bytes, over the 5 MB the project keeps")
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    text, count = re.subn(r'^SHIPPED_SHA256 = "[0-9a-f]{64}"$', f'SHIPPED_SHA256 = "{digest}"',
+                          module.read_text(), flags=re.MULTILINE)
+    if count != 1:
+        tmp.unlink()
+        raise SystemExit(f"bench.ratchet: {module} does not hold exactly one SHIPPED_SHA256 line; nothing shipped")
+    tmp.replace(target)
+    module.write_text(text)
+    return digest
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--candidate", required=True, type=Path, help="an embedder file (`ffr pretrain`'s output)")
+    parser.add_argument("--ship", action="store_true", help="replace the shipped weights if better on every set")
+    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--max-pairs", type=int, default=100_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    root = faces_dir()
+    if root is None:
+        print("no face data: set FFR_FACES_DIR to the folder holding orl/, celeba_subset/, ...", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    candidate = load_candidate(args.candidate)
+    shipped_sha = face_weights.SHIPPED_SHA256
+    shipped = face_weights.load_face_embedder(face_weights.shipped_weights()).eval()
+    rows = [r for name in args.sets for r in compare_set(name, root / name, shipped, candidate, args.seed,
+                                                         args.max_pairs)]
+    better = better_everywhere(rows) and set(args.sets) == set(SETS)
+    verdict = ("better on every set" if better else "not better on every set: the shipped weights stay"
+               if set(args.sets) == set(SETS) else "measured on some sets only: never shipped from a part")
+    shipped_now = ship(candidate, args.candidate) if better and args.ship else None
+    history_file = args.out / "ratchet.json"
+    history = json.loads(history_file.read_text()).get("history", []) if history_file.is_file() else []
+    history.append({"candidate": str(args.candidate), "candidate_sha256": face_weights.file_sha256(args.candidate),
+                    "shipped_sha256": shipped_sha, "verdict": verdict, "shipped_now": shipped_now,
+                    "d_auc": {f"{r['set']} / {r['crops']}": round(r["d_auc"], 5) for r in rows}})
+    command = "python -m bench.ratchet " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_results(args.out, "ratchet", {"verdict": verdict, "history": history}, rows,
+                  f"Ratchet: candidate vs shipped weights on held-out people: {verdict}"
+                  + (f"; shipped as {shipped_now[:16]}..." if shipped_now else ""), command)
+    if shipped_now:
+        print(f"shipped: {face_weights.SHIPPED_WEIGHTS} (sha256 {shipped_now}); now rerun "
+              "`python -m bench.verify_quality --out bench/results` and update models/weights/MODEL_CARD.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

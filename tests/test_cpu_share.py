@@ -1,0 +1,82 @@
+"""A background distillation run yields the CPU to the tests and benchmarks (models.training.cpu_share).
+
+Real processes and real `flock`s on a lock file of the test's own: a yielding child waits while a holder holds
+it, goes on when the holder lets go or is killed (-9), and never waits for its own parent."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from models.training.cpu_share import HOLDER_ENV, LOCK_ENV, hold_cpu, release
+
+REPO = Path(__file__).resolve().parents[1]
+YIELDER = ("import time; from models.training.cpu_share import Yielder; y = Yielder(notify=print); "
+           "start = time.monotonic(); y(); print(f'waited {time.monotonic() - start:.2f} paused {y.paused_s:.2f}')")
+HOLDER = "from models.training.cpu_share import hold_cpu; import sys, time; hold_cpu(); print('held', flush=True); " \
+         "time.sleep(120)"
+
+
+def _env(lock: Path, holder: bool = False) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != HOLDER_ENV}
+    env[LOCK_ENV] = str(lock)
+    if holder:
+        env[HOLDER_ENV] = "1"
+    return env
+
+
+def _yielding_child(lock: Path, holder: bool = False) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", YIELDER], env=_env(lock, holder), cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _waited(out: str) -> tuple[float, float]:
+    _, waited, _, paused = out.strip().splitlines()[-1].split()  # the child's last line: waited W paused P
+    return float(waited), float(paused)
+
+
+def test_nobody_holding_costs_nothing(tmp_path):
+    out = _yielding_child(tmp_path / "cpu.lock").communicate(timeout=60)[0]
+    assert "paused:" not in out
+    assert _waited(out)[1] == 0.0
+
+
+def test_a_yielding_run_waits_while_the_cpu_is_held_and_counts_the_pause(tmp_path, monkeypatch):
+    lock = tmp_path / "cpu.lock"
+    monkeypatch.setenv(LOCK_ENV, str(lock))
+    fd = hold_cpu()  # this test is the foreground; the child is the background run
+    child = _yielding_child(lock)
+    time.sleep(1.5)
+    assert child.poll() is None, "the yielding child went on while the CPU was held"
+    release(fd)
+    out = child.communicate(timeout=60)[0]
+    assert "paused: the tests or a benchmark hold the CPU" in out and "resumed after" in out
+    waited, paused = _waited(out)
+    assert paused >= 1.0 and abs(waited - paused) < 0.5
+
+
+def test_a_killed_holder_leaves_nothing_paused(tmp_path):
+    lock = tmp_path / "cpu.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], env=_env(lock), cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline().strip() == "held"
+    child = _yielding_child(lock)
+    time.sleep(1.0)
+    assert child.poll() is None
+    holder.kill()  # SIGKILL: no cleanup runs; the kernel drops the lock
+    holder.wait(timeout=30)
+    out = child.communicate(timeout=60)[0]
+    assert _waited(out)[1] >= 0.5
+
+
+def test_a_holders_own_children_never_wait_for_it(tmp_path, monkeypatch):
+    lock = tmp_path / "cpu.lock"
+    monkeypatch.setenv(LOCK_ENV, str(lock))
+    fd = hold_cpu()
+    try:
+        out = _yielding_child(lock, holder=True).communicate(timeout=60)[0]  # e.g. bench.distill_arms' runs
+    finally:
+        release(fd)
+    assert "paused:" not in out and _waited(out)[1] == 0.0

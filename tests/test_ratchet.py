@@ -1,0 +1,100 @@
+"""The distillation ratchet's gate (bench.ratchet): hostile candidate files refused, no shipping unless better
+on every set, and shipping rewrites the weights and their recorded sha256 together (on copies, never the repo's)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from bench import ratchet
+from models.networks import face_weights
+
+
+def _shipped_copy(tmp_path):
+    path = tmp_path / "candidate.safetensors"
+    shutil.copy(face_weights.shipped_weights(), path)
+    return path
+
+
+def _written(path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def _rewritten(tmp_path, change) -> str:
+    state = load_file(str(face_weights.shipped_weights()))
+    change(state)
+    path = tmp_path / "hostile.safetensors"
+    save_file(state, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("hostile", ["garbage", "missing", "wrong_shape", "extra_key", "nan"])
+def test_a_hostile_candidate_is_refused_in_one_line(tmp_path, hostile):
+    first = next(iter(load_file(str(face_weights.shipped_weights()))))
+    path = {
+        "garbage": lambda: _written(tmp_path / "g.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}"),
+        "missing": lambda: str(tmp_path / "nowhere.safetensors"),
+        "wrong_shape": lambda: _rewritten(tmp_path, lambda s: s.__setitem__(first, np.zeros((3, 3), np.float16))),
+        "extra_key": lambda: _rewritten(tmp_path, lambda s: s.__setitem__("head.weight", np.zeros(4, np.float16))),
+        "nan": lambda: _rewritten(tmp_path, lambda s: s.__setitem__(
+            "embedding.weight", np.full_like(s["embedding.weight"], np.nan))),
+    }[hostile]()
+    with pytest.raises(SystemExit) as refused:
+        ratchet.load_candidate(Path(path))
+    message = str(refused.value)
+    assert message.startswith("bench.ratchet: ") and "\n" not in message
+
+
+def test_better_means_higher_auc_on_every_row():
+    row = lambda before, after: {"shipped_auc": before, "candidate_auc": after}  # noqa: E731
+    assert ratchet.better_everywhere([row(0.9, 0.91), row(0.5, 0.6)])
+    assert not ratchet.better_everywhere([row(0.9, 0.91), row(0.5, 0.5)])  # equal is not better
+    assert not ratchet.better_everywhere([row(0.9, 0.99), row(0.5, 0.49)])
+    assert not ratchet.better_everywhere([])
+
+
+def test_shipping_writes_the_weights_and_their_sha256_together(tmp_path):
+    module = tmp_path / "face_weights.py"
+    shutil.copy(face_weights.__file__, module)
+    target = tmp_path / "face_embedder.safetensors"
+    source = _shipped_copy(tmp_path)
+    candidate = ratchet.load_candidate(source)
+    with torch.no_grad():
+        candidate.embedding.weight.mul_(1.01)  # a different model, as a trained candidate would be
+    digest = ratchet.ship(candidate, source, target, module)
+    assert face_weights.file_sha256(target) == digest != face_weights.SHIPPED_SHA256
+    assert f'SHIPPED_SHA256 = "{digest}"' in module.read_text()
+    assert module.read_text().count("SHIPPED_SHA256 = ") == 1
+    assert target.stat().st_size <= ratchet.MAX_BYTES
+    reread = face_weights.load_face_embedder(target)
+    assert torch.allclose(reread.embedding.weight, candidate.embedding.weight, atol=1e-3)
+    assert not (tmp_path / "candidate.safetensors.tmp").exists()
+
+
+def test_a_module_without_its_sha256_line_ships_nothing(tmp_path):
+    module = tmp_path / "face_weights.py"
+    module.write_text("# no pinned digest here\n")
+    target = tmp_path / "face_embedder.safetensors"
+    source = _shipped_copy(tmp_path)
+    with pytest.raises(SystemExit, match="nothing shipped"):
+        ratchet.ship(ratchet.load_candidate(source), source, target, module)
+    assert not target.exists() and module.read_text() == "# no pinned digest here\n"
+
+
+def test_the_shipped_weights_against_themselves_are_not_better(faces_dir, tmp_path, monkeypatch):
+    """The whole gate on real faces (ORL): the same weights tie, a tie is not an improvement, nothing ships."""
+    before = face_weights.file_sha256(face_weights.SHIPPED_WEIGHTS)
+    rc = ratchet.main(["--candidate", str(_shipped_copy(tmp_path)), "--sets", "orl", "--out", str(tmp_path),
+                       "--ship"])
+    assert rc == 0
+    result = json.loads((tmp_path / "ratchet.json").read_text())
+    assert [r["crops"] for r in result["table"]] == ["aligned (YuNet 5-point)", "Haar square"]
+    assert all(r["d_auc"] == 0 and r["shipped_auc"] > 0.9 for r in result["table"])
+    assert result["history"][-1]["shipped_now"] is None
+    assert face_weights.file_sha256(face_weights.SHIPPED_WEIGHTS) == before
