@@ -8,7 +8,10 @@ the learning rate decaying over it), one after the other in one run:
   (a) cosine: today's loss (1 - cos + 2 x batch pairwise similarity), 2 cached views;
   (b) bank: relational KD against a memory bank of every cached teacher view, hardness-weighted;
   (c) cosine with 8 cached views (the image, its mirror, 6 geometric jitters);
-  (b+c) bank with 8 cached views.
+  (b+c) bank with 8 cached views;
+  (a4) cosine with 4 cached views (the image, its mirror, 2 jitters);
+  (d) (a4) with progressive resolution: the student at 96 px for the first 3/4 of the budget (about twice the
+      steps per second), then at the deployed 128 px.
 Filling the teacher cache is reported apart (done once per data set, then reused by every run).
 Reported per arm: held-out cosine to the teacher and Glint24 AUC (people never in the data) at the end,
 and their change from the shipped weights per CPU-hour of training.
@@ -23,19 +26,25 @@ from pathlib import Path
 
 from bench.common import faces_dir, write_results
 
-ARMS = {"a: cosine, 2 views": ("cosine", 2), "b: bank, 2 views": ("bank", 2),
-        "c: cosine, 8 views": ("cosine", 8), "b+c: bank, 8 views": ("bank", 8)}
+ARMS = {"a: cosine, 2 views": ["--loss", "cosine", "--views", "2"],
+        "b: bank, 2 views": ["--loss", "bank", "--views", "2"],
+        "c: cosine, 8 views": ["--loss", "cosine", "--views", "8"],
+        "b+c: bank, 8 views": ["--loss", "bank", "--views", "8"],
+        "a4: cosine, 4 views": ["--loss", "cosine", "--views", "4"],
+        "d: cosine, 4 views, 96 px then 128 px": ["--loss", "cosine", "--views", "4", "--low-res", "96",
+                                                  "--low-res-fraction", "0.75"]}
+DEFAULT_ARMS = ["a: cosine, 2 views", "b: bank, 2 views", "c: cosine, 8 views", "b+c: bank, 8 views"]
 
 
-def run_arm(name: str, loss: str, views: int, args, data: list[Path], eval_set: Path) -> dict:
+def run_arm(name: str, args, data: list[Path], eval_set: Path) -> dict:
     from ffr.cli import main
 
     out = args.work / name.split(":")[0].replace("+", "")
+    subset = ["--max-images", str(args.max_images)] if args.max_images else []
     argv = ["-q", "pretrain", *[a for d in data for a in ("--data", str(d))], "--out", str(out), "--force",
-            "--init", "face", "--epochs", "1000", "--lr", str(args.lr), "--warmup-steps", "50",
-            "--threads", str(args.threads), "--max-images", str(args.max_images), "--loss", loss,
-            "--views", str(views), "--budget-minutes", str(args.budget_minutes), "--eval-data", str(eval_set),
-            "--cache-dir", str(args.cache_dir)]
+            "--init", "face", "--epochs", "1000", "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
+            "--threads", str(args.threads), *subset, *ARMS[name], "--budget-minutes", str(args.budget_minutes),
+            "--eval-data", str(eval_set), "--cache-dir", str(args.cache_dir)]
     start = time.time()
     if main(argv) != 0:
         raise SystemExit(f"arm {name} failed")
@@ -47,8 +56,9 @@ def baseline(args, data: list[Path], eval_set: Path) -> dict:
     """The shipped weights' figures on the same held-out images and eval set (no training)."""
     from models.training.pretraining import PretrainConfig, Pretrainer
 
+    views = min(int(ARMS[name][ARMS[name].index("--views") + 1]) for name in args.arms)  # a cache an arm fills
     config = PretrainConfig(data=[str(d) for d in data], init="face", threads=args.threads, progress=False,
-                            max_images=args.max_images, eval_data=[str(eval_set)])
+                            max_images=args.max_images or None, eval_data=[str(eval_set)], views=views)
     trainer = Pretrainer(config, args.work / "baseline", args.cache_dir)
     trainer.fill_targets()
     return trainer.evaluate()
@@ -57,10 +67,13 @@ def baseline(args, data: list[Path], eval_set: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-minutes", type=float, default=5.0, help="training time per arm")
-    parser.add_argument("--max-images", type=int, default=4000, help="images every arm reads (a fixed subset)")
+    parser.add_argument("--max-images", type=int, default=4000,
+                        help="images every arm reads (a fixed subset; 0: all 35,143)")
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
+    parser.add_argument("--name", default="distill_arms", help="results file name (NAME.json, NAME.md)")
     parser.add_argument("--work", type=Path, default=Path("runs/distill_arms"))
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/distill_arms"))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -78,8 +91,7 @@ def main(argv=None) -> int:
              "d_cosine_per_cpu_h": "", "d_auc_per_cpu_h": "", "teacher_fill": ""}]
     detail = {"start": start}
     for name in args.arms:
-        loss, views = ARMS[name]
-        result = run_arm(name, loss, views, args, data, eval_set)
+        result = run_arm(name, args, data, eval_set)
         m, last = result["metrics"], result["metrics"]["history"][-1]
         hours = m["trained_s"] / 3600
         rows.append(
@@ -96,11 +108,11 @@ def main(argv=None) -> int:
             }
         )
         detail[name] = {"history": m["history"], "wall_s": result["wall_s"]}
-    command = (f"python -m bench.distill_arms --budget-minutes {args.budget_minutes} --max-images {args.max_images} "
-               f"--lr {args.lr} --threads {args.threads}")
-    write_results(args.out, "distill_arms", detail, rows,
+    command = "python -m bench.distill_arms " + " ".join(
+        f"'{a}'" if " " in a else a for a in (argv if argv is not None else sys.argv[1:]))
+    write_results(args.out, args.name, detail, rows,
                   f"Distillation arms, {args.budget_minutes} min of training each on {args.threads} CPU cores, "
-                  f"from the shipped weights, {args.max_images} images", command)
+                  f"from the shipped weights, {args.max_images or 'all'} images", command)
     return 0
 
 

@@ -169,6 +169,7 @@ def test_a_budgeted_run_stops_on_time_and_resumes_to_the_same_budget(tmp_path, s
     (["--teacher-std", "127.5"], "--teacher-std", "--teacher FILE.onnx"),
     (["--no-online", "--eval-every", "5"], "--eval-every", "--online"),
     (["--stop-after-minutes", "1"], "--stop-after-minutes", "--online"),  # --device cpu: the cached path
+    (["--low-res-fraction", "0.5"], "--low-res-fraction", "--low-res PX"),
 ])
 def test_an_option_of_another_path_loss_or_teacher_is_refused_in_one_line(tmp_path, synthetic_dir, capsys, argv,
                                                                           flag, owner):
@@ -179,3 +180,38 @@ def test_an_option_of_another_path_loss_or_teacher_is_refused_in_one_line(tmp_pa
     err = capsys.readouterr().err.strip()
     assert f"{flag} has no effect without {owner}" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_progressive_resolution_trains_small_then_at_the_deployed_size(tmp_path, synthetic_dir, monkeypatch):
+    """`--low-res 64 --low-res-fraction 0.5`: the first half of the steps feed the student 64 px inputs, the rest
+    128 px (seen by the student itself), the loss falls, and evaluation is at 128 px throughout."""
+    from ffr.cli import main
+    from models.networks.backbone import FaceEmbedder
+
+    seen: list[tuple[bool, int]] = []
+    forward = FaceEmbedder.forward
+
+    def recording(self, x):
+        seen.append((self.training, x.shape[-1]))
+        return forward(self, x)
+
+    monkeypatch.setattr(FaceEmbedder, "forward", recording)  # a spy on the real forward, not a fake
+    out = tmp_path / "run"
+    assert main(["-q", "pretrain", "--data", str(synthetic_dir), "--out", str(out), "--epochs", "6",
+                 "--batch-size", "12", "--max-images", "48", "--lr", "3e-3", "--warmup-steps", "2", "--threads", "2",
+                 "--views", "2", "--low-res", "64", "--low-res-fraction", "0.5"]) == 0
+    sizes = [size for training, size in seen if training]
+    half = len(sizes) // 2
+    assert len(sizes) == 6 * 3 and set(sizes[:half]) == {64} and set(sizes[half:]) == {128}, sizes
+    assert {size for training, size in seen if not training} == {128}
+    losses = [row["train_loss"] for row in json.loads((out / "metrics.json").read_text())["history"]]
+    assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
+
+
+def test_a_low_res_outside_its_range_is_refused_in_one_line(tmp_path, synthetic_dir, capsys):
+    from ffr.cli import main
+
+    assert main(["-q", "pretrain", "--data", str(synthetic_dir), "--out", str(tmp_path / "run"), "--views", "2",
+                 "--low-res", "200"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--low-res must be 32..127 px" in err and len(err.splitlines()) == 1, err

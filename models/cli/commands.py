@@ -146,7 +146,7 @@ def _pretrain_config(args):
     from models.training.pretraining import PretrainConfig
 
     spec = given(args, TEACHER_FLAGS, TEACHER_FIELDS)  # not given: TeacherSpec's
-    own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every"],
+    own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every", "--low-res-fraction"],
                 {"eval_every": "eval_every_steps"})
     return PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                           init=args.init, labelled=[str(d) for d in args.labelled], epochs=args.epochs,
@@ -155,7 +155,7 @@ def _pretrain_config(args):
                           budget_minutes=args.budget_minutes, precision=args.precision, device=args.device,
                           threads=args.threads, eval_data=[str(d) for d in args.eval_data],
                           max_images=args.max_images, checkpoint_every_s=args.checkpoint_every, seed=args.seed,
-                          progress=not args.quiet, yield_cpu=args.yield_cpu, **own)
+                          progress=not args.quiet, yield_cpu=args.yield_cpu, low_res=args.low_res, **own)
 
 
 # `ffr pretrain`'s options that belong to one path, loss or teacher (models.cli.common.Owned): refused while it is off
@@ -169,6 +169,7 @@ PRETRAIN_OWNED: dict[str, Owned] = {
     "--bank-temperature": Owned("--loss bank", lambda a: a.loss == "bank"),
     "--stop-after-minutes": Owned("--online", lambda a: a.online),
     "--eval-every": Owned("--online", lambda a: a.online),
+    "--low-res-fraction": Owned("--low-res PX", lambda a: a.low_res is not None, argv=("--low-res", "96")),
 }
 
 
@@ -409,6 +410,12 @@ def add_commands(sub) -> None:
     p.add_argument("--bank-weight", type=float, help="--loss bank: weight of the bank term (default 1)")
     p.add_argument("--bank-temperature", type=float,
                    help="--loss bank: softmax temperature over bank similarities (default 0.1)")
+    p.add_argument("--low-res", type=int, metavar="PX",
+                   help="progressive resolution: train the student on PX-pixel inputs (e.g. 96, about twice the "
+                        "steps per second of 128) for the first part of the run, then at 128 (default: 128 "
+                        "throughout)")
+    p.add_argument("--low-res-fraction", type=float,
+                   help="--low-res: the part of the run (of --budget-minutes, else of the steps) at PX (default 0.75)")
     p.add_argument("--stop-after-minutes", type=float,
                    help="online: stop this call after so many minutes, checkpointed; --resume goes on")
     p.add_argument("--eval-every", type=int, help="online: steps between held-out evaluations (default 500)")

@@ -30,7 +30,7 @@ from models.training.cpu_share import Yielder
 from models.training.distillation import distillation_loss
 from models.training.loop import Means, Step, optimise
 from models.training.online_views import ViewJitter, geometric_views, photometric, student_input
-from models.training.pretraining import PretrainConfig, schedule_done, scheduled_lr
+from models.training.pretraining import PretrainConfig, schedule_done, scheduled_lr, scheduled_size
 
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
 
@@ -147,7 +147,8 @@ class OnlineDistiller:
         views = geometric_views(self.crops[self.train_index[pick]], self.jitter, self.generator)
         with torch.no_grad():
             target = self.teacher(views)
-        x = student_input(photometric(views / 255.0, self.generator))
+        size = scheduled_size(self.config, self.step, self.total_steps, self.trained_s)
+        x = student_input(photometric(views / 255.0, self.generator), size)
         self.model.train()
         student = self.model(x)  # the trunk in bf16 where the hardware has it (models.training.fast_step)
         loss, parts = distillation_loss(student.float(), target, self.config.sim_weight)
@@ -228,7 +229,7 @@ class OnlineDistiller:
         if progress["names_sha"] != _names_key(self.names):
             raise ValueError(f"{self.out} was trained on other crops; use a new --out")
         saved = progress["config"]
-        for key in ("batch_size", "budget_minutes", "epochs", "seed"):
+        for key in ("batch_size", "budget_minutes", "epochs", "seed", "low_res", "low_res_fraction"):
             if saved[key] != asdict(self.config)[key]:
                 raise ValueError(f"--{key.replace('_', '-')} differs from the run being resumed "
                                  f"({saved[key]!r} there, {asdict(self.config)[key]!r} now)")

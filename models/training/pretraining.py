@@ -63,6 +63,8 @@ class PretrainConfig:
     bank_weight: float = 1.0
     bank_temperature: float = 0.1
     budget_minutes: float | None = None  # when set, the run stops and its schedule ends after this much training
+    low_res: int | None = None      # progressive resolution: the student's input side for the first part of the run
+    low_res_fraction: float = 0.75  # ... that part, of the schedule (its time budget, else its steps)
     labelled: list[str] = field(default_factory=list)  # sets with one sub-folder per person: + a margin loss
     margin_weight: float = 1.0
     precision: str = "auto"         # auto (bf16 where the CPU has it, or CUDA) | bf16 | fp32
@@ -78,6 +80,11 @@ class PretrainConfig:
     eval_every_steps: int = 500     # online: steps between held-out evaluations
     jitter: dict = field(default_factory=dict)  # online: online_views.ViewJitter fields; {} = defaults
 
+    def __post_init__(self) -> None:
+        if self.low_res is not None and not (32 <= self.low_res < INPUT_SIZE and 0 < self.low_res_fraction < 1):
+            raise ValueError(f"--low-res must be 32..{INPUT_SIZE - 1} px and --low-res-fraction between 0 and 1 "
+                             f"(not {self.low_res} and {self.low_res_fraction})")
+
 
 class CachedViews:
     """Batches of (student input, teacher target, identity or -1) from the crops held once in memory (uint8).
@@ -91,7 +98,8 @@ class CachedViews:
         self.images = images
         self.targets, self.labels, self.seed = targets, torch.from_numpy(labels), seed
 
-    def batch(self, index: np.ndarray, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def batch(self, index: np.ndarray, epoch: int, step: int,
+              size: int = INPUT_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng((self.seed, epoch, step))
         views = rng.integers(len(self.targets), size=len(index))
         crops = np.empty((len(index), *self.images.shape[1:]), np.uint8)
@@ -100,7 +108,7 @@ class CachedViews:
             crops[chosen] = view(self.images[index[chosen]], int(v), index[chosen])
         crops = torch.from_numpy(crops).permute(0, 3, 1, 2)
         generator = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
-        x = student_input(photometric(crops.float() / 255.0, generator))
+        x = student_input(photometric(crops.float() / 255.0, generator), size)
         target = torch.from_numpy(self.targets[views, index].astype(np.float32))
         return x, target, self.labels[torch.from_numpy(index)]
 
@@ -150,6 +158,17 @@ def scheduled_lr(config, step: int, total_steps: int | None, trained_s: float) -
     return lr_at(step, total_steps, config.lr, config.warmup_steps)
 
 
+def scheduled_size(config, step: int, total_steps: int | None, trained_s: float) -> int:
+    """The student's input side at `step`: `low_res` px for the first `low_res_fraction` of the schedule, then
+    the deployed size (progressive resizing, as in FixRes: Touvron et al., NeurIPS 2019: a network trained on
+    smaller images adapts to the larger test size in a short final phase at that size). A step at 96 px costs
+    about half one at 128 px (`bench/results/distill_arms.md`)."""
+    if not config.low_res:
+        return INPUT_SIZE
+    spent = trained_s / (60 * config.budget_minutes) if config.budget_minutes else step / max(1, total_steps)
+    return config.low_res if spent < config.low_res_fraction else INPUT_SIZE
+
+
 def schedule_done(config, step: int, total_steps: int | None, trained_s: float) -> bool:
     """Whether the run's budget of training time, or else its steps, is spent."""
     if config.budget_minutes:
@@ -181,6 +200,7 @@ class Pretrainer:
         self.teacher = load_teacher(config.teacher, threads=config.threads, spec=spec)
         if config.loss not in LOSSES or config.views < 2:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)} and --views at least 2")
+
         root = targets_dir(cache_root or default_cache_root(), self.teacher.sha256, self.files, config.views)
         self.targets = TeacherTargets.open(root, len(self.files), self.teacher.dim, views=config.views,
                                            meta={"teacher_sha256": self.teacher.sha256, "size": CROP_SIZE,
@@ -249,7 +269,8 @@ class Pretrainer:
         for step_index in self._epoch_batches(epoch, skip):
             self.yielder()
             self._tick = time.time()
-            yield data.batch(step_index, epoch, self.step)
+            yield data.batch(step_index, epoch, self.step,
+                             scheduled_size(self.config, self.step, self.total_steps, self.trained_s))
 
     def _after_step(self, step: Step, epoch: int, bar) -> bool:
         """Count, time, show and (every `checkpoint_every_s`) save the step; True once the run is done."""
@@ -353,7 +374,8 @@ class Pretrainer:
             raise ValueError(f"{self.out} was trained on other data or another teacher; use a new --out")
         saved = state["config"]
         defaults = asdict(PretrainConfig(data=[]))  # a run saved before an option existed ran its default
-        for key in ("batch_size", "epochs", "teacher", "data", "labelled", "loss", "views", "budget_minutes"):
+        for key in ("batch_size", "epochs", "teacher", "data", "labelled", "loss", "views", "budget_minutes",
+                    "low_res", "low_res_fraction"):
             there = saved.get(key, defaults[key])
             if there != asdict(self.config)[key]:
                 raise ValueError(f"--{key.replace('_', '-')} differs from the run being resumed "
