@@ -126,8 +126,10 @@ class TeacherTargets:
     def fill(self, teacher, images: np.ndarray, batch_size: int = 64, progress: bool = True,
              between: Callable[[], object] | None = None) -> int:
         """Embed every (view, image) not yet done; flushed every batch, so Ctrl-C loses at most one; `between()`
-        runs before each batch (a pause for the tests, `models.training.cpu_share`). Returns how many embeddings
-        the teacher computed (0 when the cache was complete)."""
+        runs before each batch (a pause for the tests, `models.training.cpu_share`); what another run sharing the
+        cache filled meanwhile is skipped. Returns how many embeddings the teacher computed (0: the cache was
+        complete)."""
+        computed = 0
         todo = [(v, i) for v in range(self.done.shape[0]) for i in np.flatnonzero(self.done[v] == 0)]
         bar = tqdm(total=len(todo), desc="teacher embeddings (cached)", unit="img", disable=not progress)
         for start in range(0, len(todo), batch_size):
@@ -135,14 +137,17 @@ class TeacherTargets:
                 between()
             chunk = todo[start:start + batch_size]
             for v in sorted({v for v, _ in chunk}):
-                idx = np.array([i for w, i in chunk if w == v])
+                idx = np.array([i for w, i in chunk if w == v and not self.done[v, i]])  # another run may have
+                if not len(idx):                                                      # filled it meanwhile
+                    continue
                 self.values[v, idx] = teacher.embed(view(images[idx], v, idx)).astype(np.float16)
+                computed += len(idx)
                 self.values.flush()
                 self.done[v, idx] = 1
                 self.done.flush()
             bar.update(len(chunk))
         bar.close()
-        return len(todo)
+        return computed
 
 
 def targets_dir(cache_root: Path, teacher_sha256: str, files: list[Path], views: int = N_VIEWS) -> Path:
