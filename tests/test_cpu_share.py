@@ -80,3 +80,15 @@ def test_a_holders_own_children_never_wait_for_it(tmp_path, monkeypatch):
     finally:
         release(fd)
     assert "paused:" not in out and _waited(out)[1] == 0.0
+
+
+def test_letting_go_of_one_hold_keeps_the_others(tmp_path, monkeypatch):
+    """The test session holds the CPU for the whole run; a test's own hold and release must not end the session's
+    exemption, or a run the tests start in-process would wait for the session's own lock forever."""
+    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "cpu.lock"))
+    outer = hold_cpu()
+    inner = hold_cpu()
+    release(inner)
+    assert os.environ.get(HOLDER_ENV) == "1"
+    release(outer)
+    assert os.environ.get(HOLDER_ENV) == "1"  # the session fixture (tests/conftest.py) still holds

@@ -22,6 +22,7 @@ HOLDER_ENV = "FFR_HOLDS_CPU"  # set in a foreground process and inherited by its
 LOCK_ENV = "FFR_CPU_LOCK"     # the lock file's path, where the default (one per user, in the temp dir) won't do
 
 log = logging.getLogger("ffr.cpu_share")
+_holds: list[int] = []  # this process's holds (a benchmark's import, the test session, a test of its own)
 
 
 def lock_path() -> Path:
@@ -37,12 +38,16 @@ def hold_cpu() -> int:
     exits or calls `release(fd)`. Returns the lock's file descriptor."""
     fd = _open_lock()
     fcntl.flock(fd, fcntl.LOCK_SH)
+    _holds.append(fd)
     os.environ[HOLDER_ENV] = "1"
     return fd
 
 
 def release(fd: int) -> None:
-    os.environ.pop(HOLDER_ENV, None)
+    """Let go of one hold; the process stays a holder (and its children exempt) while it has another."""
+    _holds.remove(fd)
+    if not _holds:
+        os.environ.pop(HOLDER_ENV, None)
     os.close(fd)  # closing the last descriptor of the open file drops its lock
 
 
