@@ -13,8 +13,9 @@ the learning rate decaying over it), one after the other in one run:
   (d) (a4) with progressive resolution: the student at 96 px for the first 3/4 of the budget (about twice the
       steps per second), then at the deployed 128 px.
 Filling the teacher cache is reported apart (done once per data set, then reused by every run).
-Reported per arm: held-out cosine to the teacher and Glint24 AUC (people never in the data) at the end,
-and their change from the shipped weights per CPU-hour of training.
+Reported per arm: held-out cosine to the teacher and Glint24 AUC (all 24 people, never in the data) at the end,
+the issue's target figures (Glint24's and CelebA's held-out AUC, the people `bench.verify_quality` holds out,
+CelebA aligned by YuNet), and each one's change from the shipped weights per CPU-hour of training.
 """
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ import time
 from pathlib import Path
 
 from bench.common import faces_dir, write_results
+from bench.held_out_sets import ALIGNED, GIVEN, held_out
+from bench.ratchet import load_candidate
+from bench.verify_quality import measure, ours
+from models.evaluation.metrics import make_pairs
+from models.networks.face_weights import shipped_weights
 
 ARMS = {"a: cosine, 2 views": ["--loss", "cosine", "--views", "2"],
         "b: bank, 2 views": ["--loss", "bank", "--views", "2"],
@@ -34,6 +40,23 @@ ARMS = {"a: cosine, 2 views": ["--loss", "cosine", "--views", "2"],
         "d: cosine, 4 views, 96 px then 128 px": ["--loss", "cosine", "--views", "4", "--low-res", "96",
                                                   "--low-res-fraction", "0.75"]}
 DEFAULT_ARMS = ["a: cosine, 2 views", "b: bank, 2 views", "c: cosine, 8 views", "b+c: bank, 8 views"]
+
+
+# the sets issue 27's targets name, cut and cropped as bench.verify_quality cuts them
+TARGET_SETS = {"glint24_heldout_auc": ("glint24_aligned", GIVEN), "celeba_heldout_auc": ("celeba_subset", ALIGNED)}
+
+
+def target_people(faces: Path, seed: int = 0, max_pairs: int = 100_000) -> dict[str, tuple]:
+    """Each target set's held-out people with their pairs, cut once and shared by every arm."""
+    people = {}
+    for key, (name, config) in TARGET_SETS.items():
+        held = held_out(faces / name, config, seed)[1].holdout
+        people[key] = (held, *make_pairs(held.labels, max_pairs, seed))
+    return people
+
+
+def target_aucs(model, people: dict[str, tuple]) -> dict[str, float]:
+    return {key: measure(ours(model, held, pairs), same)["auc"] for key, (held, pairs, same) in people.items()}
 
 
 def run_arm(name: str, args, data: list[Path], eval_set: Path) -> dict:
@@ -49,7 +72,7 @@ def run_arm(name: str, args, data: list[Path], eval_set: Path) -> dict:
     if main(argv) != 0:
         raise SystemExit(f"arm {name} failed")
     metrics = json.loads((out / "metrics.json").read_text())
-    return {"metrics": metrics, "wall_s": time.time() - start}
+    return {"metrics": metrics, "wall_s": time.time() - start, "embedder": out / "embedder.safetensors"}
 
 
 def baseline(args, data: list[Path], eval_set: Path) -> dict:
@@ -62,6 +85,11 @@ def baseline(args, data: list[Path], eval_set: Path) -> dict:
     trainer = Pretrainer(config, args.work / "baseline", args.cache_dir)
     trainer.fill_targets()
     return trainer.evaluate()
+
+
+def per_cpu_hour(now: dict, start: dict, cpu_h: float) -> dict:
+    """Each figure's change from the shipped weights per CPU-hour of training (issue 27's yardstick)."""
+    return {f"d_{key}_per_cpu_h": (now[key] - start[key]) / cpu_h for key in now}
 
 
 def main(argv=None) -> int:
@@ -85,29 +113,23 @@ def main(argv=None) -> int:
     data = [faces / "utkface_aligned", faces / "all_age_faces_aligned"]
     eval_set = faces / "glint24_aligned"
     start = baseline(args, data, eval_set)
+    people = target_people(faces)
     auc_key = "glint24_aligned_auc"
-    rows = [{"arm": "shipped weights (start)", "samples": 0, "train_cpu_h": 0.0,
-             "cosine_to_teacher": start["val_teacher_cosine"], "glint24_auc": start[auc_key],
-             "d_cosine_per_cpu_h": "", "d_auc_per_cpu_h": "", "teacher_fill": ""}]
-    detail = {"start": start}
+    start_figures = {"cosine_to_teacher": start["val_teacher_cosine"], "glint24_auc": start[auc_key],
+                     **target_aucs(load_candidate(shipped_weights()), people)}
+    rows = [{"arm": "shipped weights (start)", "samples": 0, "train_cpu_h": 0.0, **start_figures,
+             **{f"d_{key}_per_cpu_h": "" for key in start_figures}, "teacher_fill": ""}]
+    detail = {"start": {**start, **start_figures}}
     for name in args.arms:
         result = run_arm(name, args, data, eval_set)
         m, last = result["metrics"], result["metrics"]["history"][-1]
-        hours = m["trained_s"] / 3600
-        rows.append(
-            {
-                "arm": name,
-                "samples": m["samples"],
-                "train_cpu_h": round(hours * args.threads, 3),
-                "cosine_to_teacher": last["val_teacher_cosine"],
-                "glint24_auc": last[auc_key],
-                "d_cosine_per_cpu_h": (last["val_teacher_cosine"] - start["val_teacher_cosine"])
-                / (hours * args.threads),
-                "d_auc_per_cpu_h": (last[auc_key] - start[auc_key]) / (hours * args.threads),
-                "teacher_fill": f"{m['teacher_embeddings_computed']} embeddings",
-            }
-        )
-        detail[name] = {"history": m["history"], "wall_s": result["wall_s"]}
+        cpu_h = m["trained_s"] / 3600 * args.threads
+        figures = {"cosine_to_teacher": last["val_teacher_cosine"], "glint24_auc": last[auc_key],
+                   **target_aucs(load_candidate(result["embedder"]), people)}
+        rows.append({"arm": name, "samples": m["samples"], "train_cpu_h": round(cpu_h, 3), **figures,
+                     **per_cpu_hour(figures, start_figures, cpu_h),
+                     "teacher_fill": f"{m['teacher_embeddings_computed']} embeddings"})
+        detail[name] = {"history": m["history"], "wall_s": result["wall_s"], **figures}
     command = "python -m bench.distill_arms " + " ".join(
         f"'{a}'" if " " in a else a for a in (argv if argv is not None else sys.argv[1:]))
     write_results(args.out, args.name, detail, rows,
