@@ -4,9 +4,8 @@ Design defaults: 20 epochs, batch 32, Adam at 1e-4, early stopping after 10 epoc
 a better validation loss, weak augmentation. Starting from the shipped face weights, every step
 also pays an anchor: C * mean(1 - cos(f(x), f_0(x))) to the starting embedder f_0 (HF-MAML's
 eq. 4 regulariser, as in Li and Hoiem's "Learning without Forgetting", TPAMI 2018), so a few
-dozen people teach the model their faces without making it forget everyone else's
-(`bench.verify_quality`: without it, fine-tuning on Glint24's 17 other people lowered AUC on
-its 7 held-out ones from 0.935 to 0.91). Each epoch writes `latest.pt` (enough to
+dozen people teach the model their faces without making it forget everyone else's (the
+README gives what it is worth). Each epoch writes `latest.pt` (enough to
 resume exactly) and, when validation loss improves, `best.pt`; `metrics.json` is rewritten
 every epoch so an interrupted run still says where it got to.
 """
@@ -65,9 +64,8 @@ class TrainConfig:
             raise ValueError(f"anchor_weight must be >= 0, not {self.anchor_weight}")
 
 
-# from a sweep of `bench.verify_quality --anchor-weight C` (3 epochs, lr 1e-4; held-out AUC, face weights 0.935 on
-# Glint24, 0.63 on Extended Yale B): C = 0, 1, 3 let Glint24 fall to 0.914, 0.919, 0.924; C = 10 holds it (0.934)
-# and lifts Yale B to 0.82 and CelebA 0.937 -> 0.943; C = 20 holds Glint24 no better and lifts Yale B only to 0.69
+# chosen by a sweep of `bench.verify_quality --anchor-weight C`: the figures are in the README
+# ("Fine-tuning keeps what the face weights know")
 FACE_ANCHOR_WEIGHT = 10.0
 
 
