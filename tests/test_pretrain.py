@@ -149,6 +149,27 @@ def test_each_loss_with_extra_cached_views_falls_and_a_second_run_reads_every_ta
     assert json.loads((tmp_path / "b" / "metrics.json").read_text())["teacher_embeddings_computed"] == 0
 
 
+def test_more_views_embed_only_the_new_views_and_a_mismatched_sibling_cache_is_not_trusted(tmp_path, synthetic_dir):
+    """`--views 3` after `--views 2` on the same data: the teacher embeds view 2 alone (counted); views 0-1 come
+    from the two-view cache. A sibling cache whose description names another teacher is skipped."""
+    from ffr.cli import main
+
+    cache = tmp_path / "cache"
+    args = ["-q", "pretrain", "--data", str(synthetic_dir), "--epochs", "1", "--batch-size", "12",
+            "--max-images", "48", "--warmup-steps", "2", "--threads", "2", "--cache-dir", str(cache)]
+    assert main([*args, "--views", "2", "--out", str(tmp_path / "two")]) == 0
+    assert main([*args, "--views", "3", "--out", str(tmp_path / "three")]) == 0
+    three = json.loads((tmp_path / "three" / "metrics.json").read_text())
+    assert (three["teacher_embeddings_computed"], three["teacher_embeddings_reused"]) == (48, 96)
+
+    (two,) = [d for d in (cache / "teacher_targets").iterdir() if "-views" not in d.name]
+    meta = json.loads((two / "meta.json").read_text())
+    (two / "meta.json").write_text(json.dumps({**meta, "teacher_sha256": "0" * 64}))
+    assert main([*args, "--views", "4", "--out", str(tmp_path / "four")]) == 0
+    four = json.loads((tmp_path / "four" / "metrics.json").read_text())
+    assert (four["teacher_embeddings_computed"], four["teacher_embeddings_reused"]) == (48, 144)  # from views3
+
+
 def test_a_budgeted_run_stops_on_time_and_resumes_to_the_same_budget(tmp_path, synthetic_dir):
     from ffr.cli import main
 

@@ -119,6 +119,40 @@ class TeacherTargets:
         meta_file.write_text(json.dumps(expected))
         return cls(root, values, done)
 
+    def reuse_siblings(self) -> int:
+        """Copy in the views this cache shares with the caches of the same teacher and data for another `--views`
+        (view v is the same transform of the same image whatever N is), so that `--views 4` after `--views 2`
+        embeds only views 2 and 3. A sibling whose description or arrays do not match is skipped, not trusted.
+        Returns how many embeddings were copied."""
+        base = self.root.name.split("-views")[0]
+        siblings = [d for d in sorted(self.root.parent.iterdir())
+                    if d != self.root and (d.name == base or d.name.startswith(base + "-views"))]
+        return sum(self._copy_from(d) for d in siblings)
+
+    def _copy_from(self, other: Path) -> int:
+        mine = json.loads((self.root / "meta.json").read_text())
+        try:
+            theirs = json.loads((other / "meta.json").read_text())
+            values = np.load(other / "values.f16", mmap_mode="r")
+            done = np.load(other / "done.u8", mmap_mode="r")
+        except (OSError, ValueError):
+            return 0
+        views = theirs.get("views") if isinstance(theirs, dict) else None
+        same = isinstance(views, int) and {**theirs, "views": mine["views"]} == mine
+        if not same or values.shape != (views, *self.values.shape[1:]) or values.dtype != np.float16 \
+                or done.shape != (views, self.values.shape[1]) or done.dtype != np.uint8:
+            return 0
+        copied = 0
+        for v in range(min(views, self.values.shape[0])):
+            take = np.flatnonzero((done[v] == 1) & (self.done[v] == 0))
+            if len(take) and np.isfinite(values[v, take]).all():
+                self.values[v, take] = values[v, take]
+                self.values.flush()
+                self.done[v, take] = 1
+                self.done.flush()
+                copied += len(take)
+        return copied
+
     @property
     def complete(self) -> bool:
         return bool(self.done.all())

@@ -221,6 +221,7 @@ class Pretrainer:
         self.steps_per_epoch = len(self.train_index) // config.batch_size
         self.total_steps = self.steps_per_epoch * config.epochs
         self.step, self.trained_s, self.history, self.teacher_embeddings_computed = 0, 0.0, [], 0
+        self.teacher_embeddings_reused = 0  # copied from the cache of the same data with another --views
         self.eval_sets = [self._eval_set(Path(d)) for d in config.eval_data]
         self.yielder = Yielder(config.yield_cpu, notify=tqdm.write)
 
@@ -235,6 +236,8 @@ class Pretrainer:
     # --- training -------------------------------------------------------------------------------------------
 
     def fill_targets(self) -> None:
+        if not self.targets.complete:
+            self.teacher_embeddings_reused += self.targets.reuse_siblings()
         self.teacher_embeddings_computed += self.targets.fill(self.teacher, self.images, progress=self.config.progress,
                                                              between=self.yielder)
         if self.config.loss == "bank":  # every cached view of the training images (never the held-out ones)
@@ -392,6 +395,7 @@ class Pretrainer:
                    "samples": self.step * self.config.batch_size, "images": len(self.files),
                    "trained_s": round(self.trained_s, 1),
                    "teacher_embeddings_computed": self.teacher_embeddings_computed,
+                   "teacher_embeddings_reused": self.teacher_embeddings_reused,
                    "unreadable": [str(p) for p in self.unreadable], "teacher": self.config.teacher,
                    "teacher_sha256": self.teacher.sha256, "precision": str(self.autocast or "fp32"),
                    "config": asdict(self.config), "history": self.history}
