@@ -59,6 +59,18 @@ def test_better_means_higher_auc_on_every_row():
     assert not ratchet.better_everywhere([])
 
 
+def test_the_gain_interval_holds_zero_for_the_same_scores_and_excludes_it_for_a_clear_gain():
+    rng = np.random.default_rng(0)
+    people = rng.integers(0, 20, (2000, 2))
+    same = people[:, 0] == people[:, 1]
+    before = rng.normal(size=len(same)) + same * 1.0
+    low, high = ratchet.d_auc_interval(same, people, before, before)
+    assert low == high == 0.0
+    noisy = before + rng.normal(scale=0.5, size=len(same))
+    low, high = ratchet.d_auc_interval(same, people, noisy, before + same * 1.5)
+    assert 0 < low < high
+
+
 def test_shipping_writes_the_weights_and_their_sha256_together(tmp_path):
     module = tmp_path / "face_weights.py"
     shutil.copy(face_weights.__file__, module)
