@@ -44,9 +44,16 @@ def main(argv=None) -> int:
                                          "teacher": metrics["teacher"], "teacher_sha256": metrics["teacher_sha256"],
                                          "precision": metrics["precision"], "config": config},
                   curve(metrics), f"Distillation learning curve ({metrics['images']} unlabelled faces, teacher "
-                  f"{metrics['teacher']}, {config['epochs']} epochs of batch {config['batch_size']}, from "
+                  f"{metrics['teacher']}, {length(config)} of batch {config['batch_size']}, "
+                  f"{config.get('views', 2)} cached views, from "
                   f"{config.get('init', 'imagenet')} init at peak lr {config['lr']})", command.strip())
     return 0
+
+
+def length(config: dict) -> str:
+    """What decided the run's length: its time budget when it had one (the epochs then only count), else epochs."""
+    budget = config.get("budget_minutes")
+    return f"{budget:g} minutes of training" if budget else f"{config['epochs']} epochs"
 
 
 if __name__ == "__main__":
