@@ -24,6 +24,7 @@ from tqdm import tqdm
 from models.faces.imageio import UnreadableImage, is_image_file, read_rgb
 
 N_VIEWS = 2  # the image and its mirror image (the default; --views N adds N - 2 geometric jitters)
+VIEWS_SUFFIX = "-views"  # a cache of N != 2 views is named `targets_dir`'s name + "-viewsN"
 VIEW_SEED = 20261124  # part of each jittered view's identity: changing it changes every cached view
 
 
@@ -124,9 +125,9 @@ class TeacherTargets:
         (view v is the same transform of the same image whatever N is), so that `--views 4` after `--views 2`
         embeds only views 2 and 3. A sibling whose description or arrays do not match is skipped, not trusted.
         Returns how many embeddings were copied."""
-        base = self.root.name.split("-views")[0]
+        base = self.root.name.split(VIEWS_SUFFIX)[0]  # the name `targets_dir` gives the same teacher and data
         siblings = [d for d in sorted(self.root.parent.iterdir())
-                    if d != self.root and (d.name == base or d.name.startswith(base + "-views"))]
+                    if d != self.root and (d.name == base or d.name.startswith(base + VIEWS_SUFFIX))]
         return sum(self._copy_from(d) for d in siblings)
 
     def _copy_from(self, other: Path) -> int:
@@ -186,7 +187,7 @@ class TeacherTargets:
 
 def targets_dir(cache_root: Path, teacher_sha256: str, files: list[Path], views: int = N_VIEWS) -> Path:
     """One cache per teacher, data and number of views (the two-view cache keeps its old name)."""
-    suffix = "" if views == N_VIEWS else f"-views{views}"
+    suffix = "" if views == N_VIEWS else f"{VIEWS_SUFFIX}{views}"
     return Path(cache_root) / "teacher_targets" / f"{teacher_sha256[:12]}-{dataset_key(files)}{suffix}"
 
 
