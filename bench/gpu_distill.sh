@@ -13,6 +13,11 @@
 # the kit carries the crops as one pack (`ffr pack-crops`, ~46 MB), onnx2torch (pure Python, copied from this venv)
 # and SFace's published file, which the run names in FFR_SFACE_FILE (its sha256 is checked before it teaches); the
 # run goes through `python -m ffr.models_only`, which imports no broker, web or signing library.
+# A second call in the same task can go on from the first call's result: INIT=FILE starts from FILE instead of the
+# shipped weights (through FFR_FACE_WEIGHTS; the run's metrics.json records FILE's sha256 under "start"). The tree
+# and the kit already fill about 61 of the 64 MiB a call carries, so FILE has to travel in the shipped file's place:
+# copy it over models/weights/face_embedder.safetensors, run with INIT=models/weights/face_embedder.safetensors, then
+# `git checkout models/weights/face_embedder.safetensors` here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=${FFR_GPU_KIT:-.gpu}
@@ -40,6 +45,10 @@ case "${1:-}" in
     KIT=$(cd "$KIT" && pwd)
     export PYTHONPATH="$KIT/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" FFR_SFACE_FILE="$KIT/sface.onnx"
     export FFR_CACHE_DIR=${FFR_CACHE_DIR:-/tmp/ffr-cache} TQDM_MININTERVAL=${TQDM_MININTERVAL:-20}
+    if [ -n "${INIT:-}" ]; then
+      [ -f "$INIT" ] || { echo "INIT names a missing file: $INIT" >&2; exit 2; }
+      export FFR_FACE_WEIGHTS=$(cd "$(dirname "$INIT")" && pwd)/$(basename "$INIT")
+    fi
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     "${PYTHON:-python3}" -m ffr.models_only pretrain --data "$KIT/faces.npz" --out "${OUT:?the device tool sets OUT}/run" \
       --device "${FFR_GPU_DEVICE:-cuda}" --online --init face --batch-size "${BATCH:-512}" --lr "${LR:-1.5e-3}" \

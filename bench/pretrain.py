@@ -17,9 +17,12 @@ from bench.common import write_results
 
 
 def curve(metrics: dict) -> list[dict]:
+    """One row per history entry: per epoch for a cached run, per evaluation (every few hundred steps) online."""
     rows = []
     for h in metrics["history"]:
-        row = {"epoch": h["epoch"], "samples": h["samples"], "hours": round(h["elapsed_s"] / 3600, 2),
+        when = {"epoch": h["epoch"]} if "epoch" in h else {"step": h["step"]}
+        seconds = h.get("elapsed_s", h.get("trained_s", 0.0))
+        row = {**when, "samples": h["samples"], "hours": round(seconds / 3600, 2),
                "cos loss": h.get("train_cos_loss"), "sim loss": h.get("train_sim_loss"),
                "cosine to teacher (held-out)": h.get("val_teacher_cosine")}
         row.update({k: v for k, v in h.items() if k.endswith("_auc") or k.endswith("_eer")})
@@ -42,12 +45,26 @@ def main(argv=None) -> int:
     command = "python -m bench.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
     write_results(args.out, args.name, {"status": metrics["status"], "images": metrics["images"],
                                          "teacher": metrics["teacher"], "teacher_sha256": metrics["teacher_sha256"],
-                                         "precision": metrics["precision"], "config": config},
+                                         "precision": metrics["precision"], "start": metrics.get("start"),
+                                         "config": config},
                   curve(metrics), f"Distillation learning curve ({metrics['images']} unlabelled faces, teacher "
                   f"{metrics['teacher']}, {length(config)} of batch {config['batch_size']}, "
-                  f"{config.get('views', 2)} cached views, from "
-                  f"{config.get('init', 'imagenet')} init at peak lr {config['lr']})", command.strip())
+                  f"{views(metrics)}, from {start(metrics)} at peak lr {config['lr']})", command.strip())
     return 0
+
+
+def views(metrics: dict) -> str:
+    """Where the teacher's targets came from: a fresh jittered view per sample (online) or N cached views."""
+    if metrics.get("mode") == "online":
+        return f"teacher online on {metrics.get('device', 'cpu')} ({metrics.get('precision', '?')})"
+    return f"{metrics['config'].get('views', 2)} cached views"
+
+
+def start(metrics: dict) -> str:
+    """The student's start: its init, and the weights file's sha256 where the run recorded one."""
+    begun = metrics.get("start") or {"init": metrics["config"].get("init", "imagenet")}
+    sha = begun.get("init_sha256")
+    return f"{begun['init']} init" + (f" ({begun.get('init_file', 'weights')} sha256 {sha[:12]}...)" if sha else "")
 
 
 def length(config: dict) -> str:

@@ -40,10 +40,13 @@ def test_the_kit_carries_the_crops_and_the_packages_the_gpu_machine_lacks(kit):
 
 
 def test_a_kit_run_distils_from_the_shipped_weights_without_the_service_libraries(kit, tmp_path):
+    from models.networks import face_weights
     from models.networks.face_weights import read_embedder_numpy
 
     out = tmp_path / "out"
-    env = {**os.environ, "FFR_GPU_KIT": str(kit), "OUT": str(out), "PYTHON": sys.executable,
+    previous = tmp_path / "previous_run.safetensors"  # INIT: go on from another run's result (here the shipped one)
+    shutil.copy(face_weights.SHIPPED_WEIGHTS, previous)
+    env = {**os.environ, "INIT": str(previous), "FFR_GPU_KIT": str(kit), "OUT": str(out), "PYTHON": sys.executable,
            "FFR_GPU_DEVICE": "cpu", "BATCH": "8", "WARMUP": "2", "FFR_CACHE_DIR": str(tmp_path / "cache"),
            # the run's own imports, as the GPU machine would see them: Python logs each one to stderr (-X importtime)
            "PYTHONPROFILEIMPORTTIME": "1", "EXTRA": "--threads 2"}
@@ -56,6 +59,7 @@ def test_a_kit_run_distils_from_the_shipped_weights_without_the_service_librarie
     metrics = json.loads((out / "run" / "metrics.json").read_text())
     assert metrics["status"] == "finished" and metrics["step"] > 0
     assert metrics["teacher_agreement_with_onnxruntime"] > 0.999
+    assert metrics["start"] == {"init": "face", "init_file": previous.name, "init_sha256": face_weights.SHIPPED_SHA256}
     state, meta = read_embedder_numpy(out / "run" / "embedder.safetensors")
     assert meta["mode"] == "online" and state["embedding.weight"].shape == (128, 1280)
 

@@ -57,6 +57,7 @@ def test_tiny_pretraining_run_through_the_cli_lowers_the_loss_and_resumes(tmp_pa
     metrics = json.loads((out / "metrics.json").read_text())
     losses = [row["train_loss"] for row in metrics["history"]]
     assert metrics["status"] == "finished" and len(losses) == 6
+    assert metrics["start"] == {"init": "imagenet"}  # a face init also names its weights file (tests/test_gpu_kit.py)
     assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
     agreement = [row["val_teacher_cosine"] for row in metrics["history"]]
     assert agreement[-1] > agreement[0] + 0.05, agreement  # held-out images: the student moved toward the teacher

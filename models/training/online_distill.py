@@ -30,7 +30,7 @@ from models.training.cpu_share import Yielder
 from models.training.distillation import distillation_loss
 from models.training.loop import Means, Step, optimise
 from models.training.online_views import ViewJitter, geometric_views, photometric, student_input
-from models.training.pretraining import PretrainConfig, schedule_done, scheduled_lr, scheduled_size
+from models.training.pretraining import PretrainConfig, init_source, schedule_done, scheduled_lr, scheduled_size
 
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
 
@@ -81,6 +81,7 @@ class OnlineDistiller:
         self.train_index = torch.from_numpy(train_index).to(self.device)
         self.teacher = (teacher or self._teacher(images[self.val_index[:64]])).to(self.device)
         self.model = student(config.init, self.teacher.dim).to(self.device)
+        self.start = init_source(config.init)
         self.autocast = accelerate(self.model, config.precision, config.device)
         self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay, **optimiser_options(self.device))
@@ -253,7 +254,7 @@ class OnlineDistiller:
                    "samples": self.step * self.config.batch_size, "trained_s": round(self.trained_s, 1),
                    "images": len(self.names), "teacher": self.config.teacher, "teacher_sha256": self.teacher.sha256,
                    "teacher_agreement_with_onnxruntime": self.teacher_agreement,
-                   "precision": str(self.autocast or "fp32"), "device": str(self.device),
+                   "precision": str(self.autocast or "fp32"), "device": str(self.device), "start": self.start,
                    "config": asdict(self.config), "history": self.history}
         tmp = self.out / "metrics.json.tmp"
         tmp.write_text(json.dumps(metrics, indent=2))

@@ -137,6 +137,17 @@ def student(init: str, teacher_dim: int) -> FaceEmbedder:
     return FaceEmbedder(128, 1.0, pretrained=init == "imagenet")
 
 
+def init_source(init: str) -> dict:
+    """What the student started from, for the run's metrics: with `face`, the weights file ($FFR_FACE_WEIGHTS or the
+    shipped one) and its sha256, so that a run that goes on from another run's result says which."""
+    if init != "face":
+        return {"init": init}
+    from models.networks.face_weights import file_sha256, shipped_weights
+
+    path = shipped_weights()
+    return {"init": init, "init_file": path.name, "init_sha256": file_sha256(path)}
+
+
 def lr_at_fraction(step: int, spent: float, base: float, warmup: int) -> float:
     """Linear warm-up over `warmup` steps, then cosine decay to 1% of the base rate over the fraction `spent`
     of the run (of its steps, or of its time budget: Li et al., "Budgeted training", ICLR 2020)."""
@@ -211,6 +222,7 @@ class Pretrainer:
         self.val_index, self.train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
         self.device = torch.device(config.device)
         self.model = student(self.config.init, self.teacher.dim).to(self.device)
+        self.start = init_source(self.config.init)
         self.autocast = accelerate(self.model, config.precision, config.device)
         from models.networks.heads import CosFaceHead
 
@@ -398,7 +410,7 @@ class Pretrainer:
                    "teacher_embeddings_reused": self.teacher_embeddings_reused,
                    "unreadable": [str(p) for p in self.unreadable], "teacher": self.config.teacher,
                    "teacher_sha256": self.teacher.sha256, "precision": str(self.autocast or "fp32"),
-                   "config": asdict(self.config), "history": self.history}
+                   "start": self.start, "config": asdict(self.config), "history": self.history}
         tmp = self.out / "metrics.json.tmp"
         tmp.write_text(json.dumps(metrics, indent=2))
         tmp.replace(self.out / "metrics.json")
