@@ -11,6 +11,10 @@ With `--ship` a better candidate becomes `models/weights/face_embedder.safetenso
 at most 5 MB) and its sha256 is recorded in `models.networks.face_weights.SHIPPED_SHA256`; the model card's
 figures are then the next thing to rewrite (`python -m bench.verify_quality`). Every verdict is kept in
 `bench/results/ratchet.json` (its history) and the latest table in `ratchet.md`.
+
+`--ship --override REASON` ships a candidate the rule turned down: a person's call, recorded with its reason in the
+history, never the automatic path. Even then nothing ships from a part of the sets, nor with a row whose gain
+interval lies wholly below zero (a measured loss, not noise).
 """
 from __future__ import annotations
 
@@ -92,6 +96,15 @@ def better_everywhere(rows: list[dict]) -> bool:
     return bool(rows) and all(r["candidate_auc"] > r["shipped_auc"] for r in rows)
 
 
+def override_refused(rows: list[dict], complete: bool) -> str | None:
+    """Why a person's override may not ship this candidate, or None: never from a part of the sets, never over a
+    row whose 95% interval of the AUC gain lies wholly below zero (a loss that is not noise)."""
+    if not complete:
+        return "only some sets were measured"
+    losses = [f"{r['set']} / {r['crops']}" for r in rows if r["d_auc_95%_high"] < 0]
+    return f"a measured loss on {', '.join(losses)}" if losses else None
+
+
 def ship(candidate: torch.nn.Module, source: Path, target: Path = face_weights.SHIPPED_WEIGHTS,
          module: Path = Path(face_weights.__file__)) -> str:
     """Write the candidate as the shipped file `target` (fp16, the shipped format) and its sha256 into `module`'s
@@ -117,12 +130,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--candidate", required=True, type=Path, help="an embedder file (`ffr pretrain`'s output)")
     parser.add_argument("--ship", action="store_true", help="replace the shipped weights if better on every set")
+    parser.add_argument("--override", metavar="REASON",
+                        help="with --ship: ship even if not better on every set, recording REASON; refused when "
+                             "a row's gain interval lies wholly below zero or only some sets were measured")
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--max-pairs", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.override is not None and (not args.ship or not args.override.strip()):
+        parser.error("--override takes a reason and goes with --ship")
     root = faces_dir()
     if root is None:
         print("no face data: set FFR_FACES_DIR to the folder holding orl/, celeba_subset/, ...", file=sys.stderr)
@@ -136,11 +154,18 @@ def main(argv=None) -> int:
     better = better_everywhere(rows) and set(args.sets) == set(SETS)
     verdict = ("better on every set" if better else "not better on every set: the shipped weights stay"
                if set(args.sets) == set(SETS) else "measured on some sets only: never shipped from a part")
-    shipped_now = ship(candidate, args.candidate) if better and args.ship else None
+    refused = override_refused(rows, set(args.sets) == set(SETS)) if args.override and not better else None
+    if refused:
+        print(f"bench.ratchet: no override: {refused}", file=sys.stderr)
+    overridden = args.override is not None and not better and refused is None
+    if overridden:
+        verdict += f"; shipped over the rule by hand: {args.override.strip()}"
+    shipped_now = ship(candidate, args.candidate) if (better or overridden) and args.ship else None
     history_file = args.out / "ratchet.json"
     history = json.loads(history_file.read_text()).get("history", []) if history_file.is_file() else []
     history.append({"candidate": str(args.candidate), "candidate_sha256": face_weights.file_sha256(args.candidate),
                     "shipped_sha256": shipped_sha, "verdict": verdict, "shipped_now": shipped_now,
+                    "override": args.override if overridden else None,
                     "d_auc": {f"{r['set']} / {r['crops']}": round(r["d_auc"], 5) for r in rows}})
     command = "python -m bench.ratchet " + " ".join(argv if argv is not None else sys.argv[1:])
     write_results(args.out, "ratchet", {"verdict": verdict, "history": history}, rows,

@@ -110,3 +110,19 @@ def test_the_shipped_weights_against_themselves_are_not_better(faces_dir, tmp_pa
     assert all(r["d_auc"] == 0 and r["shipped_auc"] > 0.9 for r in result["table"])
     assert result["history"][-1]["shipped_now"] is None
     assert face_weights.file_sha256(face_weights.SHIPPED_WEIGHTS) == before
+
+
+def test_an_override_is_refused_over_a_measured_loss_or_a_part_of_the_sets():
+    row = lambda name, high: {"set": name, "crops": "given", "d_auc_95%_high": high}  # noqa: E731
+    noisy = [row("orl", 0.01), row("glint24_aligned", 0.05)]
+    assert ratchet.override_refused(noisy, complete=True) is None
+    assert ratchet.override_refused(noisy, complete=False) == "only some sets were measured"
+    assert "orl / given" in ratchet.override_refused([row("orl", -0.001), row("glint24_aligned", 0.05)], True)
+
+
+def test_an_override_needs_a_reason_and_ship(tmp_path, capsys):
+    candidate = str(_shipped_copy(tmp_path))
+    for args in (["--override", "because"], ["--ship", "--override", " "]):
+        with pytest.raises(SystemExit):
+            ratchet.main(["--candidate", candidate, *args])
+        assert "--override takes a reason" in capsys.readouterr().err
