@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         print(f"bench.ratchet: no override: {refused}", file=sys.stderr)
     overridden = args.override is not None and not better and refused is None
     if overridden:
-        verdict += f"; shipped over the rule by hand: {args.override.strip()}"
+        verdict = f"not better on every set; shipped over the rule by hand: {args.override.strip()}"
     shipped_now = ship(candidate, args.candidate) if (better or overridden) and args.ship else None
     history_file = args.out / "ratchet.json"
     history = json.loads(history_file.read_text()).get("history", []) if history_file.is_file() else []
