@@ -261,8 +261,8 @@ def cmd_calibrate(args) -> int:
         ""
         if cal.measurable
         else (
-            f"; only {cal.impostor_pairs} impostor pairs, too few to measure FAR {args.far:g}:"
-            " the threshold is the highest impostor score (add people or --data DIR)"
+            f"; only {cal.impostor_pairs} impostor scores, too few to count FAR {args.far:g}:"
+            " the threshold is the higher of the highest of them and a normal fitted to them (add people or --data DIR)"
         )
     )
     line = (f"threshold {cal.threshold:.3f} for FAR {args.far:g}: expected false-reject rate {cal.expected_frr:.3f} "

@@ -18,6 +18,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 
@@ -176,24 +177,40 @@ class Recognizer:
 
 
 def calibration_scores(embeddings: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Genuine scores within each person's embeddings and impostor scores across people."""
+    """Scores of the statistic a decision uses: a face against a person's template (`Recognizer.template`, the
+    normalised mean of their faces). Genuine: each face against its own person's template made without it;
+    impostor: each face against every other person's template. Face-to-face scores run lower than face-to-template
+    ones, so a threshold set on them would accept more impostors than it promises. A probe's score is the mean over
+    its faces, never above its highest face, so one face per score is the conservative side."""
+    templates = [normalise(e.mean(0)) for e in embeddings]
     genuine, impostor = [], []
-    for i, a in enumerate(embeddings):
-        sim = a @ a.T
-        genuine.append(sim[np.triu_indices(len(a), 1)])
-        for b in embeddings[i + 1:]:
-            impostor.append((a @ b.T).ravel())
-    return np.concatenate(genuine), np.concatenate(impostor) if impostor else np.zeros(0)
+    for i, faces in enumerate(embeddings):
+        if len(faces) >= 2:
+            without_each = normalise(faces.sum(0, keepdims=True) - faces)  # row k: the template without face k
+            genuine.append(np.sum(faces * without_each, axis=1))
+        impostor.extend(faces @ t for j, t in enumerate(templates) if j != i)
+    return (np.concatenate(genuine) if genuine else np.zeros(0),
+            np.concatenate(impostor) if impostor else np.zeros(0))
+
+
+def gaussian_tail(scores: np.ndarray, far: float) -> float:
+    """The score a normal fitted to `scores` exceeds with probability `far`: the estimate of the threshold when
+    too few impostor scores exist to count a rate of `far` among them."""
+    return float(np.mean(scores) + NormalDist().inv_cdf(1.0 - far) * np.std(scores, ddof=1))
 
 
 def calibrate(embeddings: list[np.ndarray], far: float, model_sha256: str) -> Calibration:
     """The threshold for a false-accept rate of `far` on the device's own people, and the
-    false-reject rate expected there. Needs two people with two or more faces each."""
+    false-reject rate expected there. Needs two people with two or more faces each. With fewer than 1/far
+    impostor scores the rate cannot be counted: the threshold is then the higher of the highest impostor score
+    and the fitted normal's tail at `far`, never only the highest seen (a few people's 97th percentile)."""
     usable = [e for e in embeddings if len(e) >= 2]
     if len(usable) < 2:
         raise ValueError("calibration needs at least two people with at least two face images each "
                          "(enrol more people, or add --data DIR)")
     genuine, impostor = calibration_scores(usable)
     threshold, measurable = threshold_at_far(impostor, far)
+    if not measurable:
+        threshold = max(threshold, gaussian_tail(impostor, far))
     return Calibration(threshold, far, float(np.mean(genuine <= threshold)), measurable, len(genuine),
                        len(impostor), model_sha256)

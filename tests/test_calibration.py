@@ -1,0 +1,48 @@
+"""`ffr device calibrate`'s threshold is set on the statistic a decision uses (a face against a template), so that
+no impostor it has seen would be accepted, and with too few impostors to count the rate it goes beyond the highest
+seen to the fitted tail."""
+from __future__ import annotations
+
+import numpy as np
+
+from edge_client.recognizer import calibrate, calibration_scores, normalise
+
+
+def people(n_people: int, faces: int, noise: float, seed: int = 0) -> list[np.ndarray]:
+    """Unit embeddings, a model's faces in miniature: a direction every face shares (real embeddings are not
+    centred), one per person, and per-face noise."""
+    rng = np.random.default_rng(seed)
+    common = 1.5 * rng.normal(size=128)
+    return [normalise(common + rng.normal(size=128) + noise * rng.normal(size=(faces, 128))) for _ in range(n_people)]
+
+
+def test_impostor_scores_are_faces_against_other_peoples_templates():
+    faces = people(3, 5, noise=2.0)
+    _, impostor = calibration_scores(faces)
+    templates = [normalise(f.mean(0)) for f in faces]
+    expected = np.concatenate([f @ templates[j] for i, f in enumerate(faces) for j in range(3) if j != i])
+    assert np.allclose(np.sort(impostor), np.sort(expected)) and len(impostor) == 3 * 5 * 2
+
+
+def test_no_impostor_face_seen_in_calibration_would_be_accepted():
+    """The decision is a probe against a template. Face-to-face impostor scores run lower than that (noisy faces,
+    clean templates), so a threshold set on them let a stranger through; this one refuses every such face."""
+    faces = people(3, 5, noise=1.5)
+    cal = calibrate(faces, far=0.01, model_sha256="0" * 64)
+    templates = [normalise(f.mean(0)) for f in faces]
+    decisions = [float(f[k] @ templates[j]) for i, f in enumerate(faces) for j in range(3) if j != i
+                 for k in range(len(f))]
+    pairwise_max = max(float((faces[i] @ faces[j].T).max()) for i in range(3) for j in range(i + 1, 3))
+    assert pairwise_max < max(decisions)  # the old statistic's threshold would have accepted some of them
+    assert cal.threshold >= max(decisions) and not cal.measurable
+
+
+def test_too_few_impostors_go_beyond_the_highest_seen_and_enough_count_the_rate():
+    few = calibration_scores(people(2, 3, noise=2.0))[1]
+    cal = calibrate(people(2, 3, noise=2.0), far=0.01, model_sha256="0" * 64)
+    assert cal.threshold > few.max()  # 6 scores: the normal's 99th percentile lies above the highest
+    many = people(12, 10, noise=2.0, seed=1)  # 12 x 10 x 11 = 1,320 impostor scores >= 1 / 0.01
+    cal = calibrate(many, far=0.01, model_sha256="0" * 64)
+    impostor = calibration_scores(many)[1]
+    assert cal.measurable and np.mean(impostor > cal.threshold) <= 0.01
+    assert 0.0 <= cal.expected_frr <= 1.0 and cal.genuine_pairs == 12 * 10
