@@ -68,6 +68,7 @@ bench-robust: $(STAMP)
 
 bench-quality: $(STAMP)
 	$(PY) -m bench.verify_quality --out bench/results
+	$(PY) -m bench.calibration --out bench/results
 
 clean:
 	rm -rf runs bench/results .pytest_cache
