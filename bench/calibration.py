@@ -40,16 +40,16 @@ def embeddings_by_person(root: Path) -> dict:
 
 def draw(by: dict, enrolled: int, extra: int, far: float, rng: np.random.Generator) -> dict:
     """One device: calibrate on `enrolled` people (+ `extra` in --data), then every stranger claims every enrolled."""
-    from edge_client.recognizer import calibrate, normalise
+    from edge_client.recognizer import calibrate, probe_scores, template_of
 
     people = list(by)
     pick = [people[i] for i in rng.choice(len(people), enrolled + extra, replace=False)]
     mine, more = pick[:enrolled], pick[enrolled:]
     cal = calibrate([by[p][:5] for p in mine] + [by[p][:10] for p in more], far, "0" * 64)
-    templates = np.stack([normalise(by[p][:5].mean(0)) for p in mine])
+    templates = np.stack([template_of(by[p][:5]) for p in mine])
     strangers = [p for p in people if p not in pick]
-    scores = np.stack([(by[p][5:10] @ templates.T).mean(0) for p in strangers])
-    genuine = np.array([float(by[p][5:10].mean(0) @ templates[k]) for k, p in enumerate(mine)])
+    scores = np.stack([probe_scores(by[p][5:10], templates) for p in strangers])
+    genuine = np.array([probe_scores(by[p][5:10], templates)[k] for k, p in enumerate(mine)])
     return {"threshold": cal.threshold, "measurable": cal.measurable, "claims": scores.size,
             "accepted": int((scores > cal.threshold).sum()), "genuine": len(genuine),
             "genuine_accepted": int((genuine > cal.threshold).sum())}

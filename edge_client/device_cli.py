@@ -21,7 +21,7 @@ import numpy as np
 
 from edge_client.capture import QualityGate, SourceError, check_face, device_detector, frames
 from edge_client.home import DeviceHome
-from edge_client.recognizer import Recognizer, calibrate, file_sha256, install_default_model, seal_model
+from edge_client.recognizer import Recognizer, calibrate, file_sha256, install_default_model, probe_scores, seal_model
 from edge_client.vault import Vault
 from models.cli.common import add_detector_option
 
@@ -171,7 +171,7 @@ def cmd_verify(args) -> int:
     viewer = Viewer(args.show)
     embeddings, latency, accepted, _ = _probe(args, recognizer, viewer)
     started = time.perf_counter()
-    score = float(np.mean(embeddings @ person.template))
+    score = float(probe_scores(embeddings, person.template)[0])
     match_ms = (time.perf_counter() - started) * 1000
     match = score > recognizer.threshold
     for box, frame in ((a.box, a.frame) for a in accepted[-1:]):
@@ -202,7 +202,7 @@ def cmd_identify(args) -> int:
     viewer = Viewer(args.show)
     embeddings, latency, accepted, _ = _probe(args, recognizer, viewer)
     started = time.perf_counter()
-    scores = (embeddings @ np.stack([p.template for p in people]).T).mean(0)
+    scores = probe_scores(embeddings, np.stack([p.template for p in people]))
     best = int(np.argmax(scores))
     match_ms = (time.perf_counter() - started) * 1000
     known = bool(scores[best] > recognizer.threshold)

@@ -18,13 +18,12 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from statistics import NormalDist
 
 import numpy as np
 
 from edge_client.home import DeviceHome
 from edge_client.vault import Person, Vault, VaultError, new_person
-from models.evaluation.thresholds import threshold_at_far
+from models.evaluation.thresholds import gaussian_tail, threshold_at_far
 from models.runtime import OnnxEmbedder
 
 log = logging.getLogger(__name__)
@@ -71,6 +70,17 @@ def file_sha256(path: Path) -> str:
 
 def normalise(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def template_of(faces: np.ndarray) -> np.ndarray:
+    """A person's template: the normalised mean of their face embeddings, what every decision scores against."""
+    return normalise(faces.mean(0))
+
+
+def probe_scores(faces: np.ndarray, templates: np.ndarray) -> np.ndarray:
+    """A probe's score against each template (the rows of `templates`, or one template): the mean over its faces
+    of their cosine to it. `verify` and `identify` decide on it, and calibration is set on its single-face case."""
+    return (faces @ np.atleast_2d(templates).T).mean(0)
 
 
 @dataclass
@@ -154,7 +164,7 @@ class Recognizer:
         return normalise(self.embedder.embed(crops))
 
     def template(self, crops: np.ndarray) -> np.ndarray:
-        return normalise(self.embed(crops).mean(0))
+        return template_of(self.embed(crops))
 
     def enrol(self, name: str, crops: np.ndarray) -> Person:
         person = new_person(name, crops, self.template(crops), self.model_sha256)
@@ -182,21 +192,15 @@ def calibration_scores(embeddings: list[np.ndarray]) -> tuple[np.ndarray, np.nda
     impostor: each face against every other person's template. Face-to-face scores run lower than face-to-template
     ones, so a threshold set on them would accept more impostors than it promises. A probe's score is the mean over
     its faces, never above its highest face, so one face per score is the conservative side."""
-    templates = [normalise(e.mean(0)) for e in embeddings]
+    templates = [template_of(e) for e in embeddings]
     genuine, impostor = [], []
     for i, faces in enumerate(embeddings):
         if len(faces) >= 2:
-            without_each = normalise(faces.sum(0, keepdims=True) - faces)  # row k: the template without face k
+            without_each = normalise(faces.sum(0, keepdims=True) - faces)  # row k: template_of(faces but k)
             genuine.append(np.sum(faces * without_each, axis=1))
         impostor.extend(faces @ t for j, t in enumerate(templates) if j != i)
     return (np.concatenate(genuine) if genuine else np.zeros(0),
             np.concatenate(impostor) if impostor else np.zeros(0))
-
-
-def gaussian_tail(scores: np.ndarray, far: float) -> float:
-    """The score a normal fitted to `scores` exceeds with probability `far`: the estimate of the threshold when
-    too few impostor scores exist to count a rate of `far` among them."""
-    return float(np.mean(scores) + NormalDist().inv_cdf(1.0 - far) * np.std(scores, ddof=1))
 
 
 def calibrate(embeddings: list[np.ndarray], far: float, model_sha256: str) -> Calibration:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import numpy as np
 
@@ -16,3 +17,9 @@ def threshold_at_far(impostor_scores: np.ndarray, far: float) -> tuple[float, bo
     measurable = len(impostor) >= math.ceil(1.0 / far)
     allowed = int(math.floor(far * len(impostor))) if measurable else 0  # impostors allowed above the threshold
     return float(impostor[min(allowed, len(impostor) - 1)]), measurable
+
+
+def gaussian_tail(scores: np.ndarray, far: float) -> float:
+    """The score a normal fitted to `scores` exceeds with probability `far`: an estimate of the threshold for
+    impostors not yet seen, when too few scores exist to count a rate of `far` among them."""
+    return float(np.mean(scores) + NormalDist().inv_cdf(1.0 - far) * np.std(scores, ddof=1))
