@@ -19,9 +19,11 @@ HAAR = CropConfig(detector="haar", fallback_center=True, face_select="center")
 GIVEN = CropConfig(detector="none")
 
 
-def held_out(root: Path, config: CropConfig, seed: int):
+def held_out(root: Path, config: CropConfig, seed: int, select_fraction: float = 0.0):
+    """(crops, split): the held-out 30% of people is the same whatever `select_fraction` takes from the rest."""
     crops = crop_index(load_index(root), config, progress=True, min_images=2)
-    return crops, training_split(crops, holdout_fraction=0.3, val_fraction=0.1, seed=seed)
+    return crops, training_split(crops, holdout_fraction=0.3, val_fraction=0.1, seed=seed,
+                                 select_fraction=select_fraction)
 
 
 def crop_kinds(name: str) -> list[tuple[str, CropConfig]]:

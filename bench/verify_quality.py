@@ -7,8 +7,9 @@ the held-out 30% (all genuine pairs, impostors sampled), which the shipped weigh
 (they are distilled from unlabelled sets only). Rows:
   - ffr-edge, ImageNet init (what the project shipped before the face weights);
   - ffr-edge, face init as shipped;
-  - ffr-edge, face init fine-tuned with the `ffr train` trainer (CosFace, and its default anchor to the
-    face weights) on the set's other 70%;
+  - ffr-edge, face init fine-tuned with the `ffr train` trainer (CosFace, its default anchor to the face
+    weights) on the set's other 70% of people, less the share (`--select-identities`, `ffr train`'s default)
+    kept out to choose how far the weights move from the start (WiSE-FT; the row names the alpha chosen);
   - the teacher, OpenCV's SFace, on the same aligned crops;
   - face_recognition (dlib), when installed (`make bench-device` installs it), on its usual square crops.
 Photo sets are cut two ways for our models: aligned (YuNet five points, the default) and Haar's
@@ -27,6 +28,7 @@ import torch
 from bench.common import faces_dir, write_results
 from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, held_out
 from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
+from models.cli.common import SELECT_IDENTITIES
 from models.faces.crops import FaceCrops
 from models.training.supervised import TrainConfig
 
@@ -51,6 +53,7 @@ def teacher_scores(crops: FaceCrops, pairs: np.ndarray) -> np.ndarray:
 
 
 def finetune(split, args, run_dir: Path):
+    """(the fine-tuned model, what its WiSE-FT step chose: None without selection people)."""
     from models.training.supervised import Trainer
 
     config = TrainConfig(epochs=args.epochs, head="cosface", aug="weak", lr=args.lr, batch_size=32, seed=args.seed,
@@ -60,14 +63,21 @@ def finetune(split, args, run_dir: Path):
     trainer.fit()
     from models.networks.face_model import load_checkpoint
 
-    return load_checkpoint(run_dir / "best.pt")[0]
+    model, payload = load_checkpoint(run_dir / "best.pt")
+    return model, payload.get("interpolation")
+
+
+def tuned_name(args, interpolation: dict | None) -> str:
+    moved = ("" if interpolation is None else
+             f", alpha {interpolation['alpha']:g} chosen on {interpolation['select_identities']} kept-out people")
+    return f"ffr-edge, face init + fine-tuned ({args.epochs} ep. CosFace, anchor {args.anchor_weight:g}{moved})"
 
 
 def bench_set(name: str, root: Path, args, fr) -> list[dict]:
     from models.networks.face_model import new_embedder
 
     is_photo = name in PHOTO_SETS
-    crops, split = held_out(root, ALIGNED if is_photo else GIVEN, args.seed)
+    crops, split = held_out(root, ALIGNED if is_photo else GIVEN, args.seed, args.select_identities)
     held = split.holdout
     pairs, same = make_pairs(held.labels, args.max_pairs, args.seed)
     base = {"set": name, "identities": len(held.identities), "images": len(held),
@@ -93,13 +103,8 @@ def bench_set(name: str, root: Path, args, fr) -> list[dict]:
         add("ffr-edge, face init (shipped)", "Haar square", ours(face, haar_split.holdout, pairs))
     if args.epochs > 0:
         start = time.perf_counter()
-        tuned = finetune(split, args, args.out / "quality_runs" / name / "face-cosface")
-        add(
-            f"ffr-edge, face init + fine-tuned ({args.epochs} ep. CosFace, anchor {args.anchor_weight:g}, other 70%)",
-            crop_name,
-            ours(tuned, held, pairs),
-            time.perf_counter() - start,
-        )
+        tuned, interpolation = finetune(split, args, args.out / "quality_runs" / name / "face-cosface")
+        add(tuned_name(args, interpolation), crop_name, ours(tuned, held, pairs), time.perf_counter() - start)
     add("teacher: SFace (OpenCV Zoo, int8 folded to fp32)", crop_name, teacher_scores(held, pairs))
     if fr is not None:
         from bench.peer import peer_embeddings
@@ -111,8 +116,9 @@ def bench_set(name: str, root: Path, args, fr) -> list[dict]:
     return rows
 
 
-def merged(previous: Path, rows: list[dict], sets: list[str]) -> tuple[list[dict], str | None]:
-    """A rerun of some sets replaces their rows in the existing table (same weights) and keeps the others.
+def merged(previous: Path, rows: list[dict], sets: list[str], settings: dict) -> tuple[list[dict], str | None]:
+    """A rerun of some sets replaces their rows in the existing table (same weights and fine-tuning settings)
+    and keeps the others.
 
     Returns the rows and the command that produced the kept ones (None when nothing was kept)."""
     import json
@@ -123,7 +129,7 @@ def merged(previous: Path, rows: list[dict], sets: list[str]) -> tuple[list[dict
         return rows, None
     old = json.loads(previous.read_text())
     kept = [r for r in old["table"] if r["set"] not in sets]
-    if old.get("weights_sha256") != SHIPPED_SHA256 or not kept:
+    if old.get("weights_sha256") != SHIPPED_SHA256 or any(old.get(k) != v for k, v in settings.items()) or not kept:
         return rows, None
     return sorted(kept + rows, key=lambda r: SETS.index(r["set"])), old["command"]  # stable sort
 
@@ -136,6 +142,9 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--anchor-weight", type=float, default=None,
                         help="fine-tuning's anchor to the face weights (default: `ffr train`'s)")
+    parser.add_argument("--select-identities", type=float, default=SELECT_IDENTITIES,
+                        help="share of the 70%% kept out of fine-tuning to choose its WiSE-FT alpha "
+                             "(default: `ffr train`'s, %(default)s; 0: no such step)")
     parser.add_argument("--max-pairs", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -159,7 +168,9 @@ def main(argv=None) -> int:
     rows = []
     for name in args.sets:
         rows += bench_set(name, root / name, args, fr)
-    rows, earlier = merged(args.out / "verify_quality.json", rows, args.sets)
+    settings = {"epochs": args.epochs, "lr": args.lr, "anchor_weight": args.anchor_weight,
+                "select_identities": args.select_identities}
+    rows, earlier = merged(args.out / "verify_quality.json", rows, args.sets, settings)
     from models.networks.face_weights import SHIPPED_SHA256
 
     command = ("python -m bench.verify_quality " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
@@ -168,7 +179,7 @@ def main(argv=None) -> int:
     write_results(
         args.out,
         "verify_quality",
-        {"epochs": args.epochs, "lr": args.lr, "anchor_weight": args.anchor_weight, "weights_sha256": SHIPPED_SHA256},
+        {**settings, "weights_sha256": SHIPPED_SHA256},
         rows,
         "Verification on held-out people: ImageNet vs face init, fine-tuned, teacher, dlib",
         command,

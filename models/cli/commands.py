@@ -13,6 +13,7 @@ from pathlib import Path
 
 from models.cli.common import (
     HOLDOUT_IDENTITIES,
+    SELECT_IDENTITIES,
     Owned,
     Parser,
     add_detector_option,
@@ -52,6 +53,13 @@ def _non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be a number >= 0, not {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), not {text}")
     return value
 
 
@@ -99,7 +107,9 @@ def cmd_train(args) -> int:
     if (out / "latest.pt").exists() and not (args.resume or args.force):
         raise SystemExit(f"ffr train: {out} already holds a run; pass --resume to continue it or --force to start over")
     _, crops = _crops(args, min_images=2)
-    split = training_split(crops, args.holdout_identities, args.val_fraction, args.seed)
+    select = args.select_identities if args.select_identities is not None else (
+        SELECT_IDENTITIES if args.init != "none" else 0.0)
+    split = training_split(crops, args.holdout_identities, args.val_fraction, args.seed, select)
     if split.n_classes < 2:
         raise DatasetError("training needs at least 2 identities with 2 or more usable images each")
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, patience=args.patience,
@@ -352,6 +362,11 @@ def add_commands(sub) -> None:
     p.add_argument("--class-weighted", action="store_true", help="inverse-frequency class weights in the loss")
     p.add_argument("--holdout-identities", type=float, default=HOLDOUT_IDENTITIES,
                    help="fraction of identities kept out of training to measure verification on new people")
+    p.add_argument("--select-identities", type=_fraction, metavar="FRACTION",
+                   help="fraction of the training identities kept out of training: the run ends at the point "
+                        "between its trained start and the fine-tuned weights (WiSE-FT) that verifies these people "
+                        "best, the start included, so fine-tuning does not end worse on people it never saw "
+                        f"(default {SELECT_IDENTITIES} from --init face or imagenet, 0 from none)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of each identity's images for validation")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, sampling and initialisation")
     p.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from latest.pt")

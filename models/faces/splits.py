@@ -13,6 +13,7 @@ class TrainingSplit:
     train: FaceCrops      # labels 0..K-1 over the training identities
     val: FaceCrops        # images of the same identities, never trained on
     holdout: FaceCrops | None  # identities never seen in training: verification on new people
+    select: FaceCrops | None = None  # other unseen identities, on which a fine-tuned run picks how far to move
 
     @property
     def n_classes(self) -> int:
@@ -57,12 +58,22 @@ def split_images(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarr
 
 
 def training_split(crops: FaceCrops, holdout_fraction: float = 0.2, val_fraction: float = 0.1,
-                   seed: int = 0) -> TrainingSplit:
+                   seed: int = 0, select_fraction: float = 0.0) -> TrainingSplit:
+    """Held-out people, then (with `select_fraction`) selection people taken from the rest, then train/val images.
+
+    The selection people come out of the training people, never the held-out ones, so the held-out set (and so
+    every figure measured on it) is the same whatever `select_fraction` is; none when fewer than 2 would be left
+    on either side."""
     train_ids, hold_ids = split_identities(len(crops.identities), holdout_fraction, seed)
+    select_ids = np.array([], dtype=np.int64)
+    if select_fraction > 0:
+        keep, chosen = split_identities(len(train_ids), select_fraction, seed + 1)
+        train_ids, select_ids = train_ids[keep], train_ids[chosen]
     trainable = relabel(crops, train_ids)
     val_mask = split_images(trainable.labels, val_fraction, seed)
     holdout = relabel(crops, hold_ids) if len(hold_ids) else None
-    return TrainingSplit(_select(trainable, ~val_mask), _select(trainable, val_mask), holdout)
+    select = relabel(crops, select_ids) if len(select_ids) else None
+    return TrainingSplit(_select(trainable, ~val_mask), _select(trainable, val_mask), holdout, select)
 
 
 def _select(crops: FaceCrops, mask: np.ndarray) -> FaceCrops:

@@ -7,7 +7,9 @@ eq. 4 regulariser, as in Li and Hoiem's "Learning without Forgetting", TPAMI 201
 dozen people teach the model their faces without making it forget everyone else's (the
 README gives what it is worth). Each epoch writes `latest.pt` (enough to
 resume exactly) and, when validation loss improves, `best.pt`; `metrics.json` is rewritten
-every epoch so an interrupted run still says where it got to.
+every epoch so an interrupted run still says where it got to. From a trained start with selection people
+(`TrainingSplit.select`), the run ends by moving best.pt's backbone only as far from the start as pays on
+those people (WiSE-FT, models.training.interpolation).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from models.networks.heads import imprint, inverse_frequency_weights
 from models.training.crop_batches import CropDataset, frozen_copy, frozen_features, train_loader
 from models.training.fast_step import accelerate, optimiser_options
 from models.training.hfmaml import anchored_to
+from models.training.interpolation import choose_alpha, interpolate
 from models.training.loop import train_epoch
 from models.training.tracking import NullTracker, Tracker
 
@@ -107,6 +110,10 @@ class Trainer:
             self._imprint()
         # taken before any step (and before a resume loads later weights): the model training started from
         self.start_net = frozen_copy(self.model.backbone) if config.anchor_weight > 0 else None
+        # with selection people and a trained start, the run ends by choosing how far to move from it (_interpolate)
+        self.start_state = ({k: v.detach().clone() for k, v in self.model.backbone.state_dict().items()}
+                            if split.select is not None and config.init != "none" else None)
+        self.interpolation: dict | None = None
         self.optimiser = torch.optim.Adam(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                           **optimiser_options("cpu"))
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -189,8 +196,31 @@ class Trainer:
             shown = " ".join(f"{k}={v:.4f}" for k, v in row.items() if k != "epoch" and isinstance(v, float))
             tqdm.write(f"epoch {epoch}: {shown}")
 
+    def _interpolate(self, best: FaceModel, payload: dict) -> FaceModel:
+        """WiSE-FT's alpha (models.training.interpolation) by verification AUC on the selection people, written
+        into best.pt: what the run hands on is never worse than its start on those people, who were never trained on."""
+        if "interpolation" in payload:  # already chosen (a finished run resumed): best.pt holds the result
+            self.interpolation = payload["interpolation"]
+            return best
+        tuned = {k: v.clone() for k, v in best.backbone.state_dict().items()}
+
+        def score(alpha: float) -> float | None:
+            best.backbone.load_state_dict(interpolate(self.start_state, tuned, alpha))
+            report, _ = verification(best, self.split.select, self.config.max_eval_pairs, self.config.seed)
+            return report.get("auc")
+
+        alpha, scores = choose_alpha(score)
+        best.backbone.load_state_dict(interpolate(self.start_state, tuned, alpha))
+        self.interpolation = {"alpha": alpha, "select_auc": {str(a): v for a, v in scores.items()},
+                              "select_identities": len(self.split.select.identities)}
+        kept = {k: v for k, v in payload.items() if k not in ("model_config", "model_state")}
+        save_checkpoint(self.out / "best.pt", best, **{**kept, "interpolation": self.interpolation})
+        return best
+
     def _finish(self) -> dict:
-        best, _ = load_checkpoint(self.out / "best.pt")
+        best, payload = load_checkpoint(self.out / "best.pt")
+        if self.start_state is not None:
+            best = self._interpolate(best, payload)
         report, curve = verification(best, self.eval_crops, self.config.max_eval_pairs, self.config.seed)
         if curve is not None:
             from models.evaluation.plots import roc_png
@@ -219,10 +249,12 @@ class Trainer:
                      "train_identities": len(split.train.identities),
                      "holdout_identities": len(split.holdout.identities) if split.holdout else 0,
                      "holdout_images": len(split.holdout) if split.holdout else 0,
+                     "select_identities": len(split.select.identities) if split.select else 0,
                      "crops": split.train.report.summary()},
             "evaluated_on": "held-out identities" if split.holdout is not None else "validation images",
             "best_epoch": self.best_epoch,
             "best_val_loss": None if self.best_epoch is None else self.best_loss,
+            "interpolation": self.interpolation,
             "epochs_run": len(self.history),
             "history": self.history,
             "tracking_run_id": self.tracker.run_id,
