@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+from sklearn.metrics import roc_auc_score
+
 from models.evaluation.metrics import make_pairs
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
@@ -36,3 +39,23 @@ def held_out_pairs(root: Path, config: CropConfig, seed: int, max_pairs: int):
     held = held_out(root, config, seed)[1].holdout
     pairs, same = make_pairs(held.labels, max_pairs, seed)
     return held, pairs, same
+
+
+def d_auc_interval(same: np.ndarray, people: np.ndarray, before: np.ndarray, after: np.ndarray,
+                   resamples: int = 500, seed: int = 0) -> tuple[float, float]:
+    """95% interval of the candidate's AUC gain, by a paired bootstrap over the held-out people: `people` is the
+    (P, 2) person of each pair's two faces, and a resample weighs a pair by how often both its people were drawn.
+    People, not pairs, are the unit: a set's pairs share faces, so resampling pairs would understate the noise."""
+    ids, inverse = np.unique(people, return_inverse=True)
+    inverse = inverse.reshape(people.shape)
+    rng, gains = np.random.default_rng(seed), []
+    for _ in range(resamples):
+        drawn = np.bincount(rng.integers(0, len(ids), len(ids)), minlength=len(ids))
+        weight = drawn[inverse[:, 0]] * drawn[inverse[:, 1]]
+        keep = weight > 0
+        if same[keep].all() or not same[keep].any():
+            continue
+        gains.append(roc_auc_score(same[keep], after[keep], sample_weight=weight[keep])
+                     - roc_auc_score(same[keep], before[keep], sample_weight=weight[keep]))
+    low, high = np.percentile(gains, [2.5, 97.5]) if gains else (float("nan"), float("nan"))
+    return float(low), float(high)

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.metrics import roc_auc_score
 
 from bench.common import faces_dir, write_results
-from bench.held_out_sets import SETS, crop_kinds, held_out_pairs
+from bench.held_out_sets import SETS, crop_kinds, d_auc_interval, held_out_pairs
 from bench.verify_quality import measure, ours
 from models.networks import face_weights
 
@@ -52,26 +51,6 @@ def load_candidate(path: Path) -> torch.nn.Module:
     if bad:
         raise SystemExit(f"bench.ratchet: {path} holds non-finite values in {bad[0]}")
     return model.eval()
-
-
-def d_auc_interval(same: np.ndarray, people: np.ndarray, before: np.ndarray, after: np.ndarray,
-                   resamples: int = 500, seed: int = 0) -> tuple[float, float]:
-    """95% interval of the candidate's AUC gain, by a paired bootstrap over the held-out people: `people` is the
-    (P, 2) person of each pair's two faces, and a resample weighs a pair by how often both its people were drawn.
-    People, not pairs, are the unit: a set's pairs share faces, so resampling pairs would understate the noise."""
-    ids, inverse = np.unique(people, return_inverse=True)
-    inverse = inverse.reshape(people.shape)
-    rng, gains = np.random.default_rng(seed), []
-    for _ in range(resamples):
-        drawn = np.bincount(rng.integers(0, len(ids), len(ids)), minlength=len(ids))
-        weight = drawn[inverse[:, 0]] * drawn[inverse[:, 1]]
-        keep = weight > 0
-        if same[keep].all() or not same[keep].any():
-            continue
-        gains.append(roc_auc_score(same[keep], after[keep], sample_weight=weight[keep])
-                     - roc_auc_score(same[keep], before[keep], sample_weight=weight[keep]))
-    low, high = np.percentile(gains, [2.5, 97.5]) if gains else (float("nan"), float("nan"))
-    return float(low), float(high)
 
 
 def compare_set(name: str, root: Path, shipped, candidate, seed: int, max_pairs: int) -> list[dict]:

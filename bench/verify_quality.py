@@ -9,7 +9,8 @@ the held-out 30% (all genuine pairs, impostors sampled), which the shipped weigh
   - ffr-edge, face init as shipped;
   - ffr-edge, face init fine-tuned with the `ffr train` trainer (CosFace, its default anchor to the face
     weights) on the set's other 70% of people, less the share (`--select-identities`, `ffr train`'s default)
-    kept out to choose how far the weights move from the start (WiSE-FT; the row names the alpha chosen);
+    kept out to choose how far the weights move from the start (WiSE-FT; the row names the alpha chosen, and
+    gives its AUC gain over the shipped row with a 95% interval, a paired bootstrap over the held-out people);
   - the teacher, OpenCV's SFace, on the same aligned crops;
   - face_recognition (dlib), when installed (`make bench-device` installs it), on its usual square crops.
 Photo sets are cut two ways for our models: aligned (YuNet five points, the default) and Haar's
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from bench.common import faces_dir, write_results
-from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, held_out
+from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, d_auc_interval, held_out
 from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.cli.common import SELECT_IDENTITIES
 from models.faces.crops import FaceCrops
@@ -83,9 +84,17 @@ def bench_set(name: str, root: Path, args, fr) -> list[dict]:
     base = {"set": name, "identities": len(held.identities), "images": len(held),
             "pairs": f"{int(same.sum())}/{int((~same).sum())}"}
     rows = []
+    people = np.asarray(held.labels)[pairs]
 
-    def add(model: str, crop: str, scores: np.ndarray, seconds: float = 0.0) -> None:
-        rows.append({**base, "model": model, "crops": crop, **measure(scores, same), "train_s": round(seconds)})
+    def add(model: str, crop: str, scores: np.ndarray, seconds: float = 0.0, versus: np.ndarray | None = None) -> None:
+        """A row; with `versus` (the shipped row's scores) also the AUC gain over it and its 95% interval."""
+        row = {**base, "model": model, "crops": crop, **measure(scores, same), "train_s": round(seconds),
+               "auc_gain_vs_shipped": "", "gain_95%": ""}
+        if versus is not None:
+            low, high = d_auc_interval(same, people, versus, scores, seed=args.seed)
+            row["auc_gain_vs_shipped"] = row["auc"] - measure(versus, same)["auc"]
+            row["gain_95%"] = f"{low:+.4f} to {high:+.4f}"
+        rows.append(row)
         print(rows[-1], flush=True)
 
     crop_name = ("aligned (YuNet 5-point)" if is_photo else "given (pre-aligned)" if name == "glint24_aligned"
@@ -95,7 +104,8 @@ def bench_set(name: str, root: Path, args, fr) -> list[dict]:
     torch.manual_seed(args.seed)  # the ImageNet row's 128-d projection is drawn at random: the same one every run
     imagenet, face = new_embedder("imagenet").eval(), new_embedder("face").eval()
     add("ffr-edge, ImageNet init", crop_name, ours(imagenet, held, pairs))
-    add("ffr-edge, face init (shipped)", crop_name, ours(face, held, pairs))
+    shipped = ours(face, held, pairs)
+    add("ffr-edge, face init (shipped)", crop_name, shipped)
     if is_photo:  # the same people and pairs, cut as Haar squares (the previous default)
         haar_crops, haar_split = held_out(root, HAAR, args.seed)
         assert haar_split.holdout.identities == held.identities and len(haar_split.holdout) == len(held)
@@ -104,7 +114,8 @@ def bench_set(name: str, root: Path, args, fr) -> list[dict]:
     if args.epochs > 0:
         start = time.perf_counter()
         tuned, interpolation = finetune(split, args, args.out / "quality_runs" / name / "face-cosface")
-        add(tuned_name(args, interpolation), crop_name, ours(tuned, held, pairs), time.perf_counter() - start)
+        add(tuned_name(args, interpolation), crop_name, ours(tuned, held, pairs), time.perf_counter() - start,
+            versus=shipped)
     add("teacher: SFace (OpenCV Zoo, int8 folded to fp32)", crop_name, teacher_scores(held, pairs))
     if fr is not None:
         from bench.peer import peer_embeddings
