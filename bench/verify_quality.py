@@ -28,8 +28,8 @@ import torch
 
 from bench.common import faces_dir, write_results
 from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, d_auc_interval, held_out
-from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.cli.common import SELECT_IDENTITIES
+from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.faces.crops import FaceCrops
 from models.training.supervised import TrainConfig
 

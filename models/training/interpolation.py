@@ -10,7 +10,7 @@ is always a candidate, so the chosen weights are never worse than the start on t
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

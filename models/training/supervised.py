@@ -198,7 +198,9 @@ class Trainer:
 
     def _interpolate(self, best: FaceModel, payload: dict) -> FaceModel:
         """WiSE-FT's alpha (models.training.interpolation) by verification AUC on the selection people, written
-        into best.pt: what the run hands on is never worse than its start on those people, who were never trained on."""
+        into best.pt: what the run hands on is never worse than its start on those people, who were never trained
+        on. Only the backbone moves; the margin head and the DFC branch stay as trained (DFC works on the backbone's
+        embedding, so it goes on personalising the chosen one)."""
         if "interpolation" in payload:  # already chosen (a finished run resumed): best.pt holds the result
             self.interpolation = payload["interpolation"]
             return best
