@@ -76,9 +76,9 @@ def baseline(args, data: list[Path], eval_set: Path) -> dict:
     from models.training.pretraining import PretrainConfig, Pretrainer
 
     views = min(int(ARMS[name][ARMS[name].index("--views") + 1]) for name in args.arms)  # a cache an arm fills
-    config = PretrainConfig(data=[str(d) for d in data], init="face", threads=args.threads, progress=False,
+    config = PretrainConfig(data=[str(d) for d in data], init="face",
                             max_images=args.max_images or None, eval_data=[str(eval_set)], views=views)
-    trainer = Pretrainer(config, args.work / "baseline", args.cache_dir)
+    trainer = Pretrainer(config, args.work / "baseline", args.cache_dir, threads=args.threads, progress=False)
     trainer.fill_targets()
     return trainer.evaluate()
 

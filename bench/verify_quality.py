@@ -58,9 +58,9 @@ def finetune(split, args, run_dir: Path):
     from models.training.supervised import Trainer
 
     config = TrainConfig(epochs=args.epochs, head="cosface", aug="weak", lr=args.lr, batch_size=32, seed=args.seed,
-                         patience=10, progress=False, max_eval_pairs=args.max_pairs, init="face",
+                         patience=10, max_eval_pairs=args.max_pairs, init="face",
                          anchor_weight=args.anchor_weight)
-    trainer = Trainer(config, split, run_dir)
+    trainer = Trainer(config, split, run_dir, progress=False)
     trainer.fit()
     from models.networks.face_model import load_checkpoint
 

@@ -35,9 +35,9 @@ def train_centralized(data: FleetData, config: SimConfig, out_dir: Path) -> tupl
     local = config.training
     train_config = TrainConfig(epochs=epochs, batch_size=local.batch_size, lr=local.lr, patience=epochs + 1,
                                aug="weak", head="cosface", width_mult=local.width_mult, init=config.init,
-                               seed=config.seed, progress=config.progress, max_eval_pairs=config.max_eval_pairs,
+                               seed=config.seed, max_eval_pairs=config.max_eval_pairs,
                                anchor_weight=0.0)  # the devices' objective (no anchor), so only federation differs
-    trainer = Trainer(train_config, centralized_split(data), out_dir)
+    trainer = Trainer(train_config, centralized_split(data), out_dir, progress=config.progress)
     if (out_dir / "latest.pt").exists():
         trainer.resume()
     metrics = trainer.fit()

@@ -37,9 +37,8 @@ def split(synthetic_dir):
 
 def _trainer(split, out, anchor: float) -> Trainer:
     torch.manual_seed(0)
-    config = TrainConfig(epochs=2, batch_size=16, lr=3e-3, init="none", width_mult=0.35, anchor_weight=anchor,
-                         progress=False)
-    return Trainer(config, split, out)
+    config = TrainConfig(epochs=2, batch_size=16, lr=3e-3, init="none", width_mult=0.35, anchor_weight=anchor)
+    return Trainer(config, split, out, progress=False)
 
 
 def _embed(backbone, images) -> np.ndarray:

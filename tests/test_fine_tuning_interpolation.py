@@ -52,8 +52,8 @@ def test_a_fine_tune_that_hurts_ends_no_worse_than_its_start_on_the_selection_pe
     split = training_split(crops, holdout_fraction=0.3, val_fraction=0.1, seed=0, select_fraction=0.3)
     torch.manual_seed(0)
     # a learning rate far too high for fine-tuning, without the anchor: the tuned weights are worse than the start
-    config = TrainConfig(epochs=2, batch_size=16, lr=5e-2, init="face", anchor_weight=0.0, progress=False)
-    metrics = Trainer(config, split, tmp_path / "run").fit()
+    config = TrainConfig(epochs=2, batch_size=16, lr=5e-2, init="face", anchor_weight=0.0)
+    metrics = Trainer(config, split, tmp_path / "run", progress=False).fit()
     moved = metrics["interpolation"]
     scores = {float(a): s for a, s in moved["select_auc"].items()}
     assert moved["select_identities"] == 2 and set(scores) == {0.0, 0.25, 0.5, 0.75, 1.0}
@@ -64,7 +64,7 @@ def test_a_fine_tune_that_hurts_ends_no_worse_than_its_start_on_the_selection_pe
     start_auc = verification(new_embedder("face").eval(), split.select, 100_000, 0)[0]["auc"]
     assert verification(best, split.select, 100_000, 0)[0]["auc"] >= start_auc - 1e-9
     # a second finish (a finished run resumed) keeps best.pt as chosen instead of moving again
-    again = Trainer(config, split, tmp_path / "run")
+    again = Trainer(config, split, tmp_path / "run", progress=False)
     again.resume()
     assert again.fit()["interpolation"] == moved
 

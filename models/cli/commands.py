@@ -116,10 +116,10 @@ def cmd_train(args) -> int:
                          aug=args.aug, head=args.head, width_mult=args.width_mult, init=args.init,
                          weights_path=str(args.weights) if args.weights else None, dfc=args.dfc,
                          class_weighted=args.class_weighted, anchor_weight=args.anchor_weight, seed=args.seed,
-                         precision=args.precision, progress=not args.quiet, extra={"data": str(args.data)})
+                         precision=args.precision, extra={"data": str(args.data)})
     out.mkdir(parents=True, exist_ok=True)
     tracker = NullTracker() if not args.mlflow else MlflowTracker(args.mlflow_uri or default_tracking_uri(out))
-    trainer = Trainer(config, split, out, tracker)
+    trainer = Trainer(config, split, out, tracker, progress=not args.quiet)
     if args.resume and (out / "latest.pt").exists():
         trainer.resume()
         log.info("resuming %s from epoch %d", out, trainer.start_epoch)
@@ -163,9 +163,9 @@ def _pretrain_config(args):
                           batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
                           warmup_steps=args.warmup_steps, loss=args.loss, views=args.views or PretrainConfig.views,
                           budget_minutes=args.budget_minutes, precision=args.precision, device=args.device,
-                          threads=args.threads, eval_data=[str(d) for d in args.eval_data],
+                          eval_data=[str(d) for d in args.eval_data],
                           max_images=args.max_images, checkpoint_every_s=args.checkpoint_every, seed=args.seed,
-                          progress=not args.quiet, yield_cpu=args.yield_cpu, low_res=args.low_res, **own)
+                          yield_cpu=args.yield_cpu, low_res=args.low_res, **own)
 
 
 # `ffr pretrain`'s options that belong to one path, loss or teacher (models.cli.common.Owned): refused while it is off
@@ -195,7 +195,7 @@ def cmd_pretrain(args) -> int:
     if (out / "latest.pt").exists() and not (args.resume or args.force):
         raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it "
                          "or --force to start over")
-    trainer = Pretrainer(_pretrain_config(args), out, args.cache_dir)
+    trainer = Pretrainer(_pretrain_config(args), out, args.cache_dir, threads=args.threads, progress=not args.quiet)
     if args.resume and (out / "latest.pt").exists():
         trainer.resume()
         log.info("resuming %s at step %d of %d", out, trainer.step, trainer.total_steps)
@@ -216,7 +216,7 @@ def _pretrain_online(args) -> int:
     if args.labelled or args.loss != "cosine" or args.views is not None:
         raise SystemExit("ffr pretrain: --labelled, --loss bank and --views need the cached path (--no-online); "
                          "--online draws a fresh view every step")
-    trainer = OnlineDistiller(_pretrain_config(args), out)
+    trainer = OnlineDistiller(_pretrain_config(args), out, threads=args.threads, progress=not args.quiet)
     if args.resume and (out / "progress.json").exists():
         trainer.resume()
         log.info("resuming %s at step %d (%.0f s trained)", out, trainer.step, trainer.trained_s)

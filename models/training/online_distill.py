@@ -57,17 +57,19 @@ def load_training_crops(data: list[str], size: int, threads: int, progress: bool
 class OnlineDistiller:
     """State and steps of one online distillation run; `fit` is its loop."""
 
-    def __init__(self, config: PretrainConfig, out: Path, teacher=None):
+    def __init__(self, config: PretrainConfig, out: Path, teacher=None, *, threads: int | None = None,
+                 progress: bool = True):
+        """`threads` and `progress`: how this machine runs the spec, not part of it (as `Pretrainer`'s)."""
         from models.training.fast_step import accelerate, optimiser_options
         from models.training.pretraining import CROP_SIZE, student
 
-        self.config, self.out = config, Path(out)
+        self.config, self.out, self.threads, self.progress = config, Path(out), threads, progress
         self.teacher_agreement: float | None = None
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        if threads:
+            torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
-        images, self.names = load_training_crops(config.data, CROP_SIZE, config.threads or 2, config.progress)
+        images, self.names = load_training_crops(config.data, CROP_SIZE, threads or 2, progress)
         if config.max_images and len(images) > config.max_images:
             keep = np.sort(np.random.default_rng(config.seed).permutation(len(images))[:config.max_images])
             images, self.names = images[keep], [self.names[i] for i in keep]
@@ -99,7 +101,7 @@ class OnlineDistiller:
         from models.networks.torch_teacher import check_against_onnx, to_torch
 
         spec = TeacherSpec(**self.config.teacher_spec) if self.config.teacher_spec else None
-        onnx_teacher = load_teacher(self.config.teacher, threads=self.config.threads, spec=spec)
+        onnx_teacher = load_teacher(self.config.teacher, threads=self.threads, spec=spec)
         converted = to_torch(onnx_teacher)
         if self.device.type == "cuda":  # the teacher's targets in true fp32; the student runs in bf16 anyway
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
@@ -115,7 +117,7 @@ class OnlineDistiller:
         """Train until the schedule ends or `stop_after_s` of this call passed; checkpoints on the way out."""
         started = self._last_save = time.time()
         bar = tqdm(desc="distilling online", unit="step", initial=self.step, total=self.total_steps,
-                   disable=not self.config.progress, dynamic_ncols=True)
+                   disable=not self.progress, dynamic_ncols=True)
         self._window = Means()  # the training figures since the last learning-curve row
 
         def steps():

@@ -69,13 +69,11 @@ class PretrainConfig:
     margin_weight: float = 1.0
     precision: str = "auto"         # auto (bf16 where the CPU has it, or CUDA) | bf16 | fp32
     device: str = "cpu"
-    threads: int | None = None
     val_fraction: float = 0.01
     eval_data: list[str] = field(default_factory=list)
     checkpoint_every_s: float = 180.0
     max_images: int | None = None
     seed: int = 0
-    progress: bool = True
     yield_cpu: bool = True          # wait while the tests or a benchmark run (models.training.cpu_share)
     eval_every_steps: int = 500     # online: steps between held-out evaluations
     jitter: dict = field(default_factory=dict)  # online: online_views.ViewJitter fields; {} = defaults
@@ -188,12 +186,15 @@ def schedule_done(config, step: int, total_steps: int | None, trained_s: float) 
 
 
 class Pretrainer:
-    def __init__(self, config: PretrainConfig, out: Path, cache_root: Path | None = None):
+    def __init__(self, config: PretrainConfig, out: Path, cache_root: Path | None = None, *,
+                 threads: int | None = None, progress: bool = True):
+        """`threads` (torch and the teacher; default torch's) and `progress` (bars) are how this machine runs the
+        spec, not part of it: a run resumed with other values is the same run."""
         from models.networks.teacher import TeacherSpec, load_teacher
 
-        self.config, self.out = config, Path(out)
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        self.config, self.out, self.threads, self.progress = config, Path(out), threads, progress
+        if threads:
+            torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
         files = list_images([Path(d) for d in config.data])
         identities = identity_labels([Path(d) for d in config.labelled])
@@ -201,14 +202,14 @@ class Pretrainer:
         if config.max_images:
             files = [files[i] for i in np.random.default_rng(config.seed).permutation(len(files))[:config.max_images]]
             files.sort()
-        self.images, self.files, self.unreadable = load_crops(files, CROP_SIZE, config.threads or 2, config.progress)
+        self.images, self.files, self.unreadable = load_crops(files, CROP_SIZE, threads or 2, progress)
         self.labels = np.array([identities.get(f, -1) for f in self.files], dtype=np.int64)
         self.n_identities = int(self.labels.max()) + 1 if (self.labels >= 0).any() else 0
         if len(self.files) < 2 * config.batch_size:
             raise ValueError(f"pretraining needs at least {2 * config.batch_size} readable face images; "
                              f"found {len(self.files)}")
         spec = TeacherSpec(**config.teacher_spec) if config.teacher_spec else None
-        self.teacher = load_teacher(config.teacher, threads=config.threads, spec=spec)
+        self.teacher = load_teacher(config.teacher, threads=threads, spec=spec)
         if config.loss not in LOSSES or config.views < 2:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)} and --views at least 2")
 
@@ -250,7 +251,7 @@ class Pretrainer:
     def fill_targets(self) -> None:
         if not self.targets.complete:
             self.teacher_embeddings_reused += self.targets.reuse_siblings()
-        self.teacher_embeddings_computed += self.targets.fill(self.teacher, self.images, progress=self.config.progress,
+        self.teacher_embeddings_computed += self.targets.fill(self.teacher, self.images, progress=self.progress,
                                                              between=self.yielder)
         if self.config.loss == "bank":  # every cached view of the training images (never the held-out ones)
             bank = torch.from_numpy(self.targets.values[:, self.train_index].reshape(-1, self.teacher.dim))
@@ -264,7 +265,7 @@ class Pretrainer:
         data = CachedViews(self.images, self.targets.values, self.labels, self.config.seed)
         self._last_save, start = time.time(), time.time()
         bar = tqdm(total=self.total_steps, initial=self.step, desc="distilling", unit="step",
-                   disable=not self.config.progress, dynamic_ncols=True)
+                   disable=not self.progress, dynamic_ncols=True)
         try:
             while not self.done():
                 epoch, skip = divmod(self.step, self.steps_per_epoch)

@@ -57,7 +57,6 @@ class TrainConfig:
     seed: int = 0
     max_eval_pairs: int = 100_000
     precision: str = "auto"            # the trunk's training dtype (models.training.fast_step): auto | bf16 | fp32
-    progress: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -99,8 +98,9 @@ def validation_loss(model: FaceModel, crops: FaceCrops, batch_size: int = 128) -
 class Trainer:
     """Runs epochs, checkpoints, early-stops and tracks; resumable from `latest.pt`."""
 
-    def __init__(self, config: TrainConfig, split: TrainingSplit, out_dir: Path, tracker: Tracker | None = None):
-        self.config, self.split, self.out = config, split, Path(out_dir)
+    def __init__(self, config: TrainConfig, split: TrainingSplit, out_dir: Path, tracker: Tracker | None = None,
+                 progress: bool = True):
+        self.config, self.split, self.out, self.progress = config, split, Path(out_dir), progress
         self.tracker = tracker or NullTracker()
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(config.seed)
@@ -176,7 +176,7 @@ class Trainer:
         started = time.perf_counter()
         anchor = anchored_to(self.start_net, cfg.anchor_weight) if self.start_net is not None else None
         row = {"epoch": epoch, **train_epoch(self.model, loader, self.optimiser, f"epoch {epoch}/{cfg.epochs}",
-                                             cfg.progress, extra=anchor)}
+                                             self.progress, extra=anchor)}
         row["train_seconds"] = time.perf_counter() - started
         row.update(validation_loss(self.model, self.split.val))
         report, _ = verification(self.model, self.eval_crops, cfg.max_eval_pairs, cfg.seed)
@@ -192,7 +192,7 @@ class Trainer:
             self._checkpoint("best.pt", epoch)
         self.tracker.log_metrics(row, epoch)
         self._write_metrics()
-        if cfg.progress:
+        if self.progress:
             shown = " ".join(f"{k}={v:.4f}" for k, v in row.items() if k != "epoch" and isinstance(v, float))
             tqdm.write(f"epoch {epoch}: {shown}")
 
