@@ -69,7 +69,7 @@ def test_a_fine_tune_that_hurts_ends_no_worse_than_its_start_on_the_selection_pe
     assert again.fit()["interpolation"] == moved
 
 
-def test_ffr_train_keeps_selection_people_by_default_from_a_trained_start_only(tmp_path, synthetic_dir):
+def test_ffr_train_keeps_selection_people_by_default_from_a_trained_start_only(tmp_path, synthetic_dir, capsys):
     parse = build_parser().parse_args
     assert parse(["train", "--data", "d", "--out", "o"]).select_identities is None
     for bad in ("1", "-0.1", "nan"):
@@ -84,3 +84,5 @@ def test_ffr_train_keeps_selection_people_by_default_from_a_trained_start_only(t
         metrics = json.loads((out / "metrics.json").read_text())
         assert metrics["data"]["select_identities"] == expected
         assert (metrics["interpolation"] is None) == (init == "none")
+        printed = json.loads(capsys.readouterr().out)  # the summary says how far the run moved from its start
+        assert printed["moved_from_start"] == (None if init == "none" else metrics["interpolation"]["alpha"])

@@ -131,6 +131,7 @@ def cmd_train(args) -> int:
     final = metrics.get("final", {})
     print(json.dumps({"status": metrics["status"], "best_epoch": metrics["best_epoch"], "out": str(out),
                       "data_kind": metrics["data_kind"], "evaluated_on": metrics["evaluated_on"],
+                      "moved_from_start": (metrics["interpolation"] or {}).get("alpha"),
                       **{k: final.get(k) for k in ("auc", "eer", "tar_at_far")}}, indent=2))
     return 0
 
