@@ -67,6 +67,13 @@ def test_a_fine_tune_that_hurts_ends_no_worse_than_its_start_on_the_selection_pe
     again = Trainer(config, split, tmp_path / "run", progress=False)
     again.resume()
     assert again.fit()["interpolation"] == moved
+    # ... and refuses a record it cannot have written (best.pt is read back: a damaged one must not pass)
+    payload["interpolation"] = {"alpha": 7.0}
+    torch.save(payload, tmp_path / "run" / "best.pt")
+    damaged = Trainer(config, split, tmp_path / "run", progress=False)
+    damaged.resume()
+    with pytest.raises(ValueError, match="interpolation record is damaged"):
+        damaged.fit()
 
 
 def test_ffr_train_keeps_selection_people_by_default_from_a_trained_start_only(tmp_path, synthetic_dir, capsys):

@@ -202,7 +202,10 @@ class Trainer:
         on. Only the backbone moves; the margin head and the DFC branch stay as trained (DFC works on the backbone's
         embedding, so it goes on personalising the chosen one)."""
         if "interpolation" in payload:  # already chosen (a finished run resumed): best.pt holds the result
-            self.interpolation = payload["interpolation"]
+            record = payload["interpolation"]
+            if not (isinstance(record, dict) and isinstance(record.get("alpha"), float) and 0 <= record["alpha"] <= 1):
+                raise ValueError(f"{self.out / 'best.pt'}: its interpolation record is damaged; use a new --out")
+            self.interpolation = record
             return best
         tuned = {k: v.clone() for k, v in best.backbone.state_dict().items()}
 
