@@ -21,7 +21,8 @@ def curve(metrics: dict) -> list[dict]:
     rows = []
     for h in metrics["history"]:
         when = {"epoch": h["epoch"]} if "epoch" in h else {"step": h["step"]}
-        seconds = h.get("elapsed_s", h.get("trained_s", 0.0))
+        # hours of training (they add up across resumes and leave out pauses); wall time for runs that lack it
+        seconds = h.get("trained_s", h.get("elapsed_s", 0.0))
         row = {**when, "samples": h["samples"], "hours": round(seconds / 3600, 2),
                "cos loss": h.get("train_cos_loss"), "sim loss": h.get("train_sim_loss"),
                "cosine to teacher (held-out)": h.get("val_teacher_cosine")}

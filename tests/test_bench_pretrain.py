@@ -39,3 +39,11 @@ def test_a_cached_run_gives_a_row_per_epoch(tmp_path):
     results, table = read(tmp_path, {**COMMON, "config": {**CONFIG, "views": 4}, "history": history})
     assert results["table"][0]["epoch"] == 1 and results["table"][0]["glint24_aligned_auc"] == 0.942
     assert "4 cached views, from face init at" in table
+
+
+def test_a_resumed_run_counts_hours_of_training_not_wall_time_since_its_last_start(tmp_path):
+    # a cached run resumed between epochs 1 and 2: elapsed_s restarts from zero, trained_s goes on
+    history = [{"epoch": 1, "samples": 34752, "elapsed_s": 2896.6, "trained_s": 438.5},
+               {"epoch": 2, "samples": 69504, "elapsed_s": 284.3, "trained_s": 850.4}]
+    results, _ = read(tmp_path, {**COMMON, "config": {**CONFIG, "views": 4}, "history": history})
+    assert [r["hours"] for r in results["table"]] == [round(438.5 / 3600, 2), round(850.4 / 3600, 2)]
