@@ -111,8 +111,11 @@ class Trainer:
         # taken before any step (and before a resume loads later weights): the model training started from
         self.start_net = frozen_copy(self.model.backbone) if config.anchor_weight > 0 else None
         # with selection people and a trained start, the run ends by choosing how far to move from it (_interpolate)
-        self.start_state = ({k: v.detach().clone() for k, v in self.model.backbone.state_dict().items()}
-                            if split.select is not None and config.init != "none" else None)
+        # (the anchor's frozen copy already holds those weights: one copy of the start, not two)
+        self.start_state = None
+        if split.select is not None and config.init != "none":
+            self.start_state = (self.start_net.state_dict() if self.start_net is not None else
+                                {k: v.detach().clone() for k, v in self.model.backbone.state_dict().items()})
         self.interpolation: dict | None = None
         self.optimiser = torch.optim.Adam(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                           **optimiser_options("cpu"))
