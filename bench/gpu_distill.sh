@@ -13,6 +13,14 @@
 # the kit carries the crops as one pack (`ffr pack-crops`, ~46 MB), onnx2torch (pure Python, copied from this venv)
 # and SFace's published file, which the run names in FFR_SFACE_FILE (its sha256 is checked before it teaches); the
 # run goes through `python -m ffr.models_only`, which imports no broker, web or signing library.
+# One schedule across calls: `run TOTAL CALL` keeps the run in $FFR_GPU_RUN (default .gpu-run/, ignored; the device
+# keeps it between calls while the machine stays warm), resumes it when it is there, trains CALL minutes of the
+# TOTAL-minute schedule (the learning rate decays over TOTAL: `ffr pretrain --budget-minutes TOTAL
+# --stop-after-minutes CALL`), and copies it to $OUT/run. On the first H100 task two calls each with its own
+# warm-up lost ground at every restart (bench/results/pretrain_gpu_h100_s42b.md); with one schedule the optimiser
+# state stays on the device and the second call goes on where the first stopped:
+#   run(command="bash bench/gpu_distill.sh run 12 7", carry=[".gpu"])   then, warm:   ... run 12 5
+# A finished run is left in place; remove .gpu-run there (or name another FFR_GPU_RUN) to start a new one.
 # A second call in the same task can go on from the first call's result: INIT=FILE starts from FILE instead of the
 # shipped weights (through FFR_FACE_WEIGHTS; the run's metrics.json records FILE's sha256 under "start"). The tree
 # and the kit already fill about 61 of the 64 MiB a call carries, so FILE has to travel in the shipped file's place:
@@ -39,7 +47,8 @@ case "${1:-}" in
     du -sh "$KIT"
     ;;
   run)
-    MINUTES=${2:?usage: bench/gpu_distill.sh run MINUTES}
+    MINUTES=${2:?usage: bench/gpu_distill.sh run MINUTES [CALL_MINUTES]}
+    CALL=${3:-}
     [ -f "$KIT/faces.npz" ] && [ -f "$KIT/sface.onnx" ] && [ -d "$KIT/site/onnx2torch" ] ||
       { echo "no kit in $KIT: run 'make gpu-kit' here and carry it" >&2; exit 2; }
     KIT=$(cd "$KIT" && pwd)
@@ -50,12 +59,21 @@ case "${1:-}" in
       export FFR_FACE_WEIGHTS=$(cd "$(dirname "$INIT")" && pwd)/$(basename "$INIT")
     fi
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    "${PYTHON:-python3}" -m ffr.models_only pretrain --data "$KIT/faces.npz" --out "${OUT:?the device tool sets OUT}/run" \
+    : "${OUT:?the device tool sets OUT}"
+    RUN="$OUT/run" SPLIT=()
+    if [ -n "$CALL" ]; then  # one schedule over several calls: the run stays where the next call finds it
+      RUN=${FFR_GPU_RUN:-.gpu-run} SPLIT=(--stop-after-minutes "$CALL")
+      [ -f "$RUN/progress.json" ] && SPLIT+=(--resume) && echo "going on with $RUN" >&2
+    fi
+    "${PYTHON:-python3}" -m ffr.models_only pretrain --data "$KIT/faces.npz" --out "$RUN" \
       --device "${FFR_GPU_DEVICE:-cuda}" --online --init face --batch-size "${BATCH:-512}" --lr "${LR:-1.5e-3}" \
-      --warmup-steps "${WARMUP:-100}" --budget-minutes "$MINUTES" --checkpoint-every 60 ${EXTRA:-}
+      --warmup-steps "${WARMUP:-100}" --budget-minutes "$MINUTES" --checkpoint-every 60 "${SPLIT[@]}" ${EXTRA:-}
+    if [ "$RUN" != "$OUT/run" ]; then
+      mkdir -p "$OUT/run" && cp "$RUN"/* "$OUT/run/"
+    fi
     ;;
   *)
-    echo "usage: bench/gpu_distill.sh kit | run MINUTES" >&2
+    echo "usage: bench/gpu_distill.sh kit | run MINUTES [CALL_MINUTES]" >&2
     exit 2
     ;;
 esac

@@ -83,3 +83,26 @@ def test_a_kit_whose_teacher_file_was_altered_is_refused_in_one_line(kit, tmp_pa
     message = [line for line in done.stderr.splitlines() if "error:" in line]
     assert done.returncode == 2 and len(message) == 1 and "sha256 differs" in message[0], done.stderr[-1500:]
     assert not (tmp_path / "out" / "run" / "embedder.safetensors").exists()
+
+
+def test_a_run_split_over_two_calls_keeps_one_schedule(kit, tmp_path):
+    """`run TOTAL CALL`: the first call stops after CALL minutes with its state kept where the next call finds it
+    (on the device: the warm machine's working tree); the second resumes that state instead of warming up again,
+    and each call still brings the run back under $OUT."""
+    run = tmp_path / "kept-run"
+    env = {**os.environ, "FFR_GPU_KIT": str(kit), "FFR_GPU_RUN": str(run), "PYTHON": sys.executable,
+           "FFR_GPU_DEVICE": "cpu", "BATCH": "8", "WARMUP": "2", "FFR_CACHE_DIR": str(tmp_path / "cache"),
+           "EXTRA": "--threads 2 --eval-every 2"}
+    calls = []
+    for i in (1, 2):
+        out = tmp_path / f"out{i}"
+        done = subprocess.run(["bash", str(SCRIPT), "run", "0.1", "0.03"], env={**env, "OUT": str(out)},
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        calls.append((json.loads((out / "run" / "metrics.json").read_text()), done.stderr))
+    (first, first_log), (second, second_log) = calls
+    assert first["status"] == "paused" and 0 < first["trained_s"] < 60 * 0.1
+    assert "going on with" not in first_log and "going on with" in second_log
+    assert second["step"] > first["step"] and second["trained_s"] > first["trained_s"]
+    assert second["history"][:len(first["history"])] == first["history"]  # one curve, not two
+    assert (run / "progress.json").is_file()
