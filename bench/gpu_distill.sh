@@ -14,13 +14,16 @@
 # and SFace's published file, which the run names in FFR_SFACE_FILE (its sha256 is checked before it teaches); the
 # run goes through `python -m ffr.models_only`, which imports no broker, web or signing library.
 # One schedule across calls: `run TOTAL CALL` keeps the run in $FFR_GPU_RUN (default .gpu-run/, ignored; the device
-# keeps it between calls while the machine stays warm), resumes it when it is there, trains CALL minutes of the
-# TOTAL-minute schedule (the learning rate decays over TOTAL: `ffr pretrain --budget-minutes TOTAL
-# --stop-after-minutes CALL`), and copies it to $OUT/run. On the first H100 task two calls each with its own
-# warm-up lost ground at every restart (bench/results/pretrain_gpu_h100_s42b.md); with one schedule the optimiser
-# state stays on the device and the second call goes on where the first stopped:
-#   run(command="bash bench/gpu_distill.sh run 12 7", carry=[".gpu"])   then, warm:   ... run 12 5
-# A finished run is left in place; remove .gpu-run there (or name another FFR_GPU_RUN) to start a new one.
+# keeps it between calls while the machine stays warm), trains CALL minutes of the TOTAL-minute schedule (the
+# learning rate decays over TOTAL: `ffr pretrain --budget-minutes TOTAL --stop-after-minutes CALL`), and copies
+# it to $OUT/run. On the first H100 task two calls each with its own warm-up lost ground at every restart
+# (bench/results/pretrain_gpu_h100_s42b.md); with one schedule the optimiser state stays on the device and the
+# next call, with CONTINUE=1, goes on where the last stopped:
+#   run(command="bash bench/gpu_distill.sh run 12 7", carry=[".gpu"])
+#   run(command="CONTINUE=1 bash bench/gpu_distill.sh run 12 5", carry=[".gpu"])   at once: the machine goes back
+#                                                                                  after a short idle wait
+# CONTINUE=1 on a machine that no longer holds the run (a fresh one) stops in one line rather than start over
+# with a schedule it cannot finish; without CONTINUE a run already there is refused, never silently resumed.
 # A second call in the same task can go on from the first call's result: INIT=FILE starts from FILE instead of the
 # shipped weights (through FFR_FACE_WEIGHTS; the run's metrics.json records FILE's sha256 under "start"). The tree
 # and the kit already fill about 61 of the 64 MiB a call carries, so FILE has to travel in the shipped file's place:
@@ -63,7 +66,13 @@ case "${1:-}" in
     RUN="$OUT/run" SPLIT=()
     if [ -n "$CALL" ]; then  # one schedule over several calls: the run stays where the next call finds it
       RUN=${FFR_GPU_RUN:-.gpu-run} SPLIT=(--stop-after-minutes "$CALL")
-      [ -f "$RUN/progress.json" ] && SPLIT+=(--resume) && echo "going on with $RUN" >&2
+      if [ -n "${CONTINUE:-}" ]; then
+        [ -f "$RUN/progress.json" ] ||
+          { echo "CONTINUE=1 but no run in $RUN here (a fresh machine?): start again without CONTINUE" >&2; exit 2; }
+        SPLIT+=(--resume) && echo "going on with $RUN" >&2
+      elif [ -e "$RUN" ]; then
+        echo "$RUN already holds a run: CONTINUE=1 goes on with it; remove it to start a new one" >&2; exit 2
+      fi
     fi
     "${PYTHON:-python3}" -m ffr.models_only pretrain --data "$KIT/faces.npz" --out "$RUN" \
       --device "${FFR_GPU_DEVICE:-cuda}" --online --init face --batch-size "${BATCH:-512}" --lr "${LR:-1.5e-3}" \

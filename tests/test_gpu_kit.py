@@ -93,13 +93,20 @@ def test_a_run_split_over_two_calls_keeps_one_schedule(kit, tmp_path):
     env = {**os.environ, "FFR_GPU_KIT": str(kit), "FFR_GPU_RUN": str(run), "PYTHON": sys.executable,
            "FFR_GPU_DEVICE": "cpu", "BATCH": "8", "WARMUP": "2", "FFR_CACHE_DIR": str(tmp_path / "cache"),
            "EXTRA": "--threads 2 --eval-every 2"}
-    calls = []
-    for i in (1, 2):
-        out = tmp_path / f"out{i}"
-        done = subprocess.run(["bash", str(SCRIPT), "run", "0.1", "0.03"], env={**env, "OUT": str(out)},
+    def call(i: int, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(SCRIPT), "run", "0.1", "0.03"],
+                              env={**env, "OUT": str(tmp_path / f"out{i}"), **extra},
                               capture_output=True, text=True, timeout=600)
+
+    lost = call(0, CONTINUE="1")  # a second call that landed on a fresh machine: nothing to go on with
+    assert lost.returncode == 2 and "no run in" in lost.stderr and not run.exists()
+    calls = []
+    for i, extra in ((1, {}), (2, {"CONTINUE": "1"})):
+        done = call(i, **extra)
         assert done.returncode == 0, done.stderr[-2000:]
-        calls.append((json.loads((out / "run" / "metrics.json").read_text()), done.stderr))
+        calls.append((json.loads((tmp_path / f"out{i}" / "run" / "metrics.json").read_text()), done.stderr))
+    again = call(3)  # a first call again on a machine that holds a run: refused, not silently resumed
+    assert again.returncode == 2 and "CONTINUE=1" in again.stderr
     (first, first_log), (second, second_log) = calls
     assert first["status"] == "paused" and 0 < first["trained_s"] < 60 * 0.1
     assert "going on with" not in first_log and "going on with" in second_log
