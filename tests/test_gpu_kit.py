@@ -93,6 +93,7 @@ def test_a_run_split_over_two_calls_keeps_one_schedule(kit, tmp_path):
     env = {**os.environ, "FFR_GPU_KIT": str(kit), "FFR_GPU_RUN": str(run), "PYTHON": sys.executable,
            "FFR_GPU_DEVICE": "cpu", "BATCH": "8", "WARMUP": "2", "FFR_CACHE_DIR": str(tmp_path / "cache"),
            "EXTRA": "--threads 2 --eval-every 2"}
+
     def call(i: int, **extra: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(SCRIPT), "run", "0.1", "0.03"],
                               env={**env, "OUT": str(tmp_path / f"out{i}"), **extra},
