@@ -69,7 +69,8 @@ case "${1:-}" in
       if [ -n "${CONTINUE:-}" ]; then
         [ -f "$RUN/progress.json" ] ||
           { echo "CONTINUE=1 but no run in $RUN here (a fresh machine?): start again without CONTINUE" >&2; exit 2; }
-        SPLIT+=(--resume) && echo "going on with $RUN" >&2
+        SPLIT+=(--resume)
+        echo "going on with $RUN" >&2
       elif [ -e "$RUN" ]; then
         echo "$RUN already holds a run: CONTINUE=1 goes on with it; remove it to start a new one" >&2; exit 2
       fi
