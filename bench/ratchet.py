@@ -31,6 +31,7 @@ import torch
 from bench.common import faces_dir, write_results
 from bench.held_out_sets import SETS, crop_kinds, d_auc_interval, held_out_pairs
 from bench.verify_quality import measure, ours
+from edge_client.recognizer import DEFAULT_THRESHOLD
 from models.networks import face_weights
 
 MAX_BYTES = 5 * 1024 * 1024
@@ -66,9 +67,18 @@ def compare_set(name: str, root: Path, shipped, candidate, seed: int, max_pairs:
                      "d_auc": after["auc"] - before["auc"], "d_auc_95%_low": low, "d_auc_95%_high": high,
                      "shipped_eer": before["eer"],
                      "candidate_eer": after["eer"], "shipped_tar@1e-3": before["tar@far=1e-3"],
-                     "candidate_tar@1e-3": after["tar@far=1e-3"]})
+                     "candidate_tar@1e-3": after["tar@far=1e-3"],
+                     # what a device accepts before `ffr device calibrate` has run
+                     "shipped_far@uncalibrated": accepted(scores_before, ~same),
+                     "candidate_far@uncalibrated": accepted(scores_after, ~same)})
         print(rows[-1], flush=True)
     return rows
+
+
+def accepted(scores: np.ndarray, chosen: np.ndarray) -> float:
+    """The share of the chosen pairs a device accepts at its uncalibrated threshold (`DEFAULT_THRESHOLD`; a match
+    is a score above it, as `ffr device verify` decides)."""
+    return float((np.asarray(scores)[chosen] > DEFAULT_THRESHOLD).mean())
 
 
 def better_everywhere(rows: list[dict]) -> bool:

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from bench.common import face_set, faces_dir, write_results
+from coordinator.quality_gate import GateSettings
 from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.simulate import simulate
@@ -78,11 +79,14 @@ def run_collapse(args, set_name: str, clients: int, malicious: float, rule: str,
                  eval_faces, public: Path) -> tuple[dict, Scores]:
     data = face_set(None, set_name)
     name = f"{set_name}-{rule}-{attack or 'clean'}-{'gate' if gate else 'nogate'}"
+    if gate and args.gate_far_ratio != GateSettings().far_ratio:
+        name += f"-far-ratio{args.gate_far_ratio:g}"
     server = RoundSettings(rounds=args.rounds, combine=rule, training=TrainingConfig(algorithm="fedavg", dfc=False))
     config = SimConfig(data=str(data), clients=clients, partition="iid", patience=0, workers=args.workers,
                        centralized=False, init="face", malicious=malicious if attack else 0.0,
                        attack=attack or "scaled", mlflow=False, gate_data=str(public) if gate else None,
-                       no_gate=not gate, holdout_identities=0.2, eval_clients=1, server=server)
+                       no_gate=not gate, holdout_identities=0.2, eval_clients=1, server=server,
+                       gate=GateSettings(far_ratio=args.gate_far_ratio))
     done = args.runs / name / "summary.json"
     print(f"== {name}", flush=True)
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
@@ -129,9 +133,9 @@ def main_collapse(args, command: str) -> int:
             row["FAR at clean 1e-3 threshold"] = round(float((scores.impostor > threshold).mean()), 5)
             row["AUC vs clean"] = round(row["Glint24 AUC"] - clean_scores.auc, 4)
             rows.append(row)
-            write_results(args.out, "robust_collapse", {"rounds": args.rounds, "complete": False}, rows,
+            write_results(args.out, args.name, {"rounds": args.rounds, "complete": False}, rows,
                           f"The collapse attack and its defences, {args.rounds} rounds", command)
-    write_results(args.out, "robust_collapse", {"rounds": args.rounds, "complete": True}, rows,
+    write_results(args.out, args.name, {"rounds": args.rounds, "complete": True}, rows,
                   f"The collapse attack and its defences, {args.rounds} rounds", command)
     return 0
 
@@ -145,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--malicious", type=float, default=0.2)
     parser.add_argument("--attacks", nargs="+", default=["scaled", "sign-flip", "wipe"])
-    parser.add_argument("--rules", nargs="+", default=["mean", "trimmed-mean", "median", "krum"])
+    parser.add_argument("--rules", nargs="*", default=["mean", "trimmed-mean", "median", "krum"],
+                        help="combination rules to attack (collapse suite: those without the gate; none: only the "
+                             "gate's two runs)")
     parser.add_argument("--clean-rules", nargs="+", default=["mean"],
                         help="rules also run without attackers (the first is the reference; default mean)")
     parser.add_argument("--dp", nargs="*", type=float, default=[0.01, 1.0], metavar="Z",
@@ -158,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="rules: the boosting attacks against each rule (robust.md); collapse: the collapse attack "
                              "against the rules, the quality gate and the devices' adoption check (robust_collapse.md)")
     parser.add_argument("--sets", nargs="+", default=["celeba_subset", "orl"], help="collapse suite's data sets")
+    parser.add_argument("--gate-far-ratio", type=float, default=GateSettings().far_ratio,
+                        help="collapse suite: the quality gate's bar, as `ffr coordinator serve --gate-far-ratio` "
+                             f"(default {GateSettings().far_ratio:g})")
+    parser.add_argument("--name", default="robust_collapse", help="collapse suite's results file name")
     args = parser.parse_args(argv)
     command = "python -m bench.robust " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.suite == "collapse":

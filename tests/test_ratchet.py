@@ -126,3 +126,13 @@ def test_an_override_needs_a_reason_and_ship(tmp_path, capsys):
         with pytest.raises(SystemExit):
             ratchet.main(["--candidate", candidate, *args])
         assert "--override takes a reason" in capsys.readouterr().err
+
+
+def test_the_uncalibrated_false_accepts_count_impostor_pairs_at_the_devices_default_threshold():
+    from bench.ratchet import accepted
+    from edge_client.recognizer import DEFAULT_THRESHOLD
+
+    scores = np.array([DEFAULT_THRESHOLD - 0.1, DEFAULT_THRESHOLD, DEFAULT_THRESHOLD + 0.3, 0.9, -0.2])
+    impostor = np.array([True, True, True, False, False])
+    assert accepted(scores, impostor) == 1 / 3  # a score at the threshold is no match, as `ffr device verify` decides
+    assert accepted(scores, ~impostor) == 0.5
