@@ -23,6 +23,7 @@ from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
+from models.training.supervised import FACE_ANCHOR_WEIGHT
 from protocol.codecs import TOPK_FRACTION
 from protocol.messages import TrainingConfig
 
@@ -31,7 +32,9 @@ SETTINGS = {"iid": ("iid", None), "dirichlet0.5": ("dirichlet", 0.5), "dirichlet
 # (label, simulation options, local training options)
 VARIANTS = {"ray": ("Ray backend", {"backend": "ray"}, {}), "int8": ("int8 updates", {}, {"codec": "int8"}),
             "topk": (f"top-k {TOPK_FRACTION:.0%} updates", {}, {"codec": "topk", "topk_fraction": TOPK_FRACTION}),
-            "fp32": ("fp32 updates", {}, {"codec": "fp32"})}
+            "fp32": ("fp32 updates", {}, {"codec": "fp32"}),
+            # eq. 4 of the HF-MAML paper at the C centralised fine-tuning pays (models.training.supervised)
+            "anchor": (f"anchor C={FACE_ANCHOR_WEIGHT:g}", {}, {"embedding_reg": FACE_ANCHOR_WEIGHT})}
 PHASES = ("fetch_s", "train_s", "upload_s", "turn_s", "aggregation_s", "eval_s", "wall_s")
 
 
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=[],
                         help="FedAvg on the IID partition again with one change each (ray: --backend ray; "
-                             "int8/topk/fp32: --codec)")
+                             "int8/topk/fp32: --codec; anchor: --embedding-reg 10, the anchor centralised "
+                             "fine-tuning pays)")
     parser.add_argument("--name", default="fleet", help="results file name (default fleet: fleet.json, fleet.md)")
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     parser.add_argument("--flower-python", default=os.environ.get("FFR_FLOWER_PYTHON", ".venv-flower/bin/python"),
