@@ -10,6 +10,8 @@ default `utkface_aligned`); + contrastive; + DFC (= FedFR); the centralised boun
 Generic columns: the global model (the simulator's best round by validation) on people no client has.
 Personalised columns: per-client TAR@FAR=1e-2 (own genuine pairs, impostors from other clients' people)
 with the global model, the local backbone and the local backbone + DFC, mean +- std over clients.
+No row has the coordinator's quality gate (`no_gate`): the FedFR rows carry a public set, which the gate would
+otherwise score on, while FedAvg has none; the ablation compares training, and `bench.robust` measures the gate.
 """
 from __future__ import annotations
 
@@ -40,17 +42,23 @@ def _partition(name: str) -> dict:
     return {"partition": name}
 
 
-def run_one(args, data: Path, partition: str, row: tuple) -> dict:
-    label, method, hn, con, dfc = row
-    name = f"{partition}-{label.replace(' ', '').replace('+', '_').replace('(', '').replace(')', '')}"
+def row_config(args, data: Path, partition: str, row: tuple) -> SimConfig:
+    """One ablation row's simulation: the same fleet for every row, none of them gated (the module's docstring)."""
+    _, method, hn, con, dfc = row
     training = TrainingConfig(algorithm="fedavg", hard_negatives=hn, contrastive=con, dfc=dfc,
                               dfc_weight=FEDFR_DFC_WEIGHT if method == "fedfr" else DFC_WEIGHT)
-    config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients,
-                       server=RoundSettings(rounds=args.rounds, training=training),
-                       **_partition(partition), method=method, patience=0, workers=args.workers,
-                       centralized=args.centralized and method == "fedavg", init="face", mlflow=False,
-                       public_data=str(args.public_data) if method == "fedfr" else None,
-                       public_limit=args.public_limit)
+    return SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients,
+                     server=RoundSettings(rounds=args.rounds, training=training),
+                     **_partition(partition), method=method, patience=0, workers=args.workers,
+                     centralized=args.centralized and method == "fedavg", init="face", mlflow=False,
+                     public_data=str(args.public_data) if method == "fedfr" else None,
+                     public_limit=args.public_limit, no_gate=True)
+
+
+def run_one(args, data: Path, partition: str, row: tuple) -> dict:
+    label = row[0]
+    name = f"{partition}-{label.replace(' ', '').replace('+', '_').replace('(', '').replace(')', '')}"
+    config = row_config(args, data, partition, row)
     done = args.runs / name / "summary.json"
     print(f"== {partition}: {label}", flush=True)
     return json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
