@@ -12,6 +12,8 @@ Personalised columns: per-client TAR@FAR=1e-2 (own genuine pairs, impostors from
 with the global model, the local backbone and the local backbone + DFC, mean +- std over clients.
 No row has the coordinator's quality gate (`no_gate`): the FedFR rows carry a public set, which the gate would
 otherwise score on, while FedAvg has none; the ablation compares training, and `bench.robust` measures the gate.
+`--gate` runs every row with the gate at its defaults on the public set's faces instead (what `ffr fleet simulate
+--public-data DIR` does), to see which rounds it publishes.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from bench.common import faces_dir, write_results
 from coordinator.settings import RoundSettings
+from coordinator.store import Store
 from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
@@ -43,7 +46,7 @@ def _partition(name: str) -> dict:
 
 
 def row_config(args, data: Path, partition: str, row: tuple) -> SimConfig:
-    """One ablation row's simulation: the same fleet for every row, none of them gated (the module's docstring)."""
+    """One ablation row's simulation: the same fleet for every row, none gated, or all on the same faces (--gate)."""
     _, method, hn, con, dfc = row
     training = TrainingConfig(algorithm="fedavg", hard_negatives=hn, contrastive=con, dfc=dfc,
                               dfc_weight=FEDFR_DFC_WEIGHT if method == "fedfr" else DFC_WEIGHT)
@@ -52,7 +55,8 @@ def row_config(args, data: Path, partition: str, row: tuple) -> SimConfig:
                      **_partition(partition), method=method, patience=0, workers=args.workers,
                      centralized=args.centralized and method == "fedavg", init="face", mlflow=False,
                      public_data=str(args.public_data) if method == "fedfr" else None,
-                     public_limit=args.public_limit, no_gate=True)
+                     public_limit=args.public_limit, no_gate=not args.gate,
+                     gate_data=str(args.public_data) if args.gate else None)
 
 
 def run_one(args, data: Path, partition: str, row: tuple) -> dict:
@@ -61,7 +65,9 @@ def run_one(args, data: Path, partition: str, row: tuple) -> dict:
     config = row_config(args, data, partition, row)
     done = args.runs / name / "summary.json"
     print(f"== {partition}: {label}", flush=True)
-    return json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
+    summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
+    rounds = Store(args.runs / name / "coordinator").rounds()
+    return {**summary, "rolled_back": sum(r["status"] == "rolled_back" for r in rounds)}
 
 
 def _generic(report: dict) -> dict:
@@ -81,7 +87,8 @@ def rows_for(partition: str, summaries: list[tuple[str, dict]]) -> list[dict]:
                         for v in ("global", "local", "local+dfc")},
                      "HN fraction": sum(hn) / len(hn) if hn else "-",
                      "MB/round up": summary["bytes"]["per_round_up_mean"] / 1e6,
-                     "s/round": summary.get("round_seconds_mean")})
+                     "s/round": summary.get("round_seconds_mean"),
+                     "rounds rolled back": f"{summary['rolled_back']} of {len(summary['history']) - 1}"})
     central = first.get("centralized")
     if central:
         rows.append({"partition": partition, "row": f"centralised ({central['epochs']} epochs)",
@@ -144,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-centralised", dest="centralized", action="store_false",
                         help="skip the centralised bound (it does not depend on the partition)")
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
+    parser.add_argument("--gate", action="store_true",
+                        help="every row with the coordinator's quality gate at its defaults, scoring on the public "
+                             "set's faces (default: no row gated)")
     parser.add_argument("--name", default="fedfr", help="results file name (default fedfr: NAME.json/.md/.png)")
     args = parser.parse_args(argv)
     root = faces_dir() or Path("missing")
