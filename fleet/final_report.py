@@ -65,8 +65,12 @@ class FinalEvaluation:
         figures = self.plots(history, best, global_curve, central_curve, central_report, clients, global_model)
         return Evaluated(best, chosen, global_report, clients, central_report, central_metrics, figures)
 
-    def summary(self, result: Evaluated, state, mlflow_run_id: str | None, privacy: dict | None) -> dict:
-        """The run's summary.json: quality (global, per client, centralised), cost, history and plots."""
+    def summary(self, result: Evaluated, state, mlflow_run_id: str | None, privacy: dict | None,
+                rolled_back: list[dict] = ()) -> dict:
+        """The run's summary.json: quality (global, per client, centralised), cost, history and plots.
+
+        `rolled_back`: the coordinator's rounds it refused to publish (store rows); the history holds only published
+        rounds, so they are listed apart, with what their uploads cost the devices."""
         history = state.history
         trained = [h for h in history if h["round"] > 0]
         global_report, central = result.global_report, result.central_metrics
@@ -76,6 +80,8 @@ class FinalEvaluation:
             "config": self.config.by_name(),
             "partition": self.data.partition.summary(self.images_per_identity()),
             "rounds_completed": len(trained), "best_round": result.best,
+            "rolled_back": [{"round_id": r["round_id"], "reason": r["reason"],
+                             "bytes_up": int(r["metrics"].get("bytes_received", 0))} for r in rolled_back],
             "global": {**flat(global_report), "evaluated_on": "unseen identities (on no device)",
                        "model_version": result.chosen["model_version"] if result.chosen else 0,
                        "n_genuine_pairs": global_report.get("n_genuine_pairs"),

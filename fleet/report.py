@@ -51,13 +51,23 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _rolled_back_lines(rolled_back: list[dict]) -> list[str]:
+    """The rounds the coordinator refused to publish (its quality gate or a check), each with its reason: the run
+    went on from the model before, and a reader of the table would otherwise see only fewer rounds."""
+    if not rolled_back:
+        return []
+    sent = sum(r["bytes_up"] for r in rolled_back) / 1e6
+    return [f"**{len(rolled_back)} round(s) rolled back by the coordinator** (devices' uploads in them: {sent:.1f} MB, "
+            "not in the cost below):", "", *[f"- round {r['round_id']}: {r['reason']}" for r in rolled_back], ""]
+
+
 def summary_markdown(summary: dict) -> str:
     c = summary["config"]
     lines = [f"# Fleet simulation: {Path(summary['run']).name}", "",
              f"{'SYNTHETIC faces' if summary['data_kind'] == 'synthetic' else 'data: ' + str(c['data'])}; "
              f"{c['clients']} clients, {c['partition']} partition, {method_label(c)}, "
              f"{summary['rounds_completed']} rounds ({summary['status']}), "
-             f"best round {summary['best_round']}.", "",
+             f"best round {summary['best_round']}.", "", *_rolled_back_lines(summary.get("rolled_back", [])),
              "## Global model on unseen people", "",
              "| model | AUC | EER | TAR@1e-1 | TAR@1e-2 | TAR@1e-3 |", "|---|---|---|---|---|---|"]
     rows = [("starting model (round 0)", summary["initial"])] if summary.get("initial") else []

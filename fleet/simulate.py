@@ -341,7 +341,8 @@ class Simulation:
         result = final.evaluate(self.state.history, self._global_model)
         self.state.elapsed_s += time.time() - started
         self.state.save(self.state_path)
-        summary = final.summary(result, self.state, tracker.run_id, self._privacy())
+        rolled_back = [r for r in self.service.engine.store.rounds() if r["status"] == "rolled_back"]
+        summary = final.summary(result, self.state, tracker.run_id, self._privacy(), rolled_back)
         paths = write_summary(summary, self.run_dir)
         tracker.log_metrics(_final_metrics(summary), len(self.state.history))
         for path in [*result.figures.values(), *paths]:

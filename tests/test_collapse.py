@@ -106,6 +106,12 @@ def test_quality_gate_rolls_a_round_back_when_no_update_passes(tmp_path, mosquit
     assert rounds[0]["metrics"]["gate_far_candidate"] > rounds[0]["metrics"]["gate_far_limit"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["history"][-1]["model_version"] == 0  # the published model never moved
+    # the summary says so: the history lists published rounds only, so the refusal and its uploads are listed apart
+    assert summary["rolled_back"] == [{"round_id": rounds[0]["round_id"], "reason": rounds[0]["reason"],
+                                       "bytes_up": rounds[0]["metrics"]["bytes_received"]}]
+    assert rounds[0]["metrics"]["bytes_received"] > 0
+    report = (run / "summary.md").read_text()
+    assert "1 round(s) rolled back by the coordinator" in report and rounds[0]["reason"] in report
 
 
 def test_device_adoption_check_keeps_the_last_good_model_on_its_own(tmp_path, mosquitto):
