@@ -67,7 +67,10 @@ def run_one(args, data: Path, partition: str, row: tuple) -> dict:
     print(f"== {partition}: {label}", flush=True)
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
     rounds = Store(args.runs / name / "coordinator").rounds()
-    return {**summary, "rolled_back": sum(r["status"] == "rolled_back" for r in rounds)}
+    rolled_back = sum(r["status"] == "rolled_back" for r in rounds)
+    # from the coordinator's rounds: the summary's history and cost skip rolled-back rounds, whose uploads were sent
+    up = [r["metrics"].get("bytes_received", 0) for r in rounds]
+    return {**summary, "rounds rolled back": f"{rolled_back} of {len(rounds)}", "MB/round up": sum(up) / len(up) / 1e6}
 
 
 def _generic(report: dict) -> dict:
@@ -86,9 +89,9 @@ def rows_for(partition: str, summaries: list[tuple[str, dict]]) -> list[dict]:
                      **{f"pers. TAR@1e-2 {v}": mean_std(clients.get(v), "tar@1e-2")
                         for v in ("global", "local", "local+dfc")},
                      "HN fraction": sum(hn) / len(hn) if hn else "-",
-                     "MB/round up": summary["bytes"]["per_round_up_mean"] / 1e6,
-                     "s/round": summary.get("round_seconds_mean"),
-                     "rounds rolled back": f"{summary['rolled_back']} of {len(summary['history']) - 1}"})
+                     "MB/round up": summary["MB/round up"],
+                     "s/round": summary.get("round_seconds_mean") or "-",
+                     "rounds rolled back": summary["rounds rolled back"]})
     central = first.get("centralized")
     if central:
         rows.append({"partition": partition, "row": f"centralised ({central['epochs']} epochs)",
