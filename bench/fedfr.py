@@ -70,7 +70,8 @@ def run_one(args, data: Path, partition: str, row: tuple) -> dict:
     rolled_back = sum(r["status"] == "rolled_back" for r in rounds)
     # from the coordinator's rounds: the summary's history and cost skip rolled-back rounds, whose uploads were sent
     up = [r["metrics"].get("bytes_received", 0) for r in rounds]
-    return {**summary, "rounds rolled back": f"{rolled_back} of {len(rounds)}", "MB/round up": sum(up) / len(up) / 1e6}
+    return {**summary, "rounds rolled back": f"{rolled_back} of {len(rounds)}",
+            "MB/round up": sum(up) / len(up) / 1e6 if up else 0.0}
 
 
 def _generic(report: dict) -> dict:

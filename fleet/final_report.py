@@ -3,7 +3,7 @@
 the plots of it all. Kept apart from the simulator's round loop (`fleet.simulate`)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +66,7 @@ class FinalEvaluation:
         return Evaluated(best, chosen, global_report, clients, central_report, central_metrics, figures)
 
     def summary(self, result: Evaluated, state, mlflow_run_id: str | None, privacy: dict | None,
-                rolled_back: list[dict] = ()) -> dict:
+                rolled_back: Sequence[dict] = ()) -> dict:
         """The run's summary.json: quality (global, per client, centralised), cost, history and plots.
 
         `rolled_back`: the coordinator's rounds it refused to publish (store rows); the history holds only published
