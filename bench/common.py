@@ -53,6 +53,19 @@ def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 3) -> dict:
     return {"median_ms": float(np.median(samples)), "p95_ms": float(np.percentile(samples, 95)), "n": repeats}
 
 
+def round_outcomes(run: Path) -> dict:
+    """What the coordinator did with a simulated run's rounds, read from its store (the ground truth: a summary's
+    history lists published rounds only): its rows, how many completed and rolled back, and the mean megabytes the
+    devices uploaded per round, rolled-back rounds included (they were sent)."""
+    from coordinator.store import Store
+
+    rounds = Store(Path(run) / "coordinator").rounds()
+    up = [r["metrics"].get("bytes_received", 0) for r in rounds]
+    return {"rounds": rounds, "completed": sum(r["status"] == "completed" for r in rounds),
+            "rolled_back": sum(r["status"] == "rolled_back" for r in rounds),
+            "mb_up_per_round": sum(up) / len(up) / 1e6 if up else 0.0}
+
+
 def write_results(out_dir: Path, name: str, data: dict, table: list[dict], title: str, command: str) -> Path:
     """`name.json` with everything, `name.md` with the table a person reads."""
     out_dir.mkdir(parents=True, exist_ok=True)

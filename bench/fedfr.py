@@ -22,9 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from bench.common import faces_dir, write_results
+from bench.common import faces_dir, round_outcomes, write_results
 from coordinator.settings import RoundSettings
-from coordinator.store import Store
 from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
@@ -66,12 +65,9 @@ def run_one(args, data: Path, partition: str, row: tuple) -> dict:
     done = args.runs / name / "summary.json"
     print(f"== {partition}: {label}", flush=True)
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
-    rounds = Store(args.runs / name / "coordinator").rounds()
-    rolled_back = sum(r["status"] == "rolled_back" for r in rounds)
-    # from the coordinator's rounds: the summary's history and cost skip rolled-back rounds, whose uploads were sent
-    up = [r["metrics"].get("bytes_received", 0) for r in rounds]
-    return {**summary, "rounds rolled back": f"{rolled_back} of {len(rounds)}",
-            "MB/round up": sum(up) / len(up) / 1e6 if up else 0.0}
+    outcome = round_outcomes(args.runs / name)
+    return {**summary, "rounds rolled back": f"{outcome['rolled_back']} of {len(outcome['rounds'])}",
+            "MB/round up": outcome["mb_up_per_round"]}
 
 
 def _generic(report: dict) -> dict:

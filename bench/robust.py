@@ -30,7 +30,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.common import face_set, faces_dir, write_results
+from bench.common import face_set, faces_dir, round_outcomes, write_results
 from coordinator.quality_gate import GateSettings
 from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
@@ -50,18 +50,15 @@ def run_one(args, data: Path, rule: str, attack: str | None, dp_noise: float | N
     done = args.runs / name / "summary.json"
     print(f"== {name}", flush=True)
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
-    from coordinator.store import Store
-
-    rounds = Store(args.runs / name / "coordinator").rounds()
+    outcome = round_outcomes(args.runs / name)
     privacy = summary.get("privacy") or {}
     final = summary["history"][-1]  # the model after the last round (not the simulator's best round)
     dp = "-" if dp_noise is None else f"clip {args.dp_clip:g}, z {dp_noise:g}"
     return {"rule": rule, "attack": attack or "none (clean)", "malicious": f"{config.malicious:.0%}", "DP-FedAvg": dp,
             "epsilon (delta 1e-5)": "-" if dp_noise is None or privacy.get("epsilon") is None else privacy["epsilon"],
             "global AUC": final["holdout_auc"], "global EER": final["holdout_eer"],
-            "clipped updates": sum(r["metrics"].get("clipped_updates", 0) for r in rounds),
-            "rounds completed": sum(r["status"] == "completed" for r in rounds),
-            "rounds rolled back": sum(r["status"] == "rolled_back" for r in rounds),
+            "clipped updates": sum(r["metrics"].get("clipped_updates", 0) for r in outcome["rounds"]),
+            "rounds completed": outcome["completed"], "rounds rolled back": outcome["rolled_back"],
             "s/round": summary["round_seconds_mean"]}
 
 
@@ -92,17 +89,15 @@ def run_collapse(args, set_name: str, clients: int, malicious: float, rule: str,
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
     from coordinator.store import Store
 
-    store = Store(args.runs / name / "coordinator")
-    rounds = store.rounds()
-    refused = sum(1 for r in rounds for u in store.accepted_updates(r["round_id"])
+    store, outcome = Store(args.runs / name / "coordinator"), round_outcomes(args.runs / name)
+    refused = sum(1 for r in outcome["rounds"] for u in store.accepted_updates(r["round_id"])
                   if u["metrics"].get("global_adopted") == 0.0)
     final = summary["history"][-1]
     scores = published_scores(args.runs / name, eval_faces)
     return {"data": f"{set_name} ({clients} devices)", "rule": rule, "attack": attack or "none (clean)",
             "malicious": f"{config.malicious:.0%}", "quality gate": "on" if gate else "off",
             "held-out AUC (sim)": final["holdout_auc"], "Glint24 AUC": round(scores.auc, 4),
-            "rounds rolled back": sum(r["status"] == "rolled_back" for r in rounds),
-            "rounds completed": sum(r["status"] == "completed" for r in rounds),
+            "rounds rolled back": outcome["rolled_back"], "rounds completed": outcome["completed"],
             "devices refused": refused, "s/round": summary["round_seconds_mean"]}, scores
 
 

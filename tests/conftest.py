@@ -2,11 +2,21 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """Children start with Ctrl-C live, as from a terminal. A session launched in the background (`.ci/run &`)
+    ignores SIGINT and every child it starts inherits that: a daemon a test stops with SIGINT would never stop.
+    A Python handler is reset to the default at exec, so the children get SIGINT's default and their Python its
+    KeyboardInterrupt."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
