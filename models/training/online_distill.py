@@ -54,6 +54,14 @@ def load_training_crops(data: list[str], size: int, threads: int, progress: bool
     return np.concatenate(images), names
 
 
+def held_out_split(n: int, seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(held-out, training) indices of `n` crops: the student never trains on the held-out ones, which give the
+    learning curve's cosine to the teacher (and let a benchmark find them again from the run's seed)."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = max(min(256, n // 4), int(n * val_fraction))
+    return np.sort(order[:n_val]), np.sort(order[n_val:])
+
+
 class OnlineDistiller:
     """State and steps of one online distillation run; `fit` is its loop."""
 
@@ -76,9 +84,7 @@ class OnlineDistiller:
         if len(images) < 2 * config.batch_size:
             raise ValueError(f"online distillation needs at least {2 * config.batch_size} face crops; "
                              f"found {len(images)}")
-        order = np.random.default_rng(config.seed).permutation(len(images))
-        n_val = max(min(256, len(images) // 4), int(len(images) * config.val_fraction))
-        self.val_index, train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
+        self.val_index, train_index = held_out_split(len(images), config.seed, config.val_fraction)
         self.crops = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous().to(self.device)
         self.train_index = torch.from_numpy(train_index).to(self.device)
         self.teacher = (teacher or self._teacher(images[self.val_index[:64]])).to(self.device)

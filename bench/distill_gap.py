@@ -1,0 +1,149 @@
+"""Where the student falls short of its teacher: per set, how close its embedding is to the teacher's on the same
+faces, and the verification AUC each gives.
+
+    python -m bench.distill_gap --out bench/results [--candidate [LABEL=]FILE ...] [--distillation-data PACK]
+
+Why: more distillation samples close the gap only where the student already sees faces like the ones it is
+measured on. If the student agrees with the teacher about as well on a benchmark's people as on the distillation
+faces, the shortfall is one of fit (more samples, or a GPU, close it); if it agrees much less there, it is one of
+data (faces unlike the benchmark's), and more samples of the same data will not close it.
+
+Rows, per candidate:
+  - the distillation faces (default: the unlabelled sets the shipped weights were distilled from, as the GPU kit
+    packs them), split again as `ffr pretrain --online` split them with `--seed`: the ones it held out, and a
+    sample of those it trained on (the two differ by what the student memorised);
+  - each labelled set's held-out people, cut as every quality bench cuts them (`bench.held_out_sets`).
+Per row: the mean and 10th percentile of the per-face cosine between student and teacher, each model's AUC on the
+set's pairs, and the rank correlation of their pair scores. Sets are read from $FFR_FACES_DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import spearmanr
+from sklearn.metrics import roc_auc_score
+
+from bench.common import faces_dir, write_results
+from bench.held_out_sets import ALIGNED, GIVEN, PHOTO_SETS, SETS, held_out
+from models.evaluation.metrics import make_pairs
+
+DISTILLATION_SETS = ("utkface_aligned", "all_age_faces_aligned")
+
+
+def agreement(student: np.ndarray, teacher: np.ndarray) -> dict:
+    """Per-face cosine between two L2-normalised embeddings of the same faces: mean and 10th percentile."""
+    cos = (student * teacher).sum(1)
+    return {"cosine_mean": round(float(cos.mean()), 4), "cosine_p10": round(float(np.percentile(cos, 10)), 4)}
+
+
+def pair_figures(student: np.ndarray, teacher: np.ndarray, pairs: np.ndarray, same: np.ndarray) -> dict:
+    """Each model's AUC on the pairs, and how alike the two rank them (Spearman over the pair scores)."""
+    s = (student[pairs[:, 0]] * student[pairs[:, 1]]).sum(1)
+    t = (teacher[pairs[:, 0]] * teacher[pairs[:, 1]]).sum(1)
+    student_auc, teacher_auc = roc_auc_score(same, s), roc_auc_score(same, t)
+    return {"student_auc": round(float(student_auc), 4), "teacher_auc": round(float(teacher_auc), 4),
+            "auc_gap": round(float(teacher_auc - student_auc), 4),
+            "score_rank_corr": round(float(spearmanr(s, t).statistic), 4)}
+
+
+def student_embeddings(model, images: np.ndarray) -> np.ndarray:
+    from models.evaluation.evaluate import embed_all
+    from models.networks.embedders import TorchEmbedder
+
+    emb = embed_all(TorchEmbedder(model), images)
+    return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+
+
+def distillation_faces(data: list[str], seed: int, val_fraction: float, sample: int) -> list[tuple[str, np.ndarray]]:
+    """(row name, crops): the faces `ffr pretrain --online` held out of this data list with this seed, and a seeded
+    sample of those it trained on, found again by the run's own split (`held_out_split`)."""
+    from models.training.online_distill import held_out_split, load_training_crops
+
+    crops = load_training_crops(data, 112, threads=2, progress=True)[0]
+    held, trained = held_out_split(len(crops), seed, val_fraction)
+    trained = np.sort(np.random.default_rng(seed).choice(trained, min(sample, len(trained)), replace=False))
+    return [("distillation faces, held out", crops[held]), ("distillation faces, trained on (sample)", crops[trained])]
+
+
+def set_rows(name: str, images: np.ndarray, people, pairs, same, models: dict, teacher) -> list[dict]:
+    """One row per candidate on one set's faces; the teacher embeds them once."""
+    target = teacher.embed(images)
+    rows = []
+    for label, model in models.items():
+        student = student_embeddings(model, images)
+        figures = (pair_figures(student, target, pairs, same) if pairs is not None else
+                   dict.fromkeys(("student_auc", "teacher_auc", "auc_gap", "score_rank_corr"), ""))
+        rows.append({"weights": label, "set": name, "faces": len(images), "people": people,
+                     **agreement(student, target), **figures})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def labelled(name: str, root: Path, seed: int, max_pairs: int):
+    """(crops, people, pairs, same) of a labelled set's held-out people."""
+    held = held_out(root, ALIGNED if name in PHOTO_SETS else GIVEN, seed)[1].holdout
+    pairs, same = make_pairs(held.labels, max_pairs, seed)
+    return held.images, len(held.identities), pairs, same
+
+
+def candidate(spec: str) -> tuple[str, Path]:
+    """`LABEL=FILE` or `FILE` (labelled by its name)."""
+    label, _, path = spec.rpartition("=")
+    return label or Path(path).stem, Path(path)
+
+
+def main(argv=None) -> int:
+    from models.networks import face_weights
+    from models.networks.teacher import load_teacher
+    from models.training.pretraining import PretrainConfig
+
+    parser = argparse.ArgumentParser(prog="python -m bench.distill_gap", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--name", default="distill_gap")
+    parser.add_argument("--candidate", nargs="+", default=[f"shipped={face_weights.SHIPPED_WEIGHTS}"],
+                        metavar="[LABEL=]FILE", help="students' weights (safetensors, the shipped architecture), "
+                        "each measured on the same faces: several give a learning curve")
+    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    parser.add_argument("--distillation-data", nargs="+", default=None, metavar="DIR_OR_PACK",
+                        help="the students' distillation data, in the order `ffr pretrain --data` was given it "
+                             "(default: " + " and ".join(DISTILLATION_SETS) + " under $FFR_FACES_DIR)")
+    parser.add_argument("--val-fraction", type=float, default=PretrainConfig.val_fraction,
+                        help="the run's --val-fraction: with --seed, which distillation faces it held out")
+    parser.add_argument("--sample", type=int, default=2000, help="trained-on distillation faces drawn (seeded)")
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed, and the pairs' and samples' seed")
+    parser.add_argument("--max-pairs", type=int, default=100_000)
+    args = parser.parse_args(argv)
+    root = faces_dir()
+    if root is None:
+        print("bench.distill_gap: no face data (set FFR_FACES_DIR)", file=sys.stderr)
+        return 2
+    from bench.ratchet import load_candidate
+
+    models = {label: load_candidate(path) for label, path in map(candidate, args.candidate)}
+    teacher = load_teacher("sface", threads=2)
+    data = args.distillation_data or [str(root / name) for name in DISTILLATION_SETS]
+    try:
+        distillation = distillation_faces(data, args.seed, args.val_fraction, args.sample)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"bench.distill_gap: {str(exc).splitlines()[0]} (see --distillation-data)", file=sys.stderr)
+        return 2
+    rows = []
+    for name, crops in distillation:
+        rows += set_rows(name, crops, "unlabelled", None, None, models, teacher)
+    for set_name in (s for s in args.sets if (root / s).is_dir()):
+        rows += set_rows(f"{set_name} (held-out people)", *labelled(set_name, root / set_name, args.seed,
+                                                                     args.max_pairs), models, teacher)
+    command = "python -m bench.distill_gap " + shlex.join(argv if argv is not None else sys.argv[1:])
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    write_results(args.out, args.name, {"settings": settings}, rows, "How close the student is to its teacher, per set",
+                  command)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
