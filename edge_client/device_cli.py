@@ -37,9 +37,10 @@ def _out(args, text: str, data: dict) -> None:
     print(json.dumps(data, indent=2) if args.json else text, flush=True)
 
 
-def _open(args, writes: bool = False) -> tuple[DeviceHome, Vault, Recognizer]:
-    """The home (held for this process when the command `writes`; refused when missing unless it does)."""
-    home = DeviceHome(args.home, create=writes)
+def _open(args, writes: bool = False, create: bool = True) -> tuple[DeviceHome, Vault, Recognizer]:
+    """The home (held for this process when the command `writes`; refused when missing unless it writes and may
+    `create` it)."""
+    home = DeviceHome(args.home, create=writes and create)
     if writes:
         home.lock()
     vault = Vault.open(home.root / "store")
@@ -249,7 +250,7 @@ def cmd_calibrate(args) -> int:
     if not 0 < args.far <= MAX_CALIBRATION_FAR:
         raise DeviceError(f"--far must be in (0, {MAX_CALIBRATION_FAR:g}], got {args.far:g}: it is the share of "
                           "impostors the device will accept")
-    home, vault, recognizer = _open(args, writes=not args.dry_run)
+    home, vault, recognizer = _open(args, writes=not args.dry_run, create=args.data is not None)
     people = recognizer.people()
     embeddings, names = [recognizer.embed(p.crops) for p in people], [p.name for p in people]
     if args.data is not None:
@@ -377,7 +378,7 @@ def _source(p: argparse.ArgumentParser, frames_help: str) -> None:
 
 
 def add_commands(dsub) -> None:
-    p = dsub.add_parser("enroll", help="enrol a person from a camera, a video or images",
+    p = dsub.add_parser("enroll", aliases=["enrol"], help="enrol a person from a camera, a video or images",
                         description="Reads frames, refuses those with no face, several faces, a face too small or "
                                     "too blurred (saying why), keeps the sharpest --best crops, and stores them with "
                                     "the person's template, encrypted (AES-GCM).")
