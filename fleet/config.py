@@ -88,6 +88,8 @@ class SimConfig:
     def validate(self) -> None:
         """What ties the parts to the simulation; `server`, `server.training` and `gate` checked themselves."""
         checks = [(self.clients >= 1, "--clients must be at least 1"),
+                  (self.data is not None or min(self.synthetic_identities, self.synthetic_images) >= 2,
+                   "SYNTHETIC data needs --synthetic-identities and --synthetic-images of at least 2"),
                   (self.backend in ("pool", "ray"), f"unknown --backend {self.backend!r}; choose pool or ray"),
                   (not self.ray_address or self.backend == "ray", "--ray-address needs --backend ray"),
                   (self.cpus_per_device > 0 and self.gpus_per_device >= 0,

@@ -220,3 +220,22 @@ def test_bad_inputs_are_clear_errors(capsys, tmp_path, exported):
     assert "does not exist" in capsys.readouterr().err
     assert main(["-q", "export", "--model", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "x.onnx")]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
+
+
+def test_a_hostile_or_damaged_checkpoint_is_refused_in_one_line(trained_run, tmp_path, capsys):
+    import torch
+
+    payload = torch.load(trained_run / "best.pt", map_location="cpu", weights_only=True)
+    huge = {**payload, "model_config": {**payload["model_config"], "n_classes": 10**9}}  # a billion-class head
+    torch.save(huge, tmp_path / "huge.pt")
+    (tmp_path / "text.pt").write_text("not a checkpoint")
+    torch.save({"model_config": payload["model_config"]}, tmp_path / "no_state.pt")
+    for name, says in (("huge.pt", "does not match its tensors"), ("text.pt", "not a readable PyTorch file"),
+                       ("no_state.pt", "no model_config and model_state")):
+        with pytest.raises(ValueError, match=says):
+            load_checkpoint(tmp_path / name)
+        assert main(["-q", "export", "--model", str(tmp_path / name), "--out", str(tmp_path / "x.onnx")]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1 and "weights_only" not in err, err
+    model, _ = load_checkpoint(trained_run / "best.pt")  # the run's own file still loads
+    assert model.config.n_classes == payload["model_config"]["n_classes"]

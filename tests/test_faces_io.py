@@ -123,3 +123,14 @@ def test_truncated_jpegs_are_found_and_hostile_headers_stay_cheap():
     started = time.perf_counter()
     is_truncated_jpeg(hostile)
     assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.parametrize("command", [["synth", "--synthetic-identities", "1"], ["synth", "--synthetic-images", "0"],
+                                     ["fleet", "simulate", "--synthetic-identities", "0"]])
+def test_too_few_synthetic_faces_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys, command):
+    from ffr.cli import main
+
+    assert main([*command, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "at least 2" in err and "--synthetic-identities" in err, err
+    assert not (tmp_path / "out").exists()

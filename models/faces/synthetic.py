@@ -162,7 +162,11 @@ def identity_name(identity: int) -> str:
 
 def write_dataset(out: str | Path, n_identities: int, n_images: int, seed: int = 0, size: int = 128,
                   suffix: str = ".png") -> Path:
-    """Write a folder-per-identity SYNTHETIC dataset that every `ffr` command can read."""
+    """Write a folder-per-identity SYNTHETIC dataset that every `ffr` command can read: at least two people of at
+    least two images each, the least that verification (one genuine and one impostor pair) needs."""
+    if n_identities < 2 or n_images < 2:
+        raise ValueError(f"a SYNTHETIC dataset needs at least 2 identities of at least 2 images each (got "
+                         f"{n_identities} x {n_images}): --synthetic-identities and --synthetic-images")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for i in range(n_identities):

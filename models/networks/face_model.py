@@ -142,14 +142,34 @@ def load_checkpoint(path: str | Path) -> tuple[FaceModel, dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if "model_config" not in payload:
-        raise ValueError(f"{path} is not an ffr-edge checkpoint")
-    config = ModelConfig.from_dict({**payload["model_config"], "pretrained": False, "weights_path": None})
-    model = FaceModel(config)
-    model.load_state_dict(payload["model_state"])
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # zip, pickle and weights-only refusals alike: not a file `ffr train` wrote
+        raise ValueError(f"{path} is not an ffr-edge checkpoint (not a readable PyTorch file: "
+                         f"{type(exc).__name__})") from None
+    if not (isinstance(payload, dict) and isinstance(payload.get("model_config"), dict)
+            and isinstance(payload.get("model_state"), dict)):
+        raise ValueError(f"{path} is not an ffr-edge checkpoint (no model_config and model_state)")
+    try:
+        config = ModelConfig.from_dict({**payload["model_config"], "pretrained": False, "weights_path": None})
+        _check_shapes(config, payload["model_state"])
+        model = FaceModel(config)
+        model.load_state_dict(payload["model_state"])
+    except (TypeError, ValueError, RuntimeError, KeyError) as exc:
+        raise ValueError(f"{path} is a damaged ffr-edge checkpoint: {str(exc).strip().splitlines()[0]}") from None
     model.eval()
     return model, payload
+
+
+def _check_shapes(config: ModelConfig, state: dict) -> None:
+    """The model the config describes, built without memory (meta device), must have exactly the file's tensors:
+    a config naming a billion classes is refused before anything that size is allocated."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in FaceModel(config).state_dict().items()}
+    found = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+    wrong = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+    if wrong:
+        raise ValueError(f"its model_config does not match its tensors ({len(wrong)} differ, first {wrong[0]})")
 
 
 def to_numpy_state(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
