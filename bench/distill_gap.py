@@ -19,6 +19,7 @@ set's pairs, and the rank correlation of their pair scores. Sets are read from $
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -58,15 +59,37 @@ def student_embeddings(model, images: np.ndarray) -> np.ndarray:
     return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
 
 
-def distillation_faces(data: list[str], seed: int, val_fraction: float, sample: int) -> list[tuple[str, np.ndarray]]:
+AGE_BANDS = ((0, 12), (13, 19), (20, 39), (40, 59), (60, 200))
+_AGE = (re.compile(r"^(\d+)_\d+_\d+_"), re.compile(r"^\d+A(\d+)\."))  # UTKFace's and All-Age-Faces' file names
+
+
+def face_age(name: str) -> int | None:
+    """The age a distillation face's file name gives (UTKFace: `age_gender_race_date.jpg`, All-Age-Faces:
+    `indexAage.jpg`), else None."""
+    base = Path(name).name
+    for pattern in _AGE:
+        match = pattern.match(base)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def distillation_faces(data: list[str], seed: int, val_fraction: float, sample: int,
+                       by_age: bool = False) -> list[tuple[str, np.ndarray]]:
     """(row name, crops): the faces `ffr pretrain --online` held out of this data list with this seed, and a seeded
-    sample of those it trained on, found again by the run's own split (`held_out_split`)."""
+    sample of those it trained on, found again by the run's own split (`held_out_split`); with `by_age`, each
+    also by the age its file name gives."""
     from models.training.online_distill import held_out_split, load_training_crops
 
-    crops = load_training_crops(data, 112, threads=2, progress=True)[0]
+    crops, names = load_training_crops(data, 112, threads=2, progress=True)
     held, trained = held_out_split(len(crops), seed, val_fraction)
     trained = np.sort(np.random.default_rng(seed).choice(trained, min(sample, len(trained)), replace=False))
-    return [("distillation faces, held out", crops[held]), ("distillation faces, trained on (sample)", crops[trained])]
+    groups = [("distillation faces, held out", held), ("distillation faces, trained on (sample)", trained)]
+    if by_age:
+        ages = np.array([-1 if (a := face_age(n)) is None else a for n in names])
+        groups += [(f"{name}, age {low}-{high}", index[(ages[index] >= low) & (ages[index] <= high)])
+                   for name, index in groups[:2] for low, high in AGE_BANDS]
+    return [(name, crops[index]) for name, index in groups if len(index)]
 
 
 def set_rows(name: str, images: np.ndarray, people, pairs, same, models: dict, teacher) -> list[dict]:
@@ -116,6 +139,8 @@ def main(argv=None) -> int:
                         help="the run's --val-fraction: with --seed, which distillation faces it held out")
     parser.add_argument("--sample", type=int, default=2000, help="trained-on distillation faces drawn (seeded)")
     parser.add_argument("--seed", type=int, default=0, help="the run's seed, and the pairs' and samples' seed")
+    parser.add_argument("--by-age", action="store_true",
+                        help="also each distillation row by the age its file name gives (UTKFace, All-Age-Faces)")
     parser.add_argument("--max-pairs", type=int, default=100_000)
     args = parser.parse_args(argv)
     root = faces_dir()
@@ -128,7 +153,7 @@ def main(argv=None) -> int:
     teacher = load_teacher("sface", threads=2)
     data = args.distillation_data or [str(root / name) for name in DISTILLATION_SETS]
     try:
-        distillation = distillation_faces(data, args.seed, args.val_fraction, args.sample)
+        distillation = distillation_faces(data, args.seed, args.val_fraction, args.sample, args.by_age)
     except (FileNotFoundError, ValueError) as exc:
         print(f"bench.distill_gap: {str(exc).splitlines()[0]} (see --distillation-data)", file=sys.stderr)
         return 2

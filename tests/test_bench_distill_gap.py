@@ -62,3 +62,9 @@ def test_missing_distillation_data_is_refused_in_one_line(tmp_path, monkeypatch,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "utkface_aligned" in err and "--distillation-data" in err
     assert not (tmp_path / "results").exists()
+
+
+def test_a_distillation_face_s_age_comes_from_its_set_s_file_name():
+    assert distill_gap.face_age("utkface_aligned/26_1_2_20170116174525125.jpg") == 26  # UTKFace
+    assert distill_gap.face_age("13320A80.jpg") == 80                                   # All-Age-Faces
+    assert distill_gap.face_age("person0/003.png") is None
