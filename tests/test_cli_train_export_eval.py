@@ -239,3 +239,14 @@ def test_a_hostile_or_damaged_checkpoint_is_refused_in_one_line(trained_run, tmp
         assert says in err and err.count("\n") == 1 and "weights_only" not in err, err
     model, _ = load_checkpoint(trained_run / "best.pt")  # the run's own file still loads
     assert model.config.n_classes == payload["model_config"]["n_classes"]
+
+
+def test_resuming_from_a_damaged_state_file_is_refused_in_one_line(tmp_path, synthetic_dir, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    for junk in (b"not a checkpoint", b"PK\x03\x04" + bytes(200)):  # text, and a truncated zip
+        (out / "latest.pt").write_bytes(junk)
+        assert main(["-q", "train", "--data", str(synthetic_dir), "--out", str(out), "--resume", "--epochs", "1",
+                     "--no-mlflow"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "latest.pt is damaged or was not written by ffr train" in err, err

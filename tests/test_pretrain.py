@@ -71,6 +71,11 @@ def test_tiny_pretraining_run_through_the_cli_lowers_the_loss_and_resumes(tmp_pa
     # a finished run resumed is a no-op that keeps its history
     assert main([*args, "--resume"]) == 0
     assert len(json.loads((out / "metrics.json").read_text())["history"]) == 6
+    # a damaged state file is refused in one line, naming it
+    (out / "latest.pt").write_bytes((out / "latest.pt").read_bytes()[:1000])
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "latest.pt is damaged or was not written by ffr pretrain" in err, err
 
 
 def test_labelled_sets_add_a_margin_loss_that_falls(tmp_path, synthetic_dir):

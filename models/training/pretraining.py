@@ -385,7 +385,16 @@ class Pretrainer:
                        "samples": str(self.step * self.config.batch_size), "data": json.dumps(self.config.data)})
 
     def resume(self) -> None:
-        state = torch.load(self.out / "latest.pt", map_location=self.device, weights_only=True)
+        """Continue from latest.pt; a damaged or foreign file is refused in one line, as `OnlineDistiller.resume`."""
+        try:
+            self._restore(torch.load(self.out / "latest.pt", map_location=self.device, weights_only=True))
+        except ValueError:
+            raise
+        except Exception as exc:  # pickle, zip, a missing key, a wrong shape: not a state this trainer wrote
+            raise ValueError(f"{self.out / 'latest.pt'} is damaged or was not written by ffr pretrain "
+                             f"({type(exc).__name__}); use a new --out, or --force to start over") from None
+
+    def _restore(self, state: dict) -> None:
         if state["files_key"] != self.targets.root.name:
             raise ValueError(f"{self.out} was trained on other data or another teacher; use a new --out")
         saved = state["config"]

@@ -136,7 +136,17 @@ class Trainer:
         return self.split.holdout if self.split.holdout is not None else self.split.val
 
     def resume(self) -> None:
-        payload = torch.load(self.out / "latest.pt", map_location="cpu", weights_only=True)
+        """Continue from latest.pt; a damaged or foreign file is refused in one line (it is read as if an attacker
+        wrote it: weights only, every field checked by its use)."""
+        try:
+            self._restore(torch.load(self.out / "latest.pt", map_location="cpu", weights_only=True))
+        except ValueError:
+            raise
+        except Exception as exc:  # pickle, zip, a missing key, a wrong shape: not a state this trainer wrote
+            raise ValueError(f"{self.out / 'latest.pt'} is damaged or was not written by ffr train "
+                             f"({type(exc).__name__}); use a new --out, or --force to start over") from None
+
+    def _restore(self, payload: dict) -> None:
         if payload["identities"] != self.split.train.identities:
             raise ValueError("the data differs from the run being resumed (other identities); use a new --out")
         self.model.load_state_dict(payload["model_state"])
