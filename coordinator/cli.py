@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from coordinator.engine import ROUND_TIMEOUT_S
-from models.cli.common import Owned, add_init_option, given, refuse_unowned
+from models.cli.common import Owned, add_init_option, given, port, refuse_unowned
 from models.cli.objective import (
     add_codec_options,
     add_local_training_options,
@@ -185,7 +185,7 @@ def add_commands(csub) -> None:
                                     "survives restarts. The dashboard is at http://HOST:PORT/dashboard.")
     add_broker_options(p, None)
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API and dashboard listen on")
-    p.add_argument("--http-port", type=int, default=8080, help="port of the HTTP API and dashboard")
+    p.add_argument("--http-port", type=port, default=8080, help="port of the HTTP API and dashboard")
     p.add_argument("--min-clients", type=int, default=2, help="devices needed to start a round and to aggregate it")
     add_round_options(p, validators="devices run with `ffr edge run --validation DIR`")
     g = p.add_argument_group("federated method")

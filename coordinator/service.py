@@ -54,6 +54,13 @@ class ServiceConfig:
     gate: GateSettings | None = None  # None: the gate's defaults; the gate runs when it has faces
     no_gate: bool = False
 
+    def __post_init__(self) -> None:
+        """What would fail only after the broker started, refused first."""
+        if Path(self.state).exists() and not Path(self.state).is_dir():
+            raise ValueError(f"--state {self.state} is a file; give a folder for the coordinator's state")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port {self.http_port} is not a port (0-65535)")
+
 
 def _strategy(settings: RoundSettings):
     """The aggregation the round configuration names (`training.algorithm`), with its own parameters."""

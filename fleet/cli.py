@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -15,6 +16,7 @@ from models.cli.common import (
     deprecated_alias,
     dest,
     given,
+    port,
     refuse_unowned,
 )
 from models.faces.datasets import LAYOUTS
@@ -208,7 +210,7 @@ def add_commands(fsub) -> None:
                         "machine or on the cluster at --ray-address)")
     g.add_argument("--ray-address", help="an existing Ray cluster (e.g. ray://HEAD:10001 or HEAD:6379); every node "
                                          "must reach the broker and mount RUN_DIR at the same path")
-    g.add_argument("--dashboard-port", type=int,
+    g.add_argument("--dashboard-port", type=functools.partial(port, lowest=1),
                    help="serve the coordinator's dashboard at http://127.0.0.1:PORT/dashboard while the run goes on "
                         "(the address with its token is printed)")
     g.add_argument("--cpus-per-device", type=float, help="CPUs Ray reserves per device turn (default 1)")

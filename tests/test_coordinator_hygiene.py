@@ -131,7 +131,9 @@ def test_serve_stops_cleanly_on_a_signal_and_keeps_its_secrets(tmp_path, sig):
 @pytest.mark.parametrize("option, value, says", [
     ("--min-clients", "0", "--min-clients must be at least 1"), ("--fraction", "2", "--fraction must be in (0, 1]"),
     ("--rounds", "0", "--rounds must be at least 1"), ("--lr", "-1", "--lr: input should be greater than 0"),
-    ("--round-timeout", "0", "--round-timeout must be positive")])
+    ("--round-timeout", "0", "--round-timeout must be positive"),
+    ("--http-port", "99999", "argument --http-port: 99999 is not a port (0-65535"),  # refused by the parser:
+    ("--rounds", "x", "argument --rounds: invalid int value: 'x' (see ffr coordinator serve --help)")])  # one line
 def test_serve_refuses_settings_that_cannot_work_in_one_line(tmp_path, option, value, says):
     process = subprocess.run([sys.executable, "-m", "ffr.cli", "coordinator", "serve", "--state", str(tmp_path / "s"),
                               "--http-port", str(free_port()), option, value],
@@ -139,3 +141,12 @@ def test_serve_refuses_settings_that_cannot_work_in_one_line(tmp_path, option, v
     assert process.returncode == 2 and process.stdout == ""
     assert process.stderr.startswith(f"ffr coordinator serve: error: {says}") and process.stderr.count("\n") == 1
     assert not (tmp_path / "s" / "coordinator.sqlite").exists()  # refused before anything was started or stored
+
+
+def test_a_state_path_that_is_a_file_is_refused_before_anything_starts(tmp_path):
+    state = tmp_path / "state"
+    state.write_text("not a folder")
+    process = subprocess.run([sys.executable, "-m", "ffr.cli", "coordinator", "serve", "--state", str(state),
+                              "--http-port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert process.returncode == 2 and process.stderr.count("\n") == 1, process.stderr
+    assert f"--state {state} is a file" in process.stderr and state.read_text() == "not a folder"

@@ -32,6 +32,11 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str):
+        """A mistyped option is one line, as every other error (argparse would print the whole usage first, 40
+        lines for `ffr coordinator serve`); --help is named for the rest."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 class _DeprecatedAlias(argparse.Action):
     """Does what the new spelling's action does, after one line on stderr naming the new spelling."""
@@ -67,6 +72,19 @@ def deprecated_alias(parser, old: str, target: argparse.Action, note: str = "", 
 HOLDOUT_IDENTITIES = 0.2  # fraction of identities kept out of training for evaluation, in `ffr train` and `ffr fleet`
 SELECT_IDENTITIES = 0.2  # fraction of `ffr train`'s training identities kept out to choose how far fine-tuning moves
 DETECTOR_CHOICES = ("auto", "yunet", "haar", "none")
+
+
+def port(text: str, lowest: int = 0) -> int:
+    """An argparse type: a TCP port, `lowest` (0: any free one) to 65535, refused at parse time before anything
+    starts (`functools.partial(port, lowest=1)` where 0 means something else)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not lowest <= value <= 65535:
+        any_free = "; 0: any free port" if lowest == 0 else ""
+        raise argparse.ArgumentTypeError(f"{value} is not a port ({lowest}-65535{any_free})")
+    return value
 
 
 def add_detector_option(group) -> None:
