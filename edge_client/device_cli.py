@@ -95,7 +95,8 @@ def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True) -> t
 
     detector = device_detector(args.detector, args.yunet_model)
     gate, accepted, refused, n = _gate(args), [], Counter(), 0
-    bar = tqdm(desc="reading frames", unit="frame", disable=not progress or args.json, file=sys.stderr, leave=False)
+    quiet = args.json or getattr(args, "quiet", False)  # `ffr -q`: no progress bars
+    bar = tqdm(desc="reading frames", unit="frame", disable=not progress or quiet, file=sys.stderr, leave=False)
     for frame in frames(args.camera, args.video, args.images, args.max_frames):
         n += 1
         bar.update(1)

@@ -250,3 +250,20 @@ def test_resuming_from_a_damaged_state_file_is_refused_in_one_line(tmp_path, syn
                      "--no-mlflow"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "latest.pt is damaged or was not written by ffr train" in err, err
+
+
+def test_eval_takes_a_face_embedder_file_and_refuses_files_it_cannot_use(tmp_path, synthetic_dir, capsys):
+    from models.networks.face_weights import SHIPPED_WEIGHTS
+
+    data = ["--data", str(synthetic_dir), "--detector", "none", "--json"]
+    assert main(["-q", "eval", "--model", str(SHIPPED_WEIGHTS), *data]) == 0  # the shipped embedder, as it is
+    assert 0.5 < json.loads(capsys.readouterr().out)["auc"] <= 1
+    (tmp_path / "junk.onnx").write_text("not a model")
+    (tmp_path / "junk.safetensors").write_bytes(bytes(64))
+    for name, says in (("junk.onnx", "is not a usable ONNX model"),
+                       ("junk.safetensors", "is not a MobileNetV2-128 face embedder")):
+        assert main(["-q", "eval", "--model", str(tmp_path / name), *data]) == 2
+        out, err = capsys.readouterr()
+        assert says in err and err.count("\n") == 1 and "unexpected" not in err, err
+    assert main(["-q", "eval", "--model", str(SHIPPED_WEIGHTS), "--personalised", *data]) == 2
+    assert "no personalised embedding" in capsys.readouterr().err

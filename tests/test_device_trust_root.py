@@ -235,3 +235,9 @@ def test_errors_are_one_line_on_their_own_and_json_on_stdout_with_json(tmp_path)
     assert rc == 2 and json.loads(out) == {"error": f"no device home at {tmp_path / 'typo'}: nobody was enrolled "
                                                     "there (check --home)", "command": "ffr device list"}
     assert err.count("\n") == 1 and err.startswith("ffr device list: error: no device home")
+
+
+def test_quiet_enrolment_shows_no_progress_bar(tmp_path, people):
+    rc, out, err = ffr("-q", "device", "enroll", "--home", str(tmp_path / "home"), "--name", "p0", "--images",
+                       str(people["person0"]), "--detector", "haar", "--min-face", "1", "--min-sharpness", "0")
+    assert rc == 0 and out.startswith("enrolled p0") and "reading frames" not in err, err

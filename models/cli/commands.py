@@ -473,7 +473,9 @@ def add_commands(sub) -> None:
     p = sub.add_parser("eval", help="verification metrics of a model on a dataset",
                        description="AUC, EER, TAR@FAR, 10-fold accuracy and 1:N TPIR@FPIR; "
                                    "with --pairs, LFW's protocol.")
-    p.add_argument("--model", required=True, type=Path, help="checkpoint (.pt) or exported .onnx")
+    p.add_argument("--model", required=True, type=Path,
+                   help="checkpoint (.pt), exported .onnx, or a face embedder .safetensors (the shipped one, or "
+                        "`ffr pretrain`'s embedder.safetensors)")
     _add_data_options(p)
     p.add_argument("--pairs", type=Path,
                    help="LFW-style pairs.txt: 10-fold accuracy with thresholds from the other folds")

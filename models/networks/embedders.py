@@ -42,15 +42,41 @@ class TorchEmbedder:
 
 
 def load_embedder(path: str | Path, personalised: bool = False, threads: int | None = None) -> Embedder:
-    """An .onnx file runs in ONNX Runtime; anything else is read as an ffr checkpoint."""
+    """An .onnx file runs in ONNX Runtime; a .safetensors file is a face embedder (the shipped one, or what
+    `ffr pretrain` wrote); anything else is read as an ffr checkpoint. Each refuses a file it cannot use in one
+    line."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    if path.suffix.lower() == ".onnx":
-        from models.runtime import OnnxEmbedder
-
-        return OnnxEmbedder(path, threads)
+    suffix = path.suffix.lower()
+    if suffix == ".onnx":
+        return _onnx(path, threads)
+    if suffix == ".safetensors":
+        return _safetensors(path, personalised)
     from models.networks.face_model import load_checkpoint
 
     model, _ = load_checkpoint(path)
     return TorchEmbedder(model, personalised)
+
+
+def _onnx(path: Path, threads: int | None) -> Embedder:
+    from models.runtime import OnnxEmbedder
+
+    try:
+        return OnnxEmbedder(path, threads)
+    except ValueError:
+        raise
+    except Exception as exc:  # ONNX Runtime's own errors (InvalidProtobuf, Fail, ...) share no base class
+        raise ValueError(f"{path} is not a usable ONNX model: {str(exc).strip().splitlines()[0]}") from None
+
+
+def _safetensors(path: Path, personalised: bool) -> Embedder:
+    from models.networks.face_weights import load_face_embedder
+
+    if personalised:
+        raise ValueError(f"{path} is a face embedder alone: it has no DFC branch, so no personalised embedding")
+    try:
+        return TorchEmbedder(load_face_embedder(path))
+    except Exception as exc:  # safetensors' and load_state_dict's errors name what is wrong
+        raise ValueError(f"{path} is not a MobileNetV2-128 face embedder: "
+                         f"{str(exc).strip().splitlines()[0]}") from None
