@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         data = write_dataset(Path(tmp) / "faces", args.identities, args.images, seed=0)
         crops = crop_index(load_index(data), CropConfig(detector="none"), use_cache=False, progress=False)
         split = training_split(crops, holdout_fraction=0.0, val_fraction=0.1)
-        config = TrainConfig(batch_size=args.batch_size, lr=1e-4, progress=False)
+        config = TrainConfig(batch_size=args.batch_size, lr=1e-4)
         model = build_model(config, split.train)
         optimiser = torch.optim.Adam(model.parameters(), lr=config.lr)
         loader = train_loader(split.train, config.batch_size, config.aug, torch.Generator().manual_seed(0))
@@ -86,9 +86,8 @@ def main(argv=None) -> int:
             bare_ips.append(images_per_second(lambda: bare_epoch(model, loader, optimiser), n))
             fast_ips.append(images_per_second(lambda: train_epoch(fast, loader, fast_optimiser), n))
         # the loop's overhead, not an objective's cost: no anchor (its extra forward would count as overhead)
-        full = Trainer(TrainConfig(epochs=1, batch_size=args.batch_size, progress=False, anchor_weight=0.0,
-                                   precision="fp32"), split,
-                       Path(tmp) / "run")
+        full = Trainer(TrainConfig(epochs=1, batch_size=args.batch_size, anchor_weight=0.0, precision="fp32"), split,
+                       Path(tmp) / "run", progress=False)
         start = time.perf_counter()
         full.fit()
         full_seconds = time.perf_counter() - start

@@ -267,3 +267,19 @@ def test_eval_takes_a_face_embedder_file_and_refuses_files_it_cannot_use(tmp_pat
         assert says in err and err.count("\n") == 1 and "unexpected" not in err, err
     assert main(["-q", "eval", "--model", str(SHIPPED_WEIGHTS), "--personalised", *data]) == 2
     assert "no personalised embedding" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, option, value, says", [
+    ("train", "--batch-size", "1", "--batch-size must be at least 2"), ("train", "--lr", "0", "--lr must be positive"),
+    ("train", "--epochs", "0", "--epochs must be at least 1"),
+    ("pretrain", "--batch-size", "0", "--batch-size must be at least 2"),
+    ("pretrain", "--lr", "-1", "--lr must be positive"),
+    ("pretrain", "--device", "tpu", "--device 'tpu' is not a device here"),
+    ("pretrain", "--device", "cuda:7", "PyTorch sees no such CUDA GPU")])  # no test machine has eight GPUs
+def test_training_settings_that_cannot_work_are_refused_before_any_data_is_read(tmp_path, synthetic_dir, capsys,
+                                                                               command, option, value, says):
+    out = tmp_path / "run"
+    assert main(["-q", command, "--data", str(synthetic_dir), "--out", str(out), option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ffr {command}: error: ") and says in err and err.count("\n") == 1, err
+    assert not out.exists()

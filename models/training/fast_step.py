@@ -20,6 +20,22 @@ PRECISIONS = ("auto", "bf16", "fp32")
 FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
+def checked_device(name: str) -> torch.device:
+    """The device `--device` names, refused in one line before any data is read when it is not cpu or cuda[:N], or
+    is not on this machine."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r} is not a device here: cpu, cuda or cuda:N")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"--device {name}: PyTorch sees no such CUDA GPU on this machine; use --device cpu")
+    return device
+
+
 def cpu_flags() -> str:
     path = Path("/proc/cpuinfo")
     return path.read_text() if path.exists() else ""

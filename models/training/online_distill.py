@@ -68,7 +68,7 @@ class OnlineDistiller:
     def __init__(self, config: PretrainConfig, out: Path, teacher=None, *, threads: int | None = None,
                  progress: bool = True):
         """`threads` and `progress`: how this machine runs the spec, not part of it (as `Pretrainer`'s)."""
-        from models.training.fast_step import accelerate, optimiser_options
+        from models.training.fast_step import accelerate, checked_device, optimiser_options
         from models.training.pretraining import CROP_SIZE, student
 
         self.config, self.out, self.threads, self.progress = config, Path(out), threads, progress
@@ -76,7 +76,7 @@ class OnlineDistiller:
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
-        self.device = torch.device(config.device)
+        self.device = checked_device(config.device)
         images, self.names = load_training_crops(config.data, CROP_SIZE, threads or 2, progress)
         if config.max_images and len(images) > config.max_images:
             keep = np.sort(np.random.default_rng(config.seed).permutation(len(images))[:config.max_images])

@@ -79,6 +79,22 @@ class PretrainConfig:
     jitter: dict = field(default_factory=dict)  # online: online_views.ViewJitter fields; {} = defaults
 
     def __post_init__(self) -> None:
+        """Settings that cannot work are refused here, named as `ffr pretrain` spells them."""
+        checks = [(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})"),
+                  (self.batch_size >= 2, f"--batch-size must be at least 2 (got {self.batch_size}): the student's "
+                                         "BatchNorm and the pairwise loss need two faces a batch"),
+                  (self.lr > 0, f"--lr must be positive (got {self.lr:g})"),
+                  (self.weight_decay >= 0 and self.warmup_steps >= 0 and self.sim_weight >= 0,
+                   "--weight-decay, --warmup-steps and --sim-weight must not be negative"),
+                  (self.budget_minutes is None or self.budget_minutes > 0,
+                   f"--budget-minutes must be positive (got {self.budget_minutes})"),
+                  (self.max_images is None or self.max_images >= 1, "--max-images must be at least 1"),
+                  (self.checkpoint_every_s > 0 and self.eval_every_steps >= 1,
+                   "--checkpoint-every and --eval-every must be positive"),
+                  (0 < self.val_fraction < 0.5, f"the held-out fraction must be in (0, 0.5) (got {self.val_fraction})")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
         if self.low_res is not None and not (32 <= self.low_res < INPUT_SIZE and 0 < self.low_res_fraction < 1):
             raise ValueError(f"--low-res must be 32..{INPUT_SIZE - 1} px and --low-res-fraction between 0 and 1 "
                              f"(not {self.low_res} and {self.low_res_fraction})")
@@ -191,8 +207,10 @@ class Pretrainer:
         """`threads` (torch and the teacher; default torch's) and `progress` (bars) are how this machine runs the
         spec, not part of it: a run resumed with other values is the same run."""
         from models.networks.teacher import TeacherSpec, load_teacher
+        from models.training.fast_step import checked_device
 
         self.config, self.out, self.threads, self.progress = config, Path(out), threads, progress
+        self.device = checked_device(config.device)
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
@@ -221,7 +239,6 @@ class Pretrainer:
         order = np.random.default_rng(config.seed).permutation(len(self.files))
         n_val = max(config.batch_size, int(len(order) * config.val_fraction))
         self.val_index, self.train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
-        self.device = torch.device(config.device)
         self.model = student(self.config.init, self.teacher.dim).to(self.device)
         self.start = init_source(self.config.init)
         self.autocast = accelerate(self.model, config.precision, config.device)

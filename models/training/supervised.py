@@ -60,6 +60,16 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Settings that cannot work are refused here, named as `ffr train` spells them."""
+        checks = [(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})"),
+                  (self.batch_size >= 2, f"--batch-size must be at least 2 (got {self.batch_size}): the embedding's "
+                                         "BatchNorm needs two faces a batch"),
+                  (self.lr > 0, f"--lr must be positive (got {self.lr:g})"),
+                  (self.weight_decay >= 0 and self.patience >= 0, "--weight-decay and --patience must not be negative"),
+                  (self.max_eval_pairs >= 1, f"--max-eval-pairs must be at least 1 (got {self.max_eval_pairs})")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
         if self.anchor_weight is None:
             self.anchor_weight = FACE_ANCHOR_WEIGHT if self.init == "face" else 0.0
         if not self.anchor_weight >= 0:  # also refuses nan
