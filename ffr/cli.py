@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from models.cli.common import Parser
+from models.cli.common import Parser, one_line
 from models.faces.datasets import DatasetError
 
 LOGGERS = ("ffr", "models", "edge_client", "coordinator", "protocol")
@@ -103,17 +103,6 @@ def _end_progress_bars() -> None:
     if bars:
         sys.stderr.write("\n")  # a bar that is not kept ends with a carriage return, not a new line
     sys.stderr.flush()
-
-
-def one_line(exc: Exception) -> str:
-    """An error as one line; a settings schema's refusal names the option (`--lr`) instead of a pydantic dump."""
-    errors = getattr(exc, "errors", None)
-    if callable(errors) and type(exc).__name__ == "ValidationError":
-        first = errors()[0]
-        field = str(first["loc"][-1]) if first.get("loc") else "value"
-        more = f" (and {len(errors()) - 1} more)" if len(errors()) > 1 else ""
-        return f"--{field.replace('_', '-')}: {first['msg'].lower()}, got {first.get('input')!r}{more}"
-    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from coordinator.quality_gate import GateSettings
 from coordinator.settings import RoundSettings
+from models.faces.partition import check_scheme
 from models.typed_fields import check_types
 from protocol.messages import TrainingConfig
 
@@ -90,6 +91,7 @@ class SimConfig:
         checks = [(self.clients >= 1, "--clients must be at least 1"),
                   (self.data is not None or min(self.synthetic_identities, self.synthetic_images) >= 2,
                    "SYNTHETIC data needs --synthetic-identities and --synthetic-images of at least 2"),
+                  (self.workers >= 1, f"--workers must be at least 1 (got {self.workers})"),
                   (self.backend in ("pool", "ray"), f"unknown --backend {self.backend!r}; choose pool or ray"),
                   (not self.ray_address or self.backend == "ray", "--ray-address needs --backend ray"),
                   (self.cpus_per_device > 0 and self.gpus_per_device >= 0,
@@ -107,6 +109,8 @@ class SimConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.partition != "attribute":
+            check_scheme(self.partition, self.alpha, self.lognormal_sigma)
         self._validate_names()
         self._validate_paths()
 

@@ -112,12 +112,20 @@ def test_each_part_refuses_what_cannot_work_with_the_flag_it_came_from(tmp_path,
 
     for args, message in ((["--fv-phi", "2"], "--fv-phi must be in (0, 1]"),
                           (["--lr", "5"], "--lr"),
-                          (["--dp-noise", "1"], "needs a clipping norm")):
+                          (["--dp-noise", "1"], "needs a clipping norm"),
+                          (["--local-epochs", "0"], "--local-epochs: input should be greater than or equal to 1")):
         for command in (["coordinator", "serve", "--state", str(tmp_path / "s")],
                         ["fleet", "simulate", "--out", str(tmp_path / "r")]):
             assert main(["-q", *command, *args]) == 2
             err = capsys.readouterr().err
             assert message in err and len(err.strip().splitlines()) == 1, err
+    for args, message in ((["--workers", "0"], "--workers must be at least 1"),  # the simulation's own part
+                          (["--partition", "dirichlet", "--alpha", "0"], "(--alpha) must be positive"),
+                          (["--partition", "lognormal", "--lognormal-sigma", "-1"], "(--lognormal-sigma) must not")):
+        assert main(["-q", "fleet", "simulate", "--out", str(tmp_path / "r"), *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "r").exists()  # refused before the run folder or its SYNTHETIC faces were written
 
 
 @pytest.mark.parametrize("method, algorithm, fv", [("fedfr", "fedavg", False), ("fedface", "pfm", True)])
@@ -197,6 +205,10 @@ def _values(action) -> list[list[str]]:
         return [[s] for s in action.option_strings]
     if action.choices:
         return [[action.option_strings[0], str(c)] for c in action.choices if c != action.default]
+    from models.cli.common import port
+
+    if getattr(action.type, "func", action.type) is port:  # a port number (functools.partial where 0 is refused)
+        return [[action.option_strings[0], "8123"]]
     numbers = {int: [2, 3, 1, 5], float: [0.5, 2, 0.25, 1e-3, 3]}.get(action.type)
     if numbers is not None:
         return [[action.option_strings[0], str(v)] for v in numbers if v != action.default]

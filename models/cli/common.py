@@ -74,6 +74,19 @@ SELECT_IDENTITIES = 0.2  # fraction of `ffr train`'s training identities kept ou
 DETECTOR_CHOICES = ("auto", "yunet", "haar", "none")
 
 
+def one_line(exc: Exception, flags: dict[str, str] | None = None) -> str:
+    """An error as one line; a settings schema's refusal names the option (`--lr`) instead of a pydantic dump,
+    spelled as `flags` says where a field's flag is not its name (`epochs` is `--local-epochs` for rounds)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":
+        first = errors()[0]
+        field = str(first["loc"][-1]) if first.get("loc") else "value"
+        flag = (flags or {}).get(field, f"--{field.replace('_', '-')}")
+        more = f" (and {len(errors()) - 1} more)" if len(errors()) > 1 else ""
+        return f"{flag}: {first['msg'].lower()}, got {first.get('input')!r}{more}"
+    return " ".join(str(exc).split())
+
+
 def port(text: str, lowest: int = 0) -> int:
     """An argparse type: a TCP port, `lowest` (0: any free one) to 65535, refused at parse time before anything
     starts (`functools.partial(port, lowest=1)` where 0 means something else)."""

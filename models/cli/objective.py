@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.cli.common import Owned, deprecated_alias, given, refuse_unowned
+from models.cli.common import Owned, deprecated_alias, given, one_line, refuse_unowned
 from protocol.codecs import CODECS, TOPK_FRACTION
 from protocol.messages import ALGORITHMS, TrainingConfig
 
@@ -105,10 +105,13 @@ def training_config(args, **extra) -> TrainingConfig:
         raise ValueError("--method hfmaml takes no hard negatives or contrastive term (FedFR's)")
     if args.embedding_reg and (args.method == "fedfr" or settings["hard_negatives"] or settings["contrastive"]):
         raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
-    config = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
-                            codec=args.codec, width_mult=args.width_mult, algorithm=aggregation_algorithm(args.method),
-                            dp_clip=args.dp_clip, **given(args, ["--prox-mu", "--topk-fraction"]), **settings,
-                            **extra)
+    try:
+        config = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
+                                codec=args.codec, width_mult=args.width_mult,
+                                algorithm=aggregation_algorithm(args.method), dp_clip=args.dp_clip,
+                                **given(args, ["--prox-mu", "--topk-fraction"]), **settings, **extra)
+    except ValueError as exc:  # pydantic's refusal, named as these commands spell the option
+        raise ValueError(one_line(exc, {"epochs": "--local-epochs", "algorithm": "--method"})) from None
     refuse_unowned(args, OWNED, config)
     return config
 

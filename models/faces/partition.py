@@ -71,15 +71,23 @@ def allocate(n_items: int, shares: np.ndarray) -> np.ndarray:
     return counts + 1
 
 
+def check_scheme(scheme: str, alpha: float = 0.5, sigma: float = 3.0) -> None:
+    """A scheme's parameters that cannot work, refused in one line (callers check before writing anything)."""
+    if scheme not in SCHEMES:
+        raise PartitionError(f"unknown partition {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if scheme == "dirichlet" and not alpha > 0:  # `not >` also refuses nan
+        raise PartitionError(f"the dirichlet alpha (--alpha) must be positive, got {alpha:g}")
+    if scheme == "lognormal" and not sigma >= 0:
+        raise PartitionError(f"the lognormal sigma (--lognormal-sigma) must not be negative, got {sigma:g}")
+
+
 def client_shares(scheme: str, n_clients: int, rng: np.random.Generator, alpha: float = 0.5,
                   alpha_x100: bool = False, mu: float = 3.0, sigma: float = 3.0) -> np.ndarray:
+    check_scheme(scheme, alpha, sigma)
     if scheme in ("iid", "equal"):
         return np.full(n_clients, 1.0 / n_clients)
     if scheme == "dirichlet":
-        a = alpha * 100.0 if alpha_x100 else alpha
-        if a <= 0:
-            raise PartitionError("dirichlet alpha must be positive")
-        return rng.dirichlet(np.full(n_clients, a))
+        return rng.dirichlet(np.full(n_clients, alpha * 100.0 if alpha_x100 else alpha))
     if scheme == "lognormal":
         draws = rng.lognormal(mu, sigma, n_clients)
         return draws / draws.sum()
