@@ -283,3 +283,9 @@ def test_training_settings_that_cannot_work_are_refused_before_any_data_is_read(
     err = capsys.readouterr().err
     assert err.startswith(f"ffr {command}: error: ") and says in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_the_demo_refuses_what_training_would_before_writing_its_faces(tmp_path, capsys):
+    assert main(["-q", "demo", "--out", str(tmp_path / "demo"), "--epochs", "0"]) == 2
+    assert "--epochs must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()

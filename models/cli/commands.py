@@ -307,7 +307,10 @@ def cmd_synth(args) -> int:
 
 def cmd_demo(args) -> int:
     """Synthetic faces -> centralised training -> ONNX export -> verification with onnxruntime."""
+    from models.training.supervised import TrainConfig
+
     out: Path = args.out
+    TrainConfig(epochs=args.epochs, lr=args.lr)  # refuses what `ffr train` would, before anything is written
     data = out / "synthetic_faces"
     if not (data / "SYNTHETIC_FACES.txt").exists():
         cmd_synth(argparse.Namespace(out=data, synthetic_identities=args.synthetic_identities,
@@ -319,12 +322,14 @@ def cmd_demo(args) -> int:
                   "--force", "--dfc", "--lr", str(args.lr), "--holdout-identities", "0.25"]
     if not args.mlflow:
         train_args.append("--no-mlflow")
-    if _run(train_args) != 0:
+    exports = [[*pre, "export", "--model", str(run / "best.pt"), "--out", str(out / "generic.onnx")],
+               [*pre, "export", "--model", str(run / "best.pt"), "--out", str(out / "personalised.onnx"),
+                "--personalised"]]
+    if any(_run(step) != 0 for step in (train_args, *exports)):
         return 1
-    _run([*pre, "export", "--model", str(run / "best.pt"), "--out", str(out / "generic.onnx")])
-    _run([*pre, "export", "--model", str(run / "best.pt"), "--out", str(out / "personalised.onnx"), "--personalised"])
     print("\nverification with ONNX Runtime, generic embedder, on all SYNTHETIC identities (training ones included):")
-    _run([*pre, "eval", "--model", str(out / "generic.onnx"), *common, "--roc", str(out / "roc.png")])
+    if _run([*pre, "eval", "--model", str(out / "generic.onnx"), *common, "--roc", str(out / "roc.png")]) != 0:
+        return 1
     print(f"\nplots: {run / 'curves.png'}, {run / 'roc.png'}, {out / 'roc.png'}; models: {out}/*.onnx")
     return 0
 
