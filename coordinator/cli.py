@@ -26,7 +26,10 @@ def cmd_coordinator_serve(args) -> int:
     if settings.training.hard_negatives and not public:
         print("hard negatives are on but this coordinator serves no public set (--public-set): each device needs "
               "its own (`ffr edge run --public-set FILE`)", flush=True)
-    return serve(config, settings, exit_when_done=args.exit_when_done, docs=args.api_docs)
+    if args.exit_grace is not None and not (args.exit_when_done and args.exit_grace >= 0):
+        raise ValueError("--exit-grace is how long --exit-when-done waits (seconds, not negative): give both")
+    grace = {} if args.exit_grace is None else {"exit_grace_s": args.exit_grace}
+    return serve(config, settings, exit_when_done=args.exit_when_done, docs=args.api_docs, **grace)
 
 
 def serve_spec(args, public: dict | None = None):
@@ -197,7 +200,11 @@ def add_commands(csub) -> None:
     p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
     add_init_option(p, "round 0's model")
     p.add_argument("--seed", type=int, default=0, help="seed of device sampling and of round 0's model")
-    p.add_argument("--exit-when-done", action="store_true", help="exit after the last round is aggregated")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="exit after the last round is aggregated and the devices took the final model")
+    p.add_argument("--exit-grace", type=float, metavar="SECONDS",
+                   help="with --exit-when-done: how long the devices get to take the final model before the "
+                        "coordinator (and an embedded broker) stops anyway (default 60)")
     p.add_argument("--api-docs", action="store_true",
                    help="serve the API's interactive docs at /docs and /openapi.json (default off: they map the API "
                         "for anyone who can reach the port)")

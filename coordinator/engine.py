@@ -234,7 +234,9 @@ class Engine:
             self.sessions.hello(device_id, body)
             self._tell(device_id, Ack(of="hello") if body.token_proof is None else Registered(device_id=device_id))
             self._announce_to_late_joiner(device_id)
-        elif not isinstance(body, Heartbeat):
+        elif isinstance(body, Heartbeat):  # a signed word on its state ("final v3": it took the final model)
+            self.sessions.states[device_id] = body.state
+        else:
             raise MessageError(f"devices may not send {body.type!r} messages")
 
     def _announce_to_late_joiner(self, device_id: str) -> None:

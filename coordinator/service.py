@@ -33,6 +33,7 @@ from protocol.auth import write_secret
 from protocol.transport import BrokerAddress, make_client
 
 log = logging.getLogger("coordinator")
+EXIT_GRACE_S = 60.0  # --exit-when-done: how long the devices get to take the final model
 
 
 @dataclass
@@ -204,6 +205,11 @@ class Service:
     def finished(self) -> bool:
         return self.engine.finished
 
+    def awaiting_final_model(self) -> list[str]:
+        """After the last round: devices heard from in this run that have not said they took the final model."""
+        with self.engine.lock:
+            return self.engine.sessions.awaiting(f"final v{self.engine.version}")
+
     def close(self) -> None:
         self._stop.set()
         self._ticker.join(timeout=5)
@@ -213,9 +219,11 @@ class Service:
             self.broker.close()
 
 
-def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool = False, docs: bool = False) -> int:
-    """Run until Ctrl-C or SIGTERM (or, with `exit_when_done`, until the last round is aggregated); either way the
-    broker is stopped and the state flushed before returning."""
+def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool = False, docs: bool = False,
+          exit_grace_s: float = EXIT_GRACE_S) -> int:
+    """Run until Ctrl-C or SIGTERM (or, with `exit_when_done`, until the last round is aggregated and the devices
+    took the final model, `exit_grace_s` at most); either way the broker is stopped and the state flushed before
+    returning."""
     from coordinator.api import create_app
 
     os.umask(0o077)  # every file the coordinator writes (models, updates, logs of rounds) is its user's alone
@@ -225,11 +233,7 @@ def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool =
         service = Service(config, settings)
         server = _Server(uvicorn_config(create_app(service, docs), config.http_host, config.http_port))
         if exit_when_done:
-            def watch() -> None:
-                while not service.finished:
-                    threading.Event().wait(0.5)
-                server.should_exit = True
-            threading.Thread(target=watch, daemon=True).start()
+            threading.Thread(target=_exit_when_done, args=(service, server, exit_grace_s), daemon=True).start()
         _print_start(service, config, docs)
         server.run()
     except KeyboardInterrupt:
@@ -240,6 +244,24 @@ def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool =
             service.close()
             log.info("coordinator stopped: broker stopped, state saved in %s", config.state)
     return 0
+
+
+def _exit_when_done(service: Service, server, grace_s: float) -> None:
+    """Stop the server after the last round, once every device heard from has taken the final model (an embedded
+    broker goes with the coordinator: a device that had not fetched it by then could not), `grace_s` at most."""
+    while not service.finished:
+        time.sleep(0.5)
+    deadline, missing = time.monotonic() + grace_s, service.awaiting_final_model()
+    if missing:
+        log.info("waiting up to %.0f s for %d device(s) to take the final model: %s", grace_s, len(missing),
+                 ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else ""))
+    while missing and time.monotonic() < deadline:
+        time.sleep(0.5)
+        missing = service.awaiting_final_model()
+    if missing:
+        log.warning("stopping before %d device(s) took the final model (%s): they fetch it from a coordinator that "
+                    "serves it again", len(missing), ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else ""))
+    server.should_exit = True
 
 
 def _interrupt(signum, frame) -> None:

@@ -37,6 +37,8 @@ class DeviceSessions:
         self.images = store.device_images()
         self.guard = ReplayGuard(store.last_seqs())
         self.validators: set[str] = set()  # devices that said (signed) they score FV candidates
+        self.heard: set[str] = set()         # devices that proved themselves to this process (admitted ones only)
+        self.states: dict[str, str] = {}      # each one's last signed heartbeat ("final v3": took the final model)
         self._error_times: dict[str, list[float]] = {}
 
     def open(self, sender: Sender, payload: bytes) -> tuple[Envelope, bool]:
@@ -59,6 +61,7 @@ class DeviceSessions:
             raise MessageError(f"unknown device {device_id!r}: it must be admitted (ffr coordinator admit) first")
         self._authenticate(envelope, key, sender)
         self.store.seen(device_id, envelope.seq)
+        self.heard.add(device_id)
         return envelope, False
 
     def hello(self, device_id: str, hello: Hello) -> None:
@@ -95,7 +98,12 @@ class DeviceSessions:
         if hello.validator:
             self.validators.add(device_id)
         sender.authenticated = True
+        self.heard.add(device_id)
         log.info("admitted %s (%d identities, %d images)", device_id, hello.n_identities, hello.n_images)
+
+    def awaiting(self, state: str) -> list[str]:
+        """Devices heard from by this process whose last heartbeat is not `state`."""
+        return sorted(d for d in self.heard if self.states.get(d) != state)
 
     def may_explain(self, sender: Sender) -> bool:
         """Only an authenticated sender hears why, at most `errors_per_minute` times: refusals never flood."""

@@ -11,6 +11,7 @@ upload), so a long local epoch never stalls the connection.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -26,7 +27,7 @@ from edge_client.validator import Validator
 from models.faces.crops import CropConfig, FaceCrops, decoded_crops, resolve_detector
 from models.faces.datasets import load_index
 from protocol.credential import Credential
-from protocol.messages import Ack, ModelRelease, RoundAnnouncement, TrainingConfig, ValidationRequest
+from protocol.messages import Ack, Heartbeat, ModelRelease, RoundAnnouncement, TrainingConfig, ValidationRequest
 
 log = logging.getLogger("edge_client")
 
@@ -163,8 +164,11 @@ class EdgeDevice:
                 log.exception("%s: round %d failed", self.device_id, job.round_id)
 
     def _take_release(self, release: ModelRelease) -> None:
-        if self.rounds.adopt_release(release):
-            self.finished.set()
+        if self.rounds.adopt_release(release):  # taken (adopted, or refused by this device's own check)
+            sent = self.link.send("heartbeat", Heartbeat(state=f"final v{release.model_version}"))
+            with contextlib.suppress(RuntimeError, ValueError):  # no broker now: the coordinator's grace ends it
+                sent.wait_for_publish(5)
+            self.finished.set()  # a coordinator with --exit-when-done waits for this word before stopping
         else:
             self.released = None
 

@@ -81,10 +81,10 @@ class CoordinatorLink:
         self.client.loop_stop()
 
     # sending ----------------------------------------------------------------
-    def send(self, leaf: str, body) -> None:
+    def send(self, leaf: str, body) -> mqtt.MQTTMessageInfo:
         self._seq += 1
-        self.client.publish(topics.device(self.device_id, leaf),
-                            seal(self.device_id, self._seq, body, self.signer, to="coordinator"), qos=1)
+        return self.client.publish(topics.device(self.device_id, leaf),
+                                   seal(self.device_id, self._seq, body, self.signer, to="coordinator"), qos=1)
 
     def hello(self) -> Hello:
         """Until the coordinator has registered this key, prove the admission token (never send it)."""

@@ -150,3 +150,32 @@ def test_a_state_path_that_is_a_file_is_refused_before_anything_starts(tmp_path)
                               "--http-port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert process.returncode == 2 and process.stderr.count("\n") == 1, process.stderr
     assert f"--state {state} is a file" in process.stderr and state.read_text() == "not a folder"
+
+
+def test_exit_when_done_waits_for_the_final_model_and_no_longer_than_its_grace(caplog):
+    """The waiting alone, with a stand-in for the service's two queries: a real coordinator would need a device
+    that vanishes after the last round. Which devices count is tested on the real engine (tests/test_trust.py)."""
+    import logging
+    from types import SimpleNamespace
+
+    from coordinator.service import _exit_when_done
+
+    class Fleet:
+        finished = True
+
+        def __init__(self, answers: list[list[str]]):
+            self.answers = answers
+
+        def awaiting_final_model(self) -> list[str]:
+            return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+    caplog.set_level(logging.INFO, logger="coordinator")
+    server = SimpleNamespace(should_exit=False)
+    started = time.monotonic()
+    _exit_when_done(Fleet([["d1", "d2"], ["d2"], []]), server, grace_s=30)
+    assert server.should_exit and time.monotonic() - started < 5  # stopped when the last device took it
+    assert "waiting up to 30 s for 2 device(s)" in caplog.text and "stopping before" not in caplog.text
+    server, started = SimpleNamespace(should_exit=False), time.monotonic()
+    _exit_when_done(Fleet([["gone"]]), server, grace_s=1)
+    assert server.should_exit and time.monotonic() - started < 5
+    assert "stopping before 1 device(s) took the final model (gone)" in caplog.text

@@ -138,5 +138,7 @@ def test_coordinator_serves_the_public_set_to_a_device_without_one(public_file, 
     assert cached_path(home / "public", sha).read_bytes() == public_file.read_bytes()
     output = edge.stdout + edge.stderr
     assert output.count("fetched from") == 1, "fetched once for both rounds"
+    # the coordinator (and its embedded broker) stopped only once the device had taken the final model
+    assert "final model v2 adopted" in output and "stopping before" not in served, served[-2000:]
     rounds = json.loads((home / "rounds.json").read_text())
     assert [r["round_id"] for r in rounds] == [1, 2] and all(r["hn_fraction"] == 1.0 for r in rounds), rounds

@@ -177,6 +177,23 @@ def test_a_device_that_never_heard_its_registration_is_answered_again_not_locked
     assert len(h.inbox("dev1")) == answered, "a forger is not answered"
 
 
+def test_only_each_heard_device_s_own_signed_word_ends_the_wait_for_the_final_model(tmp_path):
+    """`coordinator serve --exit-when-done` stays up until every device heard from says (signed) it took the final
+    model: a forged word, another device's, a stranger's or one about an older model does not count."""
+    h = Harness(tmp_path, min_clients=2)
+    a, b = Dev(h, "a").join(), Dev(h, "b").join()
+    Dev(h, "c")  # admitted, never heard from: nobody waits for it
+    sessions = h.engine.sessions
+    assert sessions.awaiting("final v1") == ["a", "b"]
+    a.send("heartbeat", Heartbeat(state="final v1"))
+    b.send("heartbeat", Heartbeat(state="final v1"), signer=Signer.generate())  # not b's key: refused
+    a.raw("heartbeat", b.envelope(Heartbeat(state="final v1")))                 # b's word on a's topic: refused
+    b.send("heartbeat", Heartbeat(state="final v0"))                            # not the final model
+    assert sessions.awaiting("final v1") == ["b"]
+    b.send("heartbeat", Heartbeat(state="final v1"))
+    assert sessions.awaiting("final v1") == []
+
+
 def test_replays_are_refused_and_sequence_numbers_cannot_be_burnt(tmp_path):
     h = Harness(tmp_path)
     dev = Dev(h, "dev1").join()
