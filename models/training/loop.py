@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,3 +113,16 @@ def limited(loader: Iterable[Any], steps: int) -> Iterable[Any]:
                 return
         if done == before:
             return
+
+
+def resume_from(path: Path, restore: Callable[[dict], None], writer: str, map_location: Any = "cpu") -> None:
+    """Hand a run's saved state (`latest.pt`, weights only) to `restore`; a damaged or foreign file is refused in one
+    line naming it (the file is read as if an attacker wrote it: every field is checked by its use). `restore`'s own
+    ValueErrors (other data, a changed option) pass through as they are."""
+    try:
+        restore(torch.load(path, map_location=map_location, weights_only=True))
+    except ValueError:
+        raise
+    except Exception as exc:  # pickle, zip, a missing key, a wrong shape: not a state this trainer wrote
+        raise ValueError(f"{path} is damaged or was not written by {writer} ({type(exc).__name__}); use a new --out, "
+                         "or --force to start over") from None

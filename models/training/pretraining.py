@@ -32,7 +32,7 @@ from models.training.cpu_share import Yielder
 from models.training.distill_data import TeacherTargets, default_cache_root, list_images, load_crops, targets_dir, view
 from models.training.distillation import bank_distillation_loss, distillation_loss
 from models.training.fast_step import accelerate, optimiser_options
-from models.training.loop import Step, optimise
+from models.training.loop import Step, optimise, resume_from
 from models.training.online_views import photometric, student_input
 
 LOSSES = ("cosine", "bank")
@@ -402,14 +402,8 @@ class Pretrainer:
                        "samples": str(self.step * self.config.batch_size), "data": json.dumps(self.config.data)})
 
     def resume(self) -> None:
-        """Continue from latest.pt; a damaged or foreign file is refused in one line, as `OnlineDistiller.resume`."""
-        try:
-            self._restore(torch.load(self.out / "latest.pt", map_location=self.device, weights_only=True))
-        except ValueError:
-            raise
-        except Exception as exc:  # pickle, zip, a missing key, a wrong shape: not a state this trainer wrote
-            raise ValueError(f"{self.out / 'latest.pt'} is damaged or was not written by ffr pretrain "
-                             f"({type(exc).__name__}); use a new --out, or --force to start over") from None
+        """Continue from latest.pt; a damaged or foreign file is refused in one line (`resume_from`)."""
+        resume_from(self.out / "latest.pt", self._restore, "ffr pretrain", self.device)
 
     def _restore(self, state: dict) -> None:
         if state["files_key"] != self.targets.root.name:

@@ -32,7 +32,7 @@ from models.training.crop_batches import CropDataset, frozen_copy, frozen_featur
 from models.training.fast_step import accelerate, optimiser_options
 from models.training.hfmaml import anchored_to
 from models.training.interpolation import choose_alpha, interpolate
-from models.training.loop import train_epoch
+from models.training.loop import resume_from, train_epoch
 from models.training.tracking import NullTracker, Tracker
 
 
@@ -146,15 +146,8 @@ class Trainer:
         return self.split.holdout if self.split.holdout is not None else self.split.val
 
     def resume(self) -> None:
-        """Continue from latest.pt; a damaged or foreign file is refused in one line (it is read as if an attacker
-        wrote it: weights only, every field checked by its use)."""
-        try:
-            self._restore(torch.load(self.out / "latest.pt", map_location="cpu", weights_only=True))
-        except ValueError:
-            raise
-        except Exception as exc:  # pickle, zip, a missing key, a wrong shape: not a state this trainer wrote
-            raise ValueError(f"{self.out / 'latest.pt'} is damaged or was not written by ffr train "
-                             f"({type(exc).__name__}); use a new --out, or --force to start over") from None
+        """Continue from latest.pt; a damaged or foreign file is refused in one line (`resume_from`)."""
+        resume_from(self.out / "latest.pt", self._restore, "ffr train")
 
     def _restore(self, payload: dict) -> None:
         if payload["identities"] != self.split.train.identities:
