@@ -4,6 +4,7 @@ the validator sends nothing but scores."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -126,6 +127,9 @@ def test_fedface_over_mosquitto_the_validator_sends_only_scores(tmp_path, mosqui
     sent = [(t, p) for t, p in recorder.messages if t.startswith(topics.device(validator, ""))
             and not t.endswith("/inbox") and p]
     kinds = {json.loads(p)["body"]["type"] for t, p in sent}
-    assert kinds == {"hello", "score"}, kinds
+    # scores, and at the end one heartbeat saying it took the final model (its version, nothing else)
+    assert {"hello", "score"} <= kinds <= {"hello", "score", "heartbeat"}, kinds
+    beats = [json.loads(p)["body"] for t, p in sent if json.loads(p)["body"]["type"] == "heartbeat"]
+    assert all(set(b) == {"type", "state"} and re.fullmatch(r"final v\d+", b["state"]) for b in beats), beats
     assert sum(json.loads(p)["body"]["type"] == "score" for t, p in sent) == 2 * 3, "T = 3 scores per round"
     assert not any("chunks" in t for t, p in sent), "a validator never uploads tensors"
