@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from coordinator.quality_gate import GateSettings, QualityGate
 from coordinator.store import Store
 from protocol import topics
 from protocol.auth import write_secret
+from protocol.folder_lock import FolderHeld, hold
 from protocol.transport import BrokerAddress, make_client
 
 log = logging.getLogger("coordinator")
@@ -88,6 +90,19 @@ class Service:
         self.config, self.settings = config, settings
         self._stop = threading.Event()
         Path(config.state).mkdir(parents=True, exist_ok=True)
+        try:  # two coordinators on one state would fight over its store and its broker
+            self._lock_fd = hold(Path(config.state) / "coordinator.lock")
+        except FolderHeld as held:
+            raise ValueError(f"--state {config.state} is in use by process {held.holder} (another `ffr coordinator "
+                             "serve`, or a simulation); stop it first, or give another --state") from None
+        try:
+            self._start(config, settings)
+        except BaseException:
+            os.close(self._lock_fd)  # a coordinator that failed to start holds nothing
+            raise
+
+    def _start(self, config: ServiceConfig, settings: RoundSettings) -> None:
+        """The broker (when embedded), the MQTT client, the engine and its clock."""
         self.signer = coordinator_signer(config.state)
         self.api_token, self.api_token_created = api_token(config.state)
         username, password = config.username, config.password
@@ -217,6 +232,7 @@ class Service:
         self.client.disconnect()
         if self.broker is not None:
             self.broker.close()
+        os.close(self._lock_fd)  # the state is free for the next coordinator
 
 
 def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool = False, docs: bool = False,
@@ -230,6 +246,7 @@ def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool =
     previous = signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn takes over: SIGTERM during start-up too
     service = None
     try:
+        _check_port_free(config.http_host, config.http_port)
         service = Service(config, settings)
         server = _Server(uvicorn_config(create_app(service, docs), config.http_host, config.http_port))
         if exit_when_done:
@@ -244,6 +261,20 @@ def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool =
             service.close()
             log.info("coordinator stopped: broker stopped, state saved in %s", config.state)
     return 0
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a taken --http-port before the broker and the engine start (uvicorn would fail only after them)."""
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no owner
+            probe.bind((host, port))
+    except OSError as exc:
+        raise ValueError(f"--http-port {port} on {host} cannot be used ({exc.strerror or exc}): another coordinator "
+                         "may hold it; choose another --http-port") from None
 
 
 def _exit_when_done(service: Service, server, grace_s: float) -> None:

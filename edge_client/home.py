@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from protocol.folder_lock import FolderHeld, hold
+
 
 class HomeInUse(ValueError):
     """Another process holds the home (two `ffr edge run` on one home replay each other's sequence numbers)."""
@@ -28,20 +30,11 @@ class DeviceHome:
 
     def lock(self) -> DeviceHome:
         """Hold the home for this process (released when it exits); refused, naming the holder, while another has it."""
-        import fcntl
-
-        path = self.root / "home.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise HomeInUse(f"home {self.root} is in use by process {holder} (an `ffr edge run` or `ffr device` "
+            self._lock_fd = hold(self.root / "home.lock")
+        except FolderHeld as held:
+            raise HomeInUse(f"home {self.root} is in use by process {held.holder} (an `ffr edge run` or `ffr device` "
                             "command); stop it first, or give another --home") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._lock_fd = fd
         return self
 
     @property

@@ -99,9 +99,9 @@ def _mosquitto_running(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serve_stops_cleanly_on_a_signal_and_keeps_its_secrets(tmp_path, sig):
-    state = tmp_path / "state"
-    process = subprocess.Popen([sys.executable, "-m", "ffr.cli", "coordinator", "serve", "--state", str(state),
-                                "--http-port", str(free_port()), "--init", "none", "--width-mult", "0.25"],
+    state, port = tmp_path / "state", free_port()
+    serve = [sys.executable, "-m", "ffr.cli", "coordinator", "serve", "--init", "none", "--width-mult", "0.25"]
+    process = subprocess.Popen([*serve, "--state", str(state), "--http-port", str(port)],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
@@ -112,6 +112,12 @@ def test_serve_stops_cleanly_on_a_signal_and_keeps_its_secrets(tmp_path, sig):
     time.sleep(1.0)  # uvicorn is up
     broker_pid = int((state / "broker" / "mosquitto.pid").read_text())
     assert _mosquitto_running(broker_pid)
+    # a second coordinator on its state, or on its port, is refused in one line before starting anything
+    for where, says in ((["--state", str(state), "--http-port", str(free_port())], f"in use by process {process.pid}"),
+                        (["--state", str(tmp_path / "other"), "--http-port", str(port)], "cannot be used")):
+        second = subprocess.run([*serve, *where], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and says in second.stderr and second.stderr.count("\n") == 1, second.stderr
+    assert not (tmp_path / "other").exists()
     process.send_signal(sig)
     process.wait(30)
     reader.join(5)
