@@ -147,10 +147,10 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from fleet.report import compare, load_summary, run_row
+    from fleet.report import compare, run_rows
 
     if args.json:
-        print(json.dumps([run_row(load_summary(d)) for d in args.runs], indent=2))
+        print(json.dumps(run_rows(args.runs), indent=2))
         return 0
     table = compare(args.runs)
     print(table)

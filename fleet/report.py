@@ -123,9 +123,27 @@ def load_summary(run_dir: Path) -> dict:
     path = Path(run_dir) / "summary.json"
     if not path.exists():
         raise FileNotFoundError(f"no summary.json in {run_dir}: has the simulation finished?")
-    return json.loads(path.read_text())
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is damaged or was not written by ffr fleet simulate ({exc})") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path} is damaged or was not written by ffr fleet simulate (not a JSON object)")
+    return summary
+
+
+def run_rows(run_dirs: list[Path]) -> list[dict]:
+    """A row per run folder; a summary that is not one `ffr fleet simulate` wrote is named in one line."""
+    rows = []
+    for run_dir in run_dirs:
+        try:
+            rows.append(run_row(load_summary(run_dir)))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{Path(run_dir) / 'summary.json'} is damaged or was not written by ffr fleet simulate "
+                             f"({type(exc).__name__}: {exc})") from None
+    return rows
 
 
 def compare(run_dirs: list[Path]) -> str:
     """`ffr fleet report`: one Markdown table, a row per run."""
-    return markdown_table([run_row(load_summary(d)) for d in run_dirs])
+    return markdown_table(run_rows(run_dirs))

@@ -107,6 +107,16 @@ def test_report_puts_runs_side_by_side(simulated, capsys):
     assert compare([simulated]).count("fedprox +DFC") == 1
 
 
+@pytest.mark.parametrize("text, says", [('{"x":', "Expecting value"), ("[1, 2]", "not a JSON object"),
+                                        ('{"history": "zz"}', "KeyError")])
+def test_report_names_a_damaged_summary_in_one_line(simulated, tmp_path, capsys, text, says):
+    (tmp_path / "summary.json").write_text(text)
+    for json_flag in ([], ["--json"]):
+        assert main(["fleet", "report", str(simulated), str(tmp_path), *json_flag]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'summary.json'} is damaged" in err and says in err and err.count("\n") == 1, err
+
+
 def _history(run: Path) -> list[dict]:
     path = run / "state.json"
     try:
