@@ -30,7 +30,7 @@ from sklearn.metrics import roc_auc_score
 
 from bench.common import faces_dir, write_results
 from bench.held_out_sets import ALIGNED, GIVEN, PHOTO_SETS, SETS, held_out
-from models.evaluation.metrics import make_pairs
+from models.evaluation.metrics import cosine_scores, make_pairs
 
 DISTILLATION_SETS = ("utkface_aligned", "all_age_faces_aligned")
 
@@ -43,8 +43,7 @@ def agreement(student: np.ndarray, teacher: np.ndarray) -> dict:
 
 def pair_figures(student: np.ndarray, teacher: np.ndarray, pairs: np.ndarray, same: np.ndarray) -> dict:
     """Each model's AUC on the pairs, and how alike the two rank them (Spearman over the pair scores)."""
-    s = (student[pairs[:, 0]] * student[pairs[:, 1]]).sum(1)
-    t = (teacher[pairs[:, 0]] * teacher[pairs[:, 1]]).sum(1)
+    s, t = cosine_scores(student, pairs), cosine_scores(teacher, pairs)
     student_auc, teacher_auc = roc_auc_score(same, s), roc_auc_score(same, t)
     return {"student_auc": round(float(student_auc), 4), "teacher_auc": round(float(teacher_auc), 4),
             "auc_gap": round(float(teacher_auc - student_auc), 4),
@@ -53,10 +52,10 @@ def pair_figures(student: np.ndarray, teacher: np.ndarray, pairs: np.ndarray, sa
 
 def student_embeddings(model, images: np.ndarray) -> np.ndarray:
     from models.evaluation.evaluate import embed_all
+    from models.evaluation.metrics import l2_normalise
     from models.networks.embedders import TorchEmbedder
 
-    emb = embed_all(TorchEmbedder(model), images)
-    return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    return l2_normalise(embed_all(TorchEmbedder(model), images))
 
 
 AGE_BANDS = ((0, 12), (13, 19), (20, 39), (40, 59), (60, 200))

@@ -38,20 +38,13 @@ MAX_BYTES = 5 * 1024 * 1024
 
 
 def load_candidate(path: Path) -> torch.nn.Module:
-    """The candidate as a FaceEmbedder, refused in one line unless it is the shipped architecture, every tensor
-    the shipped shape and every float finite (a run folder's file is read as if an attacker wrote it)."""
+    """The candidate as a FaceEmbedder (`face_weights.checked_embedder`), refused in one line otherwise."""
     if not path.is_file():
         raise SystemExit(f"bench.ratchet: no candidate at {path}")
     try:
-        state, _ = face_weights.read_embedder_numpy(path)
-        model = face_weights.load_face_embedder(path)
-    except Exception as exc:  # safetensors' and load_state_dict's own errors name what is wrong
-        raise SystemExit(f"bench.ratchet: {path} is not a MobileNetV2-128 face embedder: "
-                         f"{str(exc).splitlines()[0]}") from None
-    bad = [k for k, v in state.items() if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
-    if bad:
-        raise SystemExit(f"bench.ratchet: {path} holds non-finite values in {bad[0]}")
-    return model.eval()
+        return face_weights.checked_embedder(path)
+    except ValueError as exc:
+        raise SystemExit(f"bench.ratchet: {exc}") from None
 
 
 def compare_set(name: str, root: Path, shipped, candidate, seed: int, max_pairs: int) -> list[dict]:

@@ -61,8 +61,6 @@ class ServiceConfig:
         """What would fail only after the broker started, refused first."""
         if Path(self.state).exists() and not Path(self.state).is_dir():
             raise ValueError(f"--state {self.state} is a file; give a folder for the coordinator's state")
-        if not 0 <= self.http_port <= 65535:
-            raise ValueError(f"--http-port {self.http_port} is not a port (0-65535)")
 
 
 def _strategy(settings: RoundSettings):
@@ -272,9 +270,9 @@ def _check_port_free(host: str, port: int) -> None:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no owner
             probe.bind((host, port))
-    except OSError as exc:
-        raise ValueError(f"--http-port {port} on {host} cannot be used ({exc.strerror or exc}): another coordinator "
-                         "may hold it; choose another --http-port") from None
+    except (OSError, OverflowError) as exc:  # taken, not this machine's address, or not a port at all
+        raise ValueError(f"--http-port {port} on {host} cannot be used ({getattr(exc, 'strerror', None) or exc}): "
+                         "another coordinator may hold it; choose another --http-port") from None
 
 
 def _exit_when_done(service: Service, server, grace_s: float) -> None:
@@ -285,14 +283,18 @@ def _exit_when_done(service: Service, server, grace_s: float) -> None:
     deadline, missing = time.monotonic() + grace_s, service.awaiting_final_model()
     if missing:
         log.info("waiting up to %.0f s for %d device(s) to take the final model: %s", grace_s, len(missing),
-                 ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else ""))
+                 _some(missing))
     while missing and time.monotonic() < deadline:
         time.sleep(0.5)
         missing = service.awaiting_final_model()
     if missing:
         log.warning("stopping before %d device(s) took the final model (%s): they fetch it from a coordinator that "
-                    "serves it again", len(missing), ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else ""))
+                    "serves it again", len(missing), _some(missing))
     server.should_exit = True
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
 
 
 def _interrupt(signum, frame) -> None:

@@ -71,12 +71,8 @@ def _onnx(path: Path, threads: int | None) -> Embedder:
 
 
 def _safetensors(path: Path, personalised: bool) -> Embedder:
-    from models.networks.face_weights import load_face_embedder
+    from models.networks.face_weights import checked_embedder
 
     if personalised:
         raise ValueError(f"{path} is a face embedder alone: it has no DFC branch, so no personalised embedding")
-    try:
-        return TorchEmbedder(load_face_embedder(path))
-    except Exception as exc:  # safetensors' and load_state_dict's errors name what is wrong
-        raise ValueError(f"{path} is not a MobileNetV2-128 face embedder: "
-                         f"{str(exc).strip().splitlines()[0]}") from None
+    return TorchEmbedder(checked_embedder(path))

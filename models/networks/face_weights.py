@@ -96,6 +96,22 @@ def load_face_embedder(path: Path | None = None):
     return model
 
 
+def checked_embedder(path: Path):
+    """A face embedder file from anywhere (a run folder, a user's download) as a torch FaceEmbedder in eval mode,
+    refused in one line (ValueError) unless it is the shipped architecture, every tensor the shipped shape and every
+    float finite: the file is read as if an attacker wrote it."""
+    try:
+        state, _ = read_embedder_numpy(path)
+        model = load_face_embedder(path)
+    except Exception as exc:  # safetensors' and load_state_dict's own errors name what is wrong
+        raise ValueError(f"{path} is not a MobileNetV2-128 face embedder: "
+                         f"{str(exc).strip().splitlines()[0]}") from None
+    bad = [k for k, v in state.items() if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
+    if bad:
+        raise ValueError(f"{path} holds non-finite values in {bad[0]}")
+    return model.eval()
+
+
 def write_default_onnx(out: Path) -> Path:
     """The face embedder as a device-ready ONNX file, built from the weights with numpy and onnx (no torch)."""
     import onnx
