@@ -199,9 +199,9 @@ class Service:
         """Said in the log and in /health: a coordinator that cannot hear its devices must not be silent."""
         if self._stop.is_set():
             return
-        self.disconnects += 1
         self.last_disconnect = {"at": time.time(), "reason": str(reason_code)}
         log.error("disconnected from the broker %s (%s); reconnecting", self.broker_url, reason_code)
+        self.disconnects += 1  # last: whoever sees the count sees the reason and the log line with it
 
     def broker_health(self) -> dict:
         return {"mqtt": self.mqtt_state(), "broker_disconnects": self.disconnects,
