@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from protocol.messages import MAX_CHUNK_BYTES
+
 MOSQUITTO_PATHS = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
-MAX_MESSAGE_BYTES = (
-    8 * 1024 * 1024 + 64 * 1024
-)  # the largest chunk frame the protocol allows (TrainingConfig.chunk_bytes)
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024  # the largest chunk frame the protocol allows, with its header
 PACKET_OVERHEAD = 64 * 1024                       # topic and MQTT headers on top of the payload
 MAX_QUEUED_MESSAGES = 20_000
 MAX_QUEUED_BYTES = 256 * 1024 * 1024

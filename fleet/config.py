@@ -103,6 +103,13 @@ class SimConfig:
                    "--fv needs --holdout-clients of at least --fv-validators (validators are clients kept out of "
                    "training, scoring on their own images)"),
                   (self.public_limit >= 1, "--public-limit must be at least 1"),
+                  (0 <= self.holdout_identities < 1,
+                   f"--holdout-identities is a fraction of the people, in [0, 1) (got {self.holdout_identities:g})"),
+                  *[(value >= 0, f"{flag} must not be negative (got {value})") for flag, value in
+                    (("--holdout-clients", self.heldout_clients), ("--impostor-images", self.impostor_images),
+                     ("--tune-steps", self.tune_steps), ("--patience", self.patience))],
+                  (self.eval_clients is None or self.eval_clients >= 1, "--eval-clients must be at least 1"),
+                  (0 <= self.min_delta < float("inf"), f"--min-delta must be a number >= 0 (got {self.min_delta})"),
                   (not self.training.hard_negatives or self.public_data is not None,
                    "hard negatives need a public set: --public-data DIR (aligned faces of people no client has, "
                    "e.g. ../shared/faces/utkface_aligned), or --no-hard-negatives")]

@@ -150,3 +150,18 @@ def test_a_deprecated_alias_through_main_still_runs(tmp_path, capsys):
     assert len([d for d in (tmp_path / "d").iterdir() if d.is_dir()]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all("old spelling" in line for line in err)
+
+
+@pytest.mark.parametrize("argv, flag", [(["train", "--data", "d", "--out", "o", "--threads", "-2"], "--threads"),
+                                        (["eval", "--model", "m.onnx", "--data", "d", "--threads", "0"], "--threads"),
+                                        (["device", "verify", "--name", "a", "--image", "x", "--frames", "0"],
+                                         "--frames"),
+                                        (["device", "enroll", "--name", "a", "--image", "x", "--best", "x"], "--best"),
+                                        (["coordinator", "serve", "--state", "s", "--chunk-kib", "0"], "--chunk-kib")])
+def test_a_count_below_its_floor_is_refused_while_parsing(capsys, argv, flag):
+    """Counts (threads, frames, crops, KiB) are refused by argparse in one line that names the option; before,
+    `ffr train --threads -2` failed inside torch as an 'unexpected RuntimeError'."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and f"argument {flag}: " in err, err

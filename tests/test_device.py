@@ -280,3 +280,26 @@ def test_vault_refuses_swapped_files_and_ignores_half_written_ones(tmp_path, mon
     monkeypatch.setenv("FFR_STORE_KEY", "too-short")
     with pytest.raises(VaultError, match="32-byte key"):
         Vault.open(tmp_path / "store")
+
+
+@pytest.mark.parametrize("name, problem", [("", "must not be empty"), (" s9", "start or end with a space"),
+                                           ("../s9", "letters, digits"), ("s\x1b[31m9", "letters, digits"),
+                                           ("s9\nroot", "letters, digits"), ("...", "letters, digits"),
+                                           ("s" * 65, "at most 64")])
+def test_a_new_name_that_would_garble_the_output_is_refused_in_one_line(tmp_path, home, videos, name, problem):
+    """Every command prints the name and writes it to JSON: no escapes, newlines or empty names get in."""
+    rc, out, err = ffr("device", "enroll", "--home", str(tmp_path / "h"), "--name", name,
+                       "--video", str(videos["s4"][0]))
+    assert rc == 2 and problem in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("ffr device enroll: error: argument --name: ")
+    assert not (tmp_path / "h" / "store").exists()  # refused before the home is touched
+
+
+def test_names_in_other_scripts_and_with_apostrophes_are_enrolled(tmp_path):
+    """The library's own check (the CLI's type is the same function) lets real names through."""
+    from edge_client.vault import check_person_name, new_person
+
+    for name in ("Zoë O'Brien-Smith", "李雷", "J. R. R. Tolkien_2"):
+        assert check_person_name(name) == name
+    with pytest.raises(ValueError, match="letters, digits"):
+        new_person("a\tb", np.zeros((1, 3, 8, 8), np.uint8), np.zeros(4, np.float32), "0" * 64)

@@ -219,7 +219,8 @@ def test_video_enrolment_reads_the_whole_clip_up_to_max_frames(tmp_path, people)
     assert rc == 0 and json.loads(out)["frames_read"] == 12, err
     for best in ("0", "-3"):
         rc, out, err = ffr(*common[:-1], "--best", best, "--replace")
-        assert rc == 2 and err.strip() == f"ffr device enroll: error: --best must be at least 1 (got {best})"
+        assert rc == 2 and err.strip() == (f"ffr device enroll: error: argument --best: must be at least 1 (got {best})"
+                                           " (see ffr device enroll --help)")
 
 
 def test_errors_are_one_line_on_their_own_and_json_on_stdout_with_json(tmp_path):

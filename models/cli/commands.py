@@ -18,6 +18,7 @@ from models.cli.common import (
     Parser,
     add_detector_option,
     add_init_option,
+    at_least,
     deprecated_alias,
     given,
     refuse_unowned,
@@ -379,7 +380,7 @@ def add_commands(sub) -> None:
     p.add_argument("--force", action="store_true", help="start over even if RUN_DIR holds a run")
     p.add_argument("--mlflow-uri", help="MLflow tracking URI (default sqlite:///RUN_DIR/mlflow.db)")
     p.add_argument("--no-mlflow", dest="mlflow", action="store_false", help="do not log to MLflow")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=at_least(1), help="torch CPU threads")
     add_precision_option(p)
     p.set_defaults(func=cmd_train)
 
@@ -440,7 +441,7 @@ def add_commands(sub) -> None:
     p.add_argument("--stop-after-minutes", type=float,
                    help="online: stop this call after so many minutes, checkpointed; --resume goes on")
     p.add_argument("--eval-every", type=int, help="online: steps between held-out evaluations (default 500)")
-    p.add_argument("--threads", type=int, help="torch and ONNX Runtime CPU threads")
+    p.add_argument("--threads", type=at_least(1), help="torch and ONNX Runtime CPU threads")
     p.add_argument("--yield-cpu", action=argparse.BooleanOptionalAction, default=True,
                    help="pause while `make test` or a benchmark runs, off the time budget's clock, and go on when "
                         "it ends (default on: a long run can stay in the background)")
@@ -463,7 +464,7 @@ def add_commands(sub) -> None:
     p.add_argument("--data", required=True, type=Path, action="append", help="folder of aligned crops; repeatable")
     p.add_argument("--out", required=True, type=Path, help="the pack to write (FILE.npz)")
     p.add_argument("--quality", type=int, default=75, help="WebP quality 1-100 (default 75: about 1.3 kB a crop)")
-    p.add_argument("--threads", type=int, default=2, help="encoding threads (default 2)")
+    p.add_argument("--threads", type=at_least(1), default=2, help="encoding threads (default 2)")
     p.set_defaults(func=cmd_pack_crops)
 
     p = sub.add_parser("export", help="export a checkpoint to ONNX for on-device verification",
@@ -492,7 +493,7 @@ def add_commands(sub) -> None:
     p.add_argument("--roc", type=Path, help="write the ROC curve to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--seed", type=int, default=0, help="seed of the pair sampling")
-    p.add_argument("--threads", type=int, help="CPU threads")
+    p.add_argument("--threads", type=at_least(1), help="CPU threads")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("synth", help="write a SYNTHETIC face dataset (no real people) for demos and tests",

@@ -87,6 +87,20 @@ def one_line(exc: Exception, flags: dict[str, str] | None = None) -> str:
     return " ".join(str(exc).split())
 
 
+def at_least(lowest: int):
+    """An argparse type: a whole number no smaller than `lowest` (threads, frames, crops), refused at parse time in
+    argparse's one line instead of failing later inside torch or ONNX Runtime."""
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be at least {lowest} (got {value})")
+        return value
+    return whole
+
+
 def port(text: str, lowest: int = 0) -> int:
     """An argparse type: a TCP port, `lowest` (0: any free one) to 65535, refused at parse time before anything
     starts (`functools.partial(port, lowest=1)` where 0 means something else)."""
