@@ -15,6 +15,7 @@ from models.cli.common import (
     add_init_option,
     deprecated_alias,
     dest,
+    fraction,
     given,
     port,
     refuse_unowned,
@@ -43,7 +44,7 @@ def _partition_options(p: argparse.ArgumentParser, data_required: bool) -> None:
     deprecated_alias(g, "--sigma", sigma)
     g.add_argument("--rules", type=Path,
                    help='attribute rules, JSON: [{"where": {"Male": 1}}, {"where": {"Male": -1}}]')
-    g.add_argument("--holdout-identities", type=float, default=HOLDOUT_IDENTITIES,
+    g.add_argument("--holdout-identities", type=fraction, default=HOLDOUT_IDENTITIES,
                    help="fraction of identities kept off every device, for evaluation on unseen people")
     held = g.add_argument("--holdout-clients", dest="heldout_clients", type=int, default=0,
                           help="clients kept out of training entirely")

@@ -31,6 +31,7 @@ MAX_MESSAGE_BYTES = 256 * 1024     # a round announcement for thousands of parti
 MAX_DEVICES_PER_ROUND = 4096
 MAX_INT = 2 ** 53
 MAX_FV_CANDIDATES = 64            # FedFace's T: candidate weightings scored per round
+WIDTH_MULTS = (0.25, 1.4)          # MobileNetV2 width multipliers a model may have (lowest, highest)
 MAX_CHUNK_BYTES = 8 * 1024 * 1024  # the largest chunk of an update or model on the wire
 MAX_PUBLIC_SET_BYTES = 4 << 30     # 4 GiB: ~80k 128 px crops; a device refuses to fetch more
 
@@ -94,7 +95,7 @@ class TrainingConfig(_Body):
     codec: Literal["fp16", "fp32", "int8", "topk"] = "fp16"  # how updates travel (protocol.codecs)
     topk_fraction: float = Field(TOPK_FRACTION, ge=1e-4, le=1.0)    # coordinates the topk codec keeps
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=MAX_CHUNK_BYTES)
-    width_mult: float = Field(1.0, ge=0.25, le=1.4)
+    width_mult: float = Field(1.0, ge=WIDTH_MULTS[0], le=WIDTH_MULTS[1])
     embedding_dim: int = Field(128, ge=16, le=1024)
     dp_clip: float | None = Field(None, gt=0, le=1e6)  # DP-FedAvg: clip the update to this L2 norm before sending
     # FedFR's local objective (eq. 7: alpha_1 L_cos + alpha_2 L_con + alpha_3 L_BCE, alpha_3 = dfc_weight)

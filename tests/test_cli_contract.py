@@ -157,10 +157,16 @@ def test_a_deprecated_alias_through_main_still_runs(tmp_path, capsys):
                                         (["device", "verify", "--name", "a", "--image", "x", "--frames", "0"],
                                          "--frames"),
                                         (["device", "enroll", "--name", "a", "--image", "x", "--best", "x"], "--best"),
-                                        (["coordinator", "serve", "--state", "s", "--chunk-kib", "0"], "--chunk-kib")])
+                                        (["coordinator", "serve", "--state", "s", "--chunk-kib", "0"], "--chunk-kib"),
+                                        (["train", "--data", "d", "--out", "o", "--holdout-identities", "1.5"],
+                                         "--holdout-identities"),
+                                        (["train", "--data", "d", "--out", "o", "--val-fraction", "x"],
+                                         "--val-fraction"),
+                                        (["fleet", "partition", "--data", "d", "--holdout-identities", "1"],
+                                         "--holdout-identities")])
 def test_a_count_below_its_floor_is_refused_while_parsing(capsys, argv, flag):
-    """Counts (threads, frames, crops, KiB) are refused by argparse in one line that names the option; before,
-    `ffr train --threads -2` failed inside torch as an 'unexpected RuntimeError'."""
+    """Counts (threads, frames, crops, KiB) and fractions are refused by argparse in one line that names the
+    option; before, `ffr train --threads -2` failed inside torch as an 'unexpected RuntimeError'."""
     with pytest.raises(SystemExit) as stop:
         main(argv)
     err = capsys.readouterr().err.strip()

@@ -272,6 +272,7 @@ def test_eval_takes_a_face_embedder_file_and_refuses_files_it_cannot_use(tmp_pat
 @pytest.mark.parametrize("command, option, value, says", [
     ("train", "--batch-size", "1", "--batch-size must be at least 2"), ("train", "--lr", "0", "--lr must be positive"),
     ("train", "--epochs", "0", "--epochs must be at least 1"),
+    ("train", "--width-mult", "0", "--width-mult must be in [0.25, 1.4]"),
     ("pretrain", "--batch-size", "0", "--batch-size must be at least 2"),
     ("pretrain", "--lr", "-1", "--lr must be positive"),
     ("pretrain", "--device", "tpu", "--device 'tpu' is not a device here"),

@@ -122,7 +122,6 @@ def test_each_part_refuses_what_cannot_work_with_the_flag_it_came_from(tmp_path,
     for args, message in ((["--workers", "0"], "--workers must be at least 1"),  # the simulation's own part
                           (["--partition", "dirichlet", "--alpha", "0"], "(--alpha) must be positive"),
                           (["--partition", "lognormal", "--lognormal-sigma", "-1"], "(--lognormal-sigma) must not"),
-                          (["--holdout-identities", "1.5"], "--holdout-identities is a fraction of the people"),
                           (["--holdout-clients", "-1"], "--holdout-clients must not be negative"),
                           (["--impostor-images", "-1"], "--impostor-images must not be negative"),
                           (["--tune-steps", "-1"], "--tune-steps must not be negative"),
@@ -216,8 +215,8 @@ def _values(action) -> list[list[str]]:
 
     if getattr(action.type, "func", action.type) is port:  # a port number (functools.partial where 0 is refused)
         return [[action.option_strings[0], "8123"]]
-    whole = getattr(action.type, "__name__", "") == "whole"  # models.cli.common.at_least: a bounded int
-    numbers = {int: [2, 3, 1, 5], float: [0.5, 2, 0.25, 1e-3, 3]}.get(int if whole else action.type)
+    kind = {"whole": int, "fraction": float}.get(getattr(action.type, "__name__", ""), action.type)  # bounded ones
+    numbers = {int: [2, 3, 1, 5], float: [0.5, 2, 0.25, 1e-3, 3]}.get(kind)
     if numbers is not None:
         return [[action.option_strings[0], str(v)] for v in numbers if v != action.default]
     if action.type in (None, str) or getattr(action.type, "__name__", "") == "Path":

@@ -20,6 +20,7 @@ from models.cli.common import (
     add_init_option,
     at_least,
     deprecated_alias,
+    fraction,
     given,
     refuse_unowned,
 )
@@ -54,13 +55,6 @@ def _non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be a number >= 0, not {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), not {text}")
     return value
 
 
@@ -367,14 +361,15 @@ def add_commands(sub) -> None:
     p.add_argument("--dfc", action=argparse.BooleanOptionalAction, default=False,
                    help="also train the DFC personalisation branch")
     p.add_argument("--class-weighted", action="store_true", help="inverse-frequency class weights in the loss")
-    p.add_argument("--holdout-identities", type=float, default=HOLDOUT_IDENTITIES,
+    p.add_argument("--holdout-identities", type=fraction, default=HOLDOUT_IDENTITIES,
                    help="fraction of identities kept out of training to measure verification on new people")
-    p.add_argument("--select-identities", type=_fraction, metavar="FRACTION",
+    p.add_argument("--select-identities", type=fraction, metavar="FRACTION",
                    help="fraction of the training identities kept out of training: the run ends at the point "
                         "between its trained start and the fine-tuned weights (WiSE-FT) that verifies these people "
                         "best, the start included, so fine-tuning does not end worse on people it never saw "
                         f"(default {SELECT_IDENTITIES} from --init face or imagenet, 0 from none)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of each identity's images for validation")
+    p.add_argument("--val-fraction", type=fraction, default=0.1,
+                   help="fraction of each identity's images for validation")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, sampling and initialisation")
     p.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from latest.pt")
     p.add_argument("--force", action="store_true", help="start over even if RUN_DIR holds a run")

@@ -101,6 +101,17 @@ def at_least(lowest: int):
     return whole
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a fraction in [0, 1) (of people, of images), refused at parse time; nan too."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), not {text}")
+    return value
+
+
 def port(text: str, lowest: int = 0) -> int:
     """An argparse type: a TCP port, `lowest` (0: any free one) to 65535, refused at parse time before anything
     starts (`functools.partial(port, lowest=1)` where 0 means something else)."""

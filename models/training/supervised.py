@@ -34,6 +34,7 @@ from models.training.hfmaml import anchored_to
 from models.training.interpolation import choose_alpha, interpolate
 from models.training.loop import resume_from, train_epoch
 from models.training.tracking import NullTracker, Tracker
+from protocol.messages import WIDTH_MULTS
 
 
 @dataclass
@@ -66,7 +67,9 @@ class TrainConfig:
                                          "BatchNorm needs two faces a batch"),
                   (self.lr > 0, f"--lr must be positive (got {self.lr:g})"),
                   (self.weight_decay >= 0 and self.patience >= 0, "--weight-decay and --patience must not be negative"),
-                  (self.max_eval_pairs >= 1, f"--max-eval-pairs must be at least 1 (got {self.max_eval_pairs})")]
+                  (self.max_eval_pairs >= 1, f"--max-eval-pairs must be at least 1 (got {self.max_eval_pairs})"),
+                  (WIDTH_MULTS[0] <= self.width_mult <= WIDTH_MULTS[1],
+                   f"--width-mult must be in [{WIDTH_MULTS[0]:g}, {WIDTH_MULTS[1]:g}] (got {self.width_mult:g})")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
