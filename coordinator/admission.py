@@ -14,6 +14,7 @@ from pathlib import Path
 
 from protocol.auth import Signer, new_token
 from protocol.credential import Credential
+from protocol.transport import BrokerAddress
 
 
 def coordinator_signer(state: Path) -> Signer:
@@ -45,6 +46,7 @@ def admit(state: Path, device_id: str, broker: str | None = None) -> Credential:
     if url is None:
         raise ValueError(f"no broker address known for {state}: pass --broker mqtt://HOST:PORT "
                          "(or start `ffr coordinator serve --state` once, which records it)")
+    BrokerAddress.parse(url)  # a URL the device could not use is refused here, not on the device
     signer = coordinator_signer(state)
     token = new_token()
     store = Store(state)

@@ -93,10 +93,12 @@ class Service:
         except FolderHeld as held:
             raise ValueError(f"--state {config.state} is in use by process {held.holder} (another `ffr coordinator "
                              "serve`, or a simulation); stop it first, or give another --state") from None
+        self.broker, self.client = None, None
         try:
             self._start(config, settings)
         except BaseException:
-            os.close(self._lock_fd)  # a coordinator that failed to start holds nothing
+            self._stop.set()  # a disconnect now is this stop, not an outage to log
+            self._release()  # a coordinator that failed to start holds nothing: no broker, no socket, no lock
             raise
 
     def _start(self, config: ServiceConfig, settings: RoundSettings) -> None:
@@ -105,6 +107,7 @@ class Service:
         self.api_token, self.api_token_created = api_token(config.state)
         username, password = config.username, config.password
         if config.broker:
+            BrokerAddress.parse(config.broker)  # a bad URL is refused before it is recorded for `admit`
             self.broker = None
             broker_file(config.state).write_text(json.dumps({"url": config.broker, "embedded": False, "acl": False}))
         else:
@@ -125,13 +128,16 @@ class Service:
         self.client.on_disconnect = self._on_disconnect
         self.client.on_message = self._on_message
         self.disconnects, self.last_disconnect = 0, None
-        strategy = _strategy(settings)
+        try:  # before the store and the gate: nothing is written for a broker that is not there
+            self.client.connect(address.host, address.port, keepalive=30)
+        except OSError as exc:  # refused, unknown host, unreachable: said in one line, not as a traceback
+            raise ValueError(f"cannot reach the broker {self.broker_url} ({exc.strerror or exc}); start it first, "
+                             "or leave out --broker to run the embedded one") from None
+        strategy, store = _strategy(settings), Store(config.state)  # a damaged store: refused before the gate's say
         self.gate = self._gate()
-        self.engine = Engine(Store(config.state), strategy, settings, self._publish, self._initial_model, self.signer,
-                             gate=self.gate)
+        self.engine = Engine(store, strategy, settings, self._publish, self._initial_model, self.signer, gate=self.gate)
         if config.start_paused:
             self.engine.pause()
-        self.client.connect(address.host, address.port, keepalive=30)
         self.client.loop_start()
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-clock", daemon=True)
         self._ticker.start()
@@ -227,10 +233,18 @@ class Service:
         self._stop.set()
         self._ticker.join(timeout=5)
         self.client.loop_stop()
-        self.client.disconnect()
-        if self.broker is not None:
-            self.broker.close()
-        os.close(self._lock_fd)  # the state is free for the next coordinator
+        self._release()
+
+    def _release(self) -> None:
+        """The MQTT connection, the embedded broker and the state's lock, in that order; what was not started is
+        skipped."""
+        try:
+            if self.client is not None:
+                self.client.disconnect()
+            if self.broker is not None:
+                self.broker.close()
+        finally:
+            os.close(self._lock_fd)  # the state is free for the next coordinator
 
 
 def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool = False, docs: bool = False,

@@ -44,8 +44,8 @@ MAX_REJECTIONS = 10_000   # the newest are kept; older ones are dropped (the cou
 MAX_REASON_CHARS = 300
 
 
-class StateError(RuntimeError):
-    """A state folder this version cannot use."""
+class StateError(ValueError):
+    """A state folder this version cannot use (said in one line by `ffr`, as bad input is)."""
 
 
 class Store:
@@ -58,8 +58,13 @@ class Store:
         os.close(os.open(database, os.O_WRONLY | os.O_CREAT, 0o600))  # SQLite gives -wal/-shm the same mode
         os.chmod(database, 0o600)
         self.db = sqlite3.connect(database, check_same_thread=False, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.executescript(SCHEMA)
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.executescript(SCHEMA)
+        except sqlite3.DatabaseError as exc:  # not SQLite, or damaged: named, not a traceback
+            self.db.close()
+            raise StateError(f"{database} is damaged or not an ffr-edge coordinator's ({exc}); move it away, or "
+                             "give another --state") from None
         self.db.row_factory = sqlite3.Row
         columns = {r["name"] for r in self.db.execute("PRAGMA table_info(devices)")}
         if "public_key" not in columns:

@@ -25,8 +25,14 @@ class BrokerAddress:
             raise ValueError(f"unsupported broker URL scheme {parsed.scheme!r}; use mqtt://HOST:PORT or mqtts://HOST:PORT")
         if not parsed.hostname:
             raise ValueError(f"broker URL {url!r} has no host")
+        try:
+            port = parsed.port
+        except ValueError:  # urllib's "Port out of range 0-65535" or a port that is not a number
+            port = -1
+        if port is not None and not 1 <= port <= 65535:
+            raise ValueError(f"broker URL {url!r} has no valid port (1-65535)")
         tls = parsed.scheme in ("mqtts", "ssl")
-        return cls(parsed.hostname, parsed.port or (8883 if tls else 1883), tls,
+        return cls(parsed.hostname, port or (8883 if tls else 1883), tls,
                    username or parsed.username, password or parsed.password)
 
     def __str__(self) -> str:

@@ -139,7 +139,9 @@ def test_serve_stops_cleanly_on_a_signal_and_keeps_its_secrets(tmp_path, sig):
     ("--rounds", "0", "--rounds must be at least 1"), ("--lr", "-1", "--lr: input should be greater than 0"),
     ("--round-timeout", "0", "--round-timeout must be positive"),
     ("--http-port", "99999", "argument --http-port: 99999 is not a port (0-65535"),  # refused by the parser:
-    ("--rounds", "x", "argument --rounds: invalid int value: 'x' (see ffr coordinator serve --help)")])  # one line
+    ("--rounds", "x", "argument --rounds: invalid int value: 'x' (see ffr coordinator serve --help)"),  # one line
+    ("--broker", "mqtt://127.0.0.1:99999", "broker URL 'mqtt://127.0.0.1:99999' has no valid port (1-65535)"),
+    ("--broker", "mqtt://127.0.0.1:1", "cannot reach the broker mqtt://127.0.0.1:1 (Connection refused)")])
 def test_serve_refuses_settings_that_cannot_work_in_one_line(tmp_path, option, value, says):
     process = subprocess.run([sys.executable, "-m", "ffr.cli", "coordinator", "serve", "--state", str(tmp_path / "s"),
                               "--http-port", str(free_port()), option, value],
@@ -185,3 +187,38 @@ def test_exit_when_done_waits_for_the_final_model_and_no_longer_than_its_grace(c
     _exit_when_done(Fleet([["gone"]]), server, grace_s=1)
     assert server.should_exit and time.monotonic() - started < 5
     assert "stopping before 1 device(s) took the final model (gone)" in caplog.text
+
+
+def test_a_damaged_state_database_is_named_and_leaves_no_broker_running(tmp_path):
+    """The embedded broker starts before the store is opened: a start that fails after it must stop it again."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "coordinator.sqlite").write_text("not a database")
+    process = subprocess.run([sys.executable, "-m", "ffr.cli", "-q", "coordinator", "serve", "--state", str(state),
+                              "--no-gate", "--http-port", str(free_port())], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert process.returncode == 2 and process.stderr.count("\n") == 1, process.stderr
+    assert "coordinator.sqlite is damaged or not an ffr-edge coordinator's" in process.stderr
+    mine = [p for p in Path("/proc").glob("[0-9]*/cmdline") if _reads(p) and str(state) in _reads(p)]
+    assert not mine, "the embedded broker outlived the failed start"
+
+
+def _reads(path: Path) -> str:
+    try:
+        return path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # the process ended while we looked
+        return ""
+
+
+@pytest.mark.parametrize("url, says", [("mqtt://h:99999", "has no valid port"), ("mqtt://h:0", "has no valid port"),
+                                       ("http://h:80", "unsupported broker URL scheme 'http'"),
+                                       ("mqtt://:1883", "has no host")])
+def test_admit_refuses_a_broker_url_the_device_could_not_use(tmp_path, capsys, url, says):
+    """The credential carries the URL to the device: a bad one is refused where it is typed, not on the device."""
+    from ffr.cli import main
+
+    out = tmp_path / "dev.cred"
+    assert main(["-q", "coordinator", "admit", "--state", str(tmp_path / "s"), "--device-id", "dev0", "--out",
+                 str(out), "--broker", url]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and not out.exists(), err
