@@ -171,3 +171,11 @@ def test_a_count_below_its_floor_is_refused_while_parsing(capsys, argv, flag):
         main(argv)
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and f"argument {flag}: " in err, err
+
+
+@pytest.mark.parametrize("argv, says", [(["--quality", "0"], "--quality must be within 1-100"),
+                                        (["--out", "crops.txt"], "--out must end in .npz")])
+def test_pack_crops_refuses_like_every_other_command(tmp_path, capsys, argv, says):
+    """Exit 2 and 'ffr pack-crops: error: ...', as every command says bad input (was exit 1 with no 'error:')."""
+    assert main(["pack-crops", "--data", str(tmp_path), "--out", str(tmp_path / "c.npz"), *argv]) == 2
+    assert capsys.readouterr().err == f"ffr pack-crops: error: {says}\n"

@@ -100,7 +100,7 @@ def cmd_train(args) -> int:
     _set_threads(args.threads)
     out: Path = args.out
     if (out / "latest.pt").exists() and not (args.resume or args.force):
-        raise SystemExit(f"ffr train: {out} already holds a run; pass --resume to continue it or --force to start over")
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it or --force to start over")
     _, crops = _crops(args, min_images=2)
     select = args.select_identities if args.select_identities is not None else (
         SELECT_IDENTITIES if args.init != "none" else 0.0)
@@ -189,7 +189,7 @@ def cmd_pretrain(args) -> int:
     if args.online:
         return _pretrain_online(args)
     if (out / "latest.pt").exists() and not (args.resume or args.force):
-        raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it "
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it "
                          "or --force to start over")
     trainer = Pretrainer(_pretrain_config(args), out, args.cache_dir, threads=args.threads, progress=not args.quiet)
     if args.resume and (out / "latest.pt").exists():
@@ -207,10 +207,10 @@ def _pretrain_online(args) -> int:
 
     out: Path = args.out
     if (out / "progress.json").exists() and not (args.resume or args.force):
-        raise SystemExit(f"ffr pretrain: {out} already holds a run; pass --resume to continue it "
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it "
                          "or --force to start over")
     if args.labelled or args.loss != "cosine" or args.views is not None:
-        raise SystemExit("ffr pretrain: --labelled, --loss bank and --views need the cached path (--no-online); "
+        raise ValueError("--labelled, --loss bank and --views need the cached path (--no-online); "
                          "--online draws a fresh view every step")
     trainer = OnlineDistiller(_pretrain_config(args), out, threads=args.threads, progress=not args.quiet)
     if args.resume and (out / "progress.json").exists():
@@ -240,9 +240,9 @@ def cmd_pack_crops(args) -> int:
     from models.training.crop_pack import PACK_SUFFIX, pack_crops
 
     if args.out.suffix != PACK_SUFFIX:
-        raise SystemExit(f"ffr pack-crops: --out must end in {PACK_SUFFIX}")
+        raise ValueError(f"--out must end in {PACK_SUFFIX}")
     if not 1 <= args.quality <= 100:
-        raise SystemExit("ffr pack-crops: --quality must be within 1-100")
+        raise ValueError("--quality must be within 1-100")
     result = pack_crops(list(args.data), args.out, quality=args.quality, threads=args.threads,
                         progress=not args.quiet)
     print(json.dumps({"out": str(args.out), **result}, indent=2))

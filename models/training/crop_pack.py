@@ -36,6 +36,7 @@ def pack_crops(dirs: list[Path], out: Path, size: int = 112, quality: int = 75, 
     offsets = np.cumsum([0] + [len(b) for b in blobs]).astype(np.int64)
     names = [str(f.relative_to(next(d for d in dirs if f.is_relative_to(d)))) for f in kept]
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp.npz")
     np.savez(tmp, data=np.concatenate(blobs) if blobs else np.zeros(0, np.uint8), offsets=offsets,
              names=np.frombuffer("\n".join(names).encode(), np.uint8), size=np.int64(size))
