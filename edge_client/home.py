@@ -21,6 +21,8 @@ class DeviceHome:
         """`create=False`: commands that only read a home refuse a missing one instead of making an empty one (a
         mistyped --home would otherwise look like a device that lost its people)."""
         self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"--home {self.root} is a file; give a folder for the device's private state")
         if not create and not (self.root / "store").is_dir():
             raise FileNotFoundError(f"no device home at {self.root}: nobody was enrolled there (check --home)")
         for sub in ("private", "pending", "models", "crops"):
@@ -50,8 +52,12 @@ class DeviceHome:
         """(coordinator public key, admission token) of the admission this device completed, if any."""
         if not self._registration.exists():
             return None
-        saved = json.loads(self._registration.read_text())
-        return saved["coordinator_public_key"], saved["token"]
+        try:
+            saved = json.loads(self._registration.read_text())
+            return str(saved["coordinator_public_key"]), str(saved["token"])
+        except (ValueError, KeyError, TypeError):  # not JSON, not an object, or keys missing
+            raise ValueError(f"{self._registration} is damaged or was not written by ffr-edge; delete it and the "
+                             "device registers again with its credential") from None
 
     def save_registration(self, coordinator_public_key: str, token: str) -> None:
         from protocol.auth import write_secret

@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from models.public_set import PublicSetError
+from models.public_set import PublicSetError, check_public_set_file
 
 log = logging.getLogger(__name__)
 BLOCK = 1 << 20
@@ -68,6 +68,8 @@ class DevicePublicSet:
 
     def __init__(self, path: Path | None, folder: Path, device_id: str):
         self.path, self.folder, self.device_id = None if path is None else Path(path), Path(folder), device_id
+        if self.path is not None:  # the operator's own file: a wrong one is said at start, not in some round
+            check_public_set_file(self.path)
         self._set = None  # models.public_set.PublicSet, once read
         self._sha: str | None = None  # the hash of the coordinator's set held in self._set
 

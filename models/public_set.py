@@ -70,6 +70,24 @@ def build_public_set(folder: Path, out: Path, limit: int = 2000, seed: int = 0, 
     return sha256_of(out)
 
 
+def check_public_set_file(path: Path) -> None:
+    """A public set file's header checked without reading its crops (an operator's `--public-set`, at start-up):
+    a missing, foreign or mis-shaped file is refused in one line then, not found out in some later round."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise PublicSetError(f"public set not found: {path}")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            shape, dtype = f.get_slice(KEY).get_shape(), f.get_slice(KEY).get_dtype()
+    except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file is refused with its reason
+        raise PublicSetError(f"{path} is not a public set file (make one with `ffr edge public-set`): "
+                             f"{' '.join(str(exc).split())}") from None
+    if dtype != "U8" or len(shape) != 4 or tuple(shape[1:]) != (SIZE, SIZE, 3):
+        raise PublicSetError(f"{path}: expected uint8 N x {SIZE} x {SIZE} x 3 crops, got {dtype} {shape}")
+
+
 def load_public_set(path: Path, sha256: str | None = None) -> PublicSet:
     """The crops (and identity labels, if any) of a public set file, refused when its hash, shape or
     labels are not what they should be."""

@@ -61,7 +61,10 @@ class Signer:
 
     @classmethod
     def load(cls, path: Path) -> Signer:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+        try:
+            key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+        except (ValueError, TypeError):  # not PEM, damaged, or encrypted: the file is named
+            raise AuthError(f"{path} is damaged or not an unencrypted PEM private key") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise AuthError(f"{path} does not hold an Ed25519 private key")
         return cls(key)

@@ -259,6 +259,35 @@ def test_a_garbage_credential_is_one_line(tmp_path, content, problem):
     assert problem in err and "pydantic" not in err and "input_value" not in err, err
 
 
+@pytest.mark.parametrize("fault, problem", [
+    ("home is a file", "is a file; give a folder for the device's private state"),
+    ("damaged registration", "registered.json is damaged or was not written by ffr-edge"),
+    ("damaged signing key", "device_ed25519.pem is damaged or not an unencrypted PEM private key"),
+    ("foreign public set", "is not a public set file (make one with `ffr edge public-set`)")])
+def test_damaged_home_files_and_a_wrong_public_set_stop_edge_run_in_one_line(tmp_path, faces_dir, fault, problem):
+    """What `ffr edge run` reads back from its home, or the operator's --public-set, is refused at start, named."""
+    credential, home, extra = tmp_path / "dev.cred", tmp_path / "home", []
+    assert subprocess.run([sys.executable, "-m", "ffr", "-q", "coordinator", "admit", "--state", str(tmp_path / "s"),
+                           "--device-id", "dev0", "--out", str(credential), "--broker", "mqtt://127.0.0.1:1"],
+                          timeout=120).returncode == 0
+    home.mkdir()
+    if fault == "home is a file":
+        home.rmdir()
+        home.write_text("not a folder")
+    elif fault == "damaged registration":
+        (home / "registered.json").write_text('{"token": ')
+    elif fault == "damaged signing key":
+        (home / "device_ed25519.pem").write_text("-----BEGIN PRIVATE KEY-----\ngarbage\n")
+    else:
+        (tmp_path / "set.safetensors").write_bytes(b"\x08" + b"\0" * 7 + b"{}garbage")
+        extra = ["--public-set", str(tmp_path / "set.safetensors")]
+    proc = subprocess.run([sys.executable, "-m", "ffr", "-q", "edge", "run", "--credential", str(credential),
+                           "--data", str(faces_dir / "orl"), "--home", str(home), "--detector", "none", *extra],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert problem in proc.stderr and "unexpected" not in proc.stderr, proc.stderr
+
+
 def test_vault_refuses_swapped_files_and_ignores_half_written_ones(tmp_path, monkeypatch):
     from edge_client.vault import Vault, VaultError, new_person
 
