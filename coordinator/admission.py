@@ -9,9 +9,9 @@ crosses the broker.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from coordinator.broker import broker_record
 from protocol.auth import Signer, new_token
 from protocol.credential import Credential
 from protocol.transport import BrokerAddress
@@ -22,14 +22,9 @@ def coordinator_signer(state: Path) -> Signer:
     return Signer.load_or_create(Path(state) / "coordinator.key")
 
 
-def broker_file(state: Path) -> Path:
-    return Path(state) / "broker.json"
-
-
 def recorded_broker(state: Path) -> str | None:
     """The broker address the coordinator last served on (written by `ffr coordinator serve`)."""
-    path = broker_file(state)
-    return json.loads(path.read_text()).get("url") if path.exists() else None
+    return broker_record(state).get("url")
 
 
 def admit(state: Path, device_id: str, broker: str | None = None) -> Credential:

@@ -22,6 +22,28 @@ from pathlib import Path
 
 from protocol.messages import MAX_CHUNK_BYTES
 
+
+def broker_file(state: str | Path) -> Path:
+    """Where a coordinator records the broker it serves on (its URL, port, whether logins are enforced)."""
+    return Path(state) / "broker.json"
+
+
+def broker_record(state: str | Path) -> dict:
+    """The recorded broker, {} when none was; a damaged record is named in one line (it is read back by `admit`,
+    the ACL and the next start)."""
+    path = broker_file(state)
+    if not path.exists():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} is damaged or was not written by ffr-edge; delete it and start `ffr coordinator "
+                         "serve` once, which records the broker again")
+    return record
+
+
 MOSQUITTO_PATHS = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024  # the largest chunk frame the protocol allows, with its header
 PACKET_OVERHEAD = 64 * 1024                       # topic and MQTT headers on top of the payload
@@ -56,8 +78,8 @@ class EmbeddedBroker:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.pid_file = self.dir / "mosquitto.pid"
         _stop_orphan(self.pid_file)
-        record = Path(state_dir) / "broker.json" if state_dir else None
-        remembered = json.loads(record.read_text()).get("port") if record and record.exists() else None
+        record = broker_file(state_dir) if state_dir else None
+        remembered = broker_record(state_dir).get("port") if state_dir else None
         self.port = port or remembered or free_port()
         conf = self.dir / "mosquitto.conf"
         import getpass

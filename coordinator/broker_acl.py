@@ -7,7 +7,6 @@ embedded broker reloads the files on SIGHUP.
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -15,6 +14,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from coordinator.broker import broker_record
 from protocol.auth import write_secret
 
 COORDINATOR_USER = "coordinator"
@@ -43,8 +43,7 @@ class BrokerUsers:
 
     @property
     def enabled(self) -> bool:
-        path = self.state / "broker.json"
-        return path.exists() and bool(json.loads(path.read_text()).get("acl"))
+        return bool(broker_record(self.state).get("acl"))
 
     def prepare(self) -> tuple[str, str]:
         """Write the ACL, make sure the coordinator has a login; returns the coordinator's (user, password)."""

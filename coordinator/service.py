@@ -22,9 +22,9 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import uvicorn
 
-from coordinator.admission import Credential, admit, broker_file, coordinator_signer
+from coordinator.admission import Credential, admit, coordinator_signer
 from coordinator.aggregation import make_strategy
-from coordinator.broker import EmbeddedBroker
+from coordinator.broker import EmbeddedBroker, broker_file
 from coordinator.broker_acl import BrokerUsers
 from coordinator.engine import Engine, RoundSettings
 from coordinator.quality_gate import GateSettings, QualityGate

@@ -222,3 +222,18 @@ def test_admit_refuses_a_broker_url_the_device_could_not_use(tmp_path, capsys, u
                  str(out), "--broker", url]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and not out.exists(), err
+
+
+@pytest.mark.parametrize("content", ["garbage", "[1, 2]"])
+def test_a_damaged_broker_record_is_named_by_admit_and_serve(tmp_path, capsys, content):
+    """broker.json is read back by `admit`, the broker's ACL and the next start: damaged, each names it."""
+    from ffr.cli import main
+
+    state = tmp_path / "s"
+    state.mkdir()
+    (state / "broker.json").write_text(content)
+    for argv in (["coordinator", "admit", "--state", str(state), "--device-id", "d0", "--out", str(tmp_path / "c")],
+                 ["coordinator", "serve", "--state", str(state), "--no-gate", "--http-port", str(free_port())]):
+        assert main(["-q", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "broker.json is damaged or was not written by ffr-edge" in err, err
