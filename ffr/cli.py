@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None, models_only: bool = False) -> int:
         logging.getLogger(name).setLevel(level)
     try:
         return args.func(args)
-    except (DatasetError, FileNotFoundError, ValueError) as exc:
+    except (DatasetError, ValueError) as exc:
         return _fail(args, one_line(exc))
+    except OSError as exc:  # a path that cannot be read or written, a full disk, a refused connection: not a bug
+        return _fail(args, _os_error(exc))
     except KeyboardInterrupt:
         _end_progress_bars()
         print(f"{_name(args)}: interrupted", file=sys.stderr)
@@ -72,6 +74,13 @@ def main(argv: list[str] | None = None, models_only: bool = False) -> int:
         if args.verbose:
             raise
         return _fail(args, f"unexpected {type(exc).__name__}: {one_line(exc)} (run with -v for the traceback)")
+
+
+def _os_error(exc: OSError) -> str:
+    """'Not a directory: /etc/passwd/x' rather than '[Errno 20] Not a directory: ...' (a message of ours as is)."""
+    if exc.filename is None or not exc.strerror:
+        return one_line(exc)
+    return f"{exc.strerror}: {exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 else "")
 
 
 def _name(args) -> str:

@@ -179,3 +179,11 @@ def test_pack_crops_refuses_like_every_other_command(tmp_path, capsys, argv, say
     """Exit 2 and 'ffr pack-crops: error: ...', as every command says bad input (was exit 1 with no 'error:')."""
     assert main(["pack-crops", "--data", str(tmp_path), "--out", str(tmp_path / "c.npz"), *argv]) == 2
     assert capsys.readouterr().err == f"ffr pack-crops: error: {says}\n"
+
+
+def test_a_path_that_cannot_be_written_is_one_line_not_a_bug_report(tmp_path, capsys):
+    """OSErrors are the machine's, not a bug: 'Not a directory: PATH', never 'unexpected NotADirectoryError'."""
+    (tmp_path / "a-file").write_text("")
+    assert main(["-q", "synth", "--out", str(tmp_path / "a-file" / "faces")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ffr synth: error: Not a directory: {tmp_path / 'a-file' / 'faces'}\n", err
