@@ -375,7 +375,7 @@ def _source(p: argparse.ArgumentParser, frames_help: str) -> None:
 
 
 def _person_name(text: str) -> str:
-    """`--name` for a new person: argparse's one-line error instead of a traceback."""
+    """`--name` for a new person, refused by argparse in one line before the home is opened."""
     try:
         return check_person_name(text)
     except ValueError as exc:

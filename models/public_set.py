@@ -70,6 +70,11 @@ def build_public_set(folder: Path, out: Path, limit: int = 2000, seed: int = 0, 
     return sha256_of(out)
 
 
+def _check_crops(path: Path, is_uint8: bool, shape: tuple, dtype) -> None:
+    if not is_uint8 or len(shape) != 4 or tuple(shape[1:]) != (SIZE, SIZE, 3):
+        raise PublicSetError(f"{path}: expected uint8 N x {SIZE} x {SIZE} x 3 crops, got {dtype} {shape}")
+
+
 def check_public_set_file(path: Path) -> None:
     """A public set file's header checked without reading its crops (an operator's `--public-set`, at start-up):
     a missing, foreign or mis-shaped file is refused in one line then, not found out in some later round."""
@@ -84,8 +89,7 @@ def check_public_set_file(path: Path) -> None:
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file is refused with its reason
         raise PublicSetError(f"{path} is not a public set file (make one with `ffr edge public-set`): "
                              f"{' '.join(str(exc).split())}") from None
-    if dtype != "U8" or len(shape) != 4 or tuple(shape[1:]) != (SIZE, SIZE, 3):
-        raise PublicSetError(f"{path}: expected uint8 N x {SIZE} x {SIZE} x 3 crops, got {dtype} {shape}")
+    _check_crops(path, dtype == "U8", tuple(shape), dtype)
 
 
 def load_public_set(path: Path, sha256: str | None = None) -> PublicSet:
@@ -101,8 +105,7 @@ def load_public_set(path: Path, sha256: str | None = None) -> PublicSet:
         images = tensors[KEY]
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file is refused with its reason
         raise PublicSetError(f"{path} is not a public set file ({exc})") from None
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (SIZE, SIZE, 3):
-        raise PublicSetError(f"{path}: expected uint8 N x {SIZE} x {SIZE} x 3 crops, got {images.dtype} {images.shape}")
+    _check_crops(path, images.dtype == np.uint8, images.shape, images.dtype)
     labels = tensors.get(LABELS)
     if labels is not None and (labels.dtype != np.int64 or labels.shape != (len(images),) or
                                (len(labels) and (labels.min() < 0 or labels.max() >= len(images)))):

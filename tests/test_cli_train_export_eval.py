@@ -64,9 +64,9 @@ def test_an_imagenet_weights_file_without_init_imagenet_is_refused(tmp_path, syn
     assert not (tmp_path / "run").exists()
 
 
-def test_existing_run_needs_resume_or_force(trained_run, synthetic_dir):
-    with pytest.raises(SystemExit, match="--resume"):
-        main(["-q", "train", "--data", str(synthetic_dir), "--out", str(trained_run), "--no-mlflow"])
+def test_existing_run_needs_resume_or_force(trained_run, synthetic_dir, capsys):
+    assert main(["-q", "train", "--data", str(synthetic_dir), "--out", str(trained_run), "--no-mlflow"]) == 2
+    assert "already holds a run; pass --resume to continue it or --force" in capsys.readouterr().err
 
 
 def test_interrupted_training_resumes_where_it_stopped(tmp_path, synthetic_dir, monkeypatch, capsys):
