@@ -163,7 +163,9 @@ def test_a_deprecated_alias_through_main_still_runs(tmp_path, capsys):
                                         (["train", "--data", "d", "--out", "o", "--val-fraction", "x"],
                                          "--val-fraction"),
                                         (["fleet", "partition", "--data", "d", "--holdout-identities", "1"],
-                                         "--holdout-identities")])
+                                         "--holdout-identities"),
+                                        (["eval", "--model", "m.onnx", "--data", "d", "--max-pairs", "-5"],
+                                         "--max-pairs")])
 def test_a_count_below_its_floor_is_refused_while_parsing(capsys, argv, flag):
     """Counts (threads, frames, crops, KiB) and fractions are refused by argparse in one line that names the
     option; before, `ffr train --threads -2` failed inside torch as an 'unexpected RuntimeError'."""

@@ -140,3 +140,10 @@ def test_auto_detection_means_one_thing_for_every_command(synthetic_dir, tmp_pat
     assert resolve_detector("auto", synthetic) == resolve_detector(None, synthetic) == "none"
     assert resolve_detector("auto", real) == "auto" and resolve_detector("auto", real, "yunet.onnx") == "yunet"
     assert resolve_detector("haar", synthetic) == "haar"
+
+
+@pytest.mark.parametrize("margin", [-1.0, -0.6, float("nan"), 1.5])
+def test_a_margin_outside_zero_to_one_is_refused_before_any_crop(margin):
+    """A negative margin made an empty crop that OpenCV's resize failed on ('unexpected error: ... !ssize.empty()')."""
+    with pytest.raises(ValueError, match=r"--margin is a fraction of the face's side, in \[0, 1\]"):
+        CropConfig(detector="haar", margin=margin)

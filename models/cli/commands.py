@@ -484,7 +484,7 @@ def add_commands(sub) -> None:
     personal = p.add_argument("--personalised", action="store_true",
                               help="checkpoints only: use the DFC-personalised embedding")
     deprecated_alias(p, "--personalized", personal)
-    p.add_argument("--max-pairs", type=int, default=200_000, help="sample pairs beyond this many")
+    p.add_argument("--max-pairs", type=at_least(2), default=200_000, help="sample pairs beyond this many")
     p.add_argument("--roc", type=Path, help="write the ROC curve to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--seed", type=int, default=0, help="seed of the pair sampling")

@@ -53,6 +53,8 @@ class CropConfig:
     def __post_init__(self):
         if self.face_select not in FACE_SELECT:
             raise ValueError(f"unknown face selection {self.face_select!r}; choose one of {', '.join(FACE_SELECT)}")
+        if not 0 <= self.margin <= 1:  # below 0 the crop is empty and OpenCV fails on it; also refuses nan
+            raise ValueError(f"--margin is a fraction of the face's side, in [0, 1] (got {self.margin:g})")
 
     def resolved_yunet(self) -> str | None:
         if self.yunet_model:
