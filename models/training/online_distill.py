@@ -30,7 +30,14 @@ from models.training.cpu_share import Yielder
 from models.training.distillation import distillation_loss
 from models.training.loop import Means, Step, optimise
 from models.training.online_views import ViewJitter, geometric_views, photometric, student_input
-from models.training.pretraining import PretrainConfig, init_source, schedule_done, scheduled_lr, scheduled_size
+from models.training.pretraining import (
+    PretrainConfig,
+    init_source,
+    schedule_done,
+    scheduled_lr,
+    scheduled_size,
+    teacher_spec,
+)
 
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
 
@@ -103,10 +110,10 @@ class OnlineDistiller:
 
     def _teacher(self, check_crops: np.ndarray):
         """The ONNX teacher, converted to torch and checked against ONNX Runtime on real crops before it teaches."""
-        from models.networks.teacher import TeacherSpec, load_teacher
+        from models.networks.teacher import load_teacher
         from models.networks.torch_teacher import check_against_onnx, to_torch
 
-        spec = TeacherSpec(**self.config.teacher_spec) if self.config.teacher_spec else None
+        spec = teacher_spec(self.config.teacher_spec)
         onnx_teacher = load_teacher(self.config.teacher, threads=self.threads, spec=spec)
         converted = to_torch(onnx_teacher)
         if self.device.type == "cuda":  # the teacher's targets in true fp32; the student runs in bf16 anyway

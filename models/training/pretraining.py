@@ -95,9 +95,24 @@ class PretrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.views < 1:
+            raise ValueError(f"--views must be at least 1 (got {self.views})")
+        if self.teacher != "sface" and not Path(self.teacher).is_file():
+            raise FileNotFoundError(f"--teacher {self.teacher}: no such ONNX file (or leave it out for SFace)")
+        teacher_spec(self.teacher_spec)
         if self.low_res is not None and not (32 <= self.low_res < INPUT_SIZE and 0 < self.low_res_fraction < 1):
             raise ValueError(f"--low-res must be 32..{INPUT_SIZE - 1} px and --low-res-fraction between 0 and 1 "
                              f"(not {self.low_res} and {self.low_res_fraction})")
+
+
+def teacher_spec(fields: dict):
+    """The teacher's input spec from its saved fields, checked (`TeacherSpec`); None: SFace's own."""
+    from models.networks.teacher import TeacherSpec
+
+    try:
+        return TeacherSpec(**fields) if fields else None
+    except TypeError as exc:  # a key TeacherSpec does not have (a progress.json from elsewhere)
+        raise ValueError(f"the teacher spec has an unknown field: {exc}") from None
 
 
 class CachedViews:
@@ -206,7 +221,7 @@ class Pretrainer:
                  threads: int | None = None, progress: bool = True):
         """`threads` (torch and the teacher; default torch's) and `progress` (bars) are how this machine runs the
         spec, not part of it: a run resumed with other values is the same run."""
-        from models.networks.teacher import TeacherSpec, load_teacher
+        from models.networks.teacher import load_teacher
         from models.training.fast_step import checked_device
 
         self.config, self.out, self.threads, self.progress = config, Path(out), threads, progress
@@ -226,7 +241,7 @@ class Pretrainer:
         if len(self.files) < 2 * config.batch_size:
             raise ValueError(f"pretraining needs at least {2 * config.batch_size} readable face images; "
                              f"found {len(self.files)}")
-        spec = TeacherSpec(**config.teacher_spec) if config.teacher_spec else None
+        spec = teacher_spec(config.teacher_spec)
         self.teacher = load_teacher(config.teacher, threads=threads, spec=spec)
         if config.loss not in LOSSES or config.views < 2:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)} and --views at least 2")
