@@ -63,6 +63,14 @@ from models.cli.objective import (  # noqa: E402
 )
 
 
+def _rules(path: Path) -> list:
+    """--rules FILE's JSON (checked for shape by SimConfig.validate); a file that is not JSON is named."""
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--rules {path} is not JSON ({' '.join(str(exc).split())})") from None
+
+
 def _config(args):
     """The nested spec (`fleet.config.SimConfig`) from the options: its `server` and `gate` parts are built by the
     same functions as `ffr coordinator serve`'s, the rest by name."""
@@ -75,7 +83,7 @@ def _config(args):
     owned = {dest(flag) for flag in SIM_OWNED}  # given or not: not given, SimConfig's default stands
     values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name) and f.name not in owned}
     values.update(given(args, SIM_OWNED))
-    values["rules"] = json.loads(args.rules.read_text()) if args.rules else None
+    values["rules"] = _rules(args.rules) if args.rules else None
     if getattr(args, "cache_dir", None) is not None:
         values["crop_cache"] = str(args.cache_dir)
     if hasattr(args, "method"):  # `ffr fleet simulate`; `partition` needs no rounds

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from coordinator.quality_gate import GateSettings
 from coordinator.settings import RoundSettings
-from models.faces.partition import check_scheme
+from models.faces.partition import check_rules, check_scheme
 from models.typed_fields import check_types
 from protocol.messages import TrainingConfig
 
@@ -118,6 +118,11 @@ class SimConfig:
                 raise ValueError(message)
         if self.partition != "attribute":
             check_scheme(self.partition, self.alpha, self.lognormal_sigma)
+        elif self.data is None:
+            raise ValueError("SYNTHETIC faces have no per-image attributes: --partition attribute needs --data "
+                             "with them (CelebA's list_attr_celeba.txt)")
+        else:
+            check_rules(self.rules)
         self._validate_names()
         self._validate_paths()
 

@@ -154,6 +154,8 @@ def test_ctrl_c_leaves_a_resumable_run(tmp_path, mosquitto):
     (["--data", "/nonexistent/faces"], "does not exist"),
     (["--clients", "40"], "cannot give each of 40 clients an identity"),
     (["--partition", "attribute", "--rules", "RULES"], "no per-image attributes"),
+    (["--partition", "attribute", "--rules", "NOT_JSON"], "is not JSON"),
+    (["--data", "DATA", "--partition", "attribute", "--rules", "BAD_RULES"], '{"where": {"Male": 2}} is not a rule'),
     (["--method", "fedfr"], "hard negatives need a public set"),
     (["--method", "fedfr", "--public-data", "/nonexistent/public"], "--public-data folder does not exist"),
     (["--ray-address", "127.0.0.1:6379"], "--ray-address needs --backend ray"),
@@ -161,9 +163,11 @@ def test_ctrl_c_leaves_a_resumable_run(tmp_path, mosquitto):
     (["--codec", "topk", "--topk-fraction", "1.5"], "--topk-fraction in (0, 1]"),
 ])
 def test_bad_input_fails_before_training(tmp_path, capsys, args, message):
-    rules = tmp_path / "rules.json"
-    rules.write_text(json.dumps([{"where": {"Male": 1}}]))
-    args = [str(rules) if a == "RULES" else a for a in args]
+    files = {"RULES": [{"where": {"Male": 1}}], "BAD_RULES": [{"where": {"Male": 2}}], "NOT_JSON": "{not json"}
+    for name, content in files.items():
+        (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    (tmp_path / "DATA").mkdir()
+    args = [str(tmp_path / a) if a in (*files, "DATA") else a for a in args]
     out = tmp_path / "run"
     assert main(["-q", "fleet", "simulate", *TINY, *args, "--out", str(out)]) == 2
     assert message in capsys.readouterr().err

@@ -81,6 +81,21 @@ def check_scheme(scheme: str, alpha: float = 0.5, sigma: float = 3.0) -> None:
         raise PartitionError(f"the lognormal sigma (--lognormal-sigma) must not be negative, got {sigma:g}")
 
 
+def check_rules(rules) -> None:
+    """The attribute partition's rules, `[{"where": {ATTR: 1 | -1}}, ...]` one per device, refused in one line
+    otherwise (they come from a user's --rules file and back from a run's config.json)."""
+    def good(rule) -> bool:
+        where = rule.get("where") if isinstance(rule, dict) else None
+        return (isinstance(where, dict) and bool(where) and set(rule) <= {"where"}
+                and all(isinstance(k, str) and v in (1, -1) and not isinstance(v, bool) for k, v in where.items()))
+
+    if not isinstance(rules, list) or not rules:
+        raise PartitionError('--rules must be a JSON list with one rule per device: [{"where": {"Male": 1}}, ...]')
+    bad = next((rule for rule in rules if not good(rule)), None)
+    if bad is not None:
+        raise PartitionError(f'--rules: {json.dumps(bad)[:80]} is not a rule; each is {{"where": {{ATTR: 1 or -1}}}}')
+
+
 def client_shares(scheme: str, n_clients: int, rng: np.random.Generator, alpha: float = 0.5,
                   alpha_x100: bool = False, mu: float = 3.0, sigma: float = 3.0) -> np.ndarray:
     check_scheme(scheme, alpha, sigma)
@@ -146,8 +161,7 @@ def _by_attributes(
     if not attributes:
         raise PartitionError("the attribute partition needs per-image attributes (e.g. CelebA's list_attr_celeba.txt); "
                              "this dataset has none")
-    if not rules:
-        raise PartitionError("the attribute partition needs --rules FILE: a JSON list of {\"where\": {ATTR: 1|-1}}")
+    check_rules(rules)
     known = set(next(iter(attributes.values())))
     for rule in rules:
         unknown = set(rule.get("where", {})) - known
