@@ -111,7 +111,10 @@ class DeviceHome:
         meta = self._model_cache.with_suffix(".json")
         if not (meta.exists() and self._model_cache.exists()):
             return None
-        if json.loads(meta.read_text()) != {"version": version, "sha256": sha256}:
+        try:
+            if json.loads(meta.read_text()) != {"version": version, "sha256": sha256}:
+                return None
+        except ValueError:  # a damaged note: the model is downloaded again
             return None
         data = self._model_cache.read_bytes()
         return data if sha256_hex(data) == sha256 else None
@@ -127,8 +130,19 @@ class DeviceHome:
         return self.root / "pending" / f"round{round_id}.safetensors", self.root / "pending" / f"round{round_id}.json"
 
     def rounds_log(self) -> list[dict]:
+        """The rounds this device took part in (it skips them after a restart); a damaged log is named."""
         path = self.root / "rounds.json"
-        return json.loads(path.read_text()) if path.exists() else []
+        if not path.exists():
+            return []
+        try:
+            entries = json.loads(path.read_text())
+        except ValueError:
+            entries = None
+        if not (isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get("round_id"), int)
+                                                  for e in entries)):
+            raise ValueError(f"{path} is damaged or was not written by ffr-edge; move it away (the device then "
+                             "takes part in the coordinator's open round again)")
+        return entries
 
     def log_round(self, entry: dict) -> None:
         entries = self.rounds_log() + [entry]

@@ -100,17 +100,25 @@ class CoordinatorLink:
     def resend_pending(self) -> None:
         """After a reconnect, send again any update that was never acknowledged."""
         for header_path in sorted((self.home.root / "pending").glob("round*.json")):
-            saved = json.loads(header_path.read_text())
-            header = UpdateHeader(**saved["header"])
             payload_path = header_path.with_suffix(".safetensors")
+            try:
+                saved = json.loads(header_path.read_text())
+                header, chunk_bytes = UpdateHeader(**saved["header"]), int(saved["chunk_bytes"])
+            except (ValueError, KeyError, TypeError) as exc:  # damaged: it cannot be resent, so it goes
+                log.warning("%s: dropping the damaged pending update %s (%s)", self.device_id, header_path.name,
+                            type(exc).__name__)
+                header_path.unlink(missing_ok=True)
+                payload_path.unlink(missing_ok=True)
+                continue
             if payload_path.exists():
                 log.info("%s: resuming the unacknowledged update of round %d", self.device_id, header.round_id)
-                self.send_update(header, payload_path.read_bytes(), saved["chunk_bytes"])
+                self.send_update(header, payload_path.read_bytes(), chunk_bytes)
 
     def drop_stale_pending(self, current_round: int) -> None:
         """An unacknowledged update of a round that has since closed can never be accepted."""
         for path in (self.home.root / "pending").glob("round*.*"):
-            if int(path.stem.removeprefix("round")) < current_round:
+            number = path.stem.removeprefix("round")
+            if number.isdigit() and int(number) < current_round:  # a stranger's file in pending/ is left alone
                 path.unlink(missing_ok=True)
 
     # paho's callbacks -------------------------------------------------------

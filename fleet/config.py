@@ -121,7 +121,7 @@ class SimConfig:
         elif self.data is None:
             raise ValueError("SYNTHETIC faces have no per-image attributes: --partition attribute needs --data "
                              "with them (CelebA's list_attr_celeba.txt)")
-        else:
+        elif self.rules is not None:  # none at all: the partition says so, after whether the data has attributes
             check_rules(self.rules)
         self._validate_names()
         self._validate_paths()

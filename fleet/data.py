@@ -103,6 +103,9 @@ def prepare(config: SimConfig, run_dir: Path) -> FleetData:
     saved = run_dir / "partition.json"
     if saved.exists():
         part = Partition.load(saved)
+        strangers = {i for ids in part.clients for i in ids} - set(crops.identities)
+        if strangers:
+            raise PartitionError(f"{saved} names {len(strangers)} people who are not in --data; choose another --out")
     else:
         part = make_partition(index, crops.identities, config)
         part.save(saved)

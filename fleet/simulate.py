@@ -46,7 +46,16 @@ class RunState:
 
     @classmethod
     def load(cls, path: Path) -> RunState:
-        return cls(**json.loads(path.read_text())) if path.exists() else cls()
+        """The run folder's state, or a fresh one; a damaged or foreign file is refused in one line."""
+        if not path.exists():
+            return cls()
+        try:
+            state = cls(**json.loads(path.read_text()))
+            if isinstance(state.history, list) and all(isinstance(row, dict) for row in state.history):
+                return state
+        except (ValueError, TypeError):
+            pass
+        raise ValueError(f"{path} is damaged or was not written by ffr fleet simulate; choose another --out")
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")

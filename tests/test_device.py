@@ -263,7 +263,8 @@ def test_a_garbage_credential_is_one_line(tmp_path, content, problem):
     ("home is a file", "is a file; give a folder for the device's private state"),
     ("damaged registration", "registered.json is damaged or was not written by ffr-edge"),
     ("damaged signing key", "device_ed25519.pem is damaged or not an unencrypted PEM private key"),
-    ("foreign public set", "is not a public set file (make one with `ffr edge public-set`)")])
+    ("foreign public set", "is not a public set file (make one with `ffr edge public-set`)"),
+    ("damaged rounds log", "rounds.json is damaged or was not written by ffr-edge")])
 def test_damaged_home_files_and_a_wrong_public_set_stop_edge_run_in_one_line(tmp_path, faces_dir, fault, problem):
     """What `ffr edge run` reads back from its home, or the operator's --public-set, is refused at start, named."""
     credential, home, extra = tmp_path / "dev.cred", tmp_path / "home", []
@@ -276,6 +277,8 @@ def test_damaged_home_files_and_a_wrong_public_set_stop_edge_run_in_one_line(tmp
         home.write_text("not a folder")
     elif fault == "damaged registration":
         (home / "registered.json").write_text('{"token": ')
+    elif fault == "damaged rounds log":
+        (home / "rounds.json").write_text('[{"round": "one"}]')
     elif fault == "damaged signing key":
         (home / "device_ed25519.pem").write_text("-----BEGIN PRIVATE KEY-----\ngarbage\n")
     else:
@@ -332,3 +335,24 @@ def test_names_in_other_scripts_and_with_apostrophes_are_enrolled(tmp_path):
         assert check_person_name(name) == name
     with pytest.raises(ValueError, match="letters, digits"):
         new_person("a\tb", np.zeros((1, 3, 8, 8), np.uint8), np.zeros(4, np.float32), "0" * 64)
+
+
+def test_a_damaged_pending_update_is_dropped_not_resent_and_stray_files_are_left(tmp_path):
+    """pending/ is read back after every reconnect, on paho's thread: a damaged header must not stop the device."""
+    from coordinator.admission import admit
+    from edge_client.home import DeviceHome
+    from edge_client.link import CoordinatorLink
+
+    credential = admit(tmp_path / "state", "dev0", "mqtt://127.0.0.1:1")
+    home = DeviceHome(tmp_path / "home")
+    pending = home.root / "pending"
+    (pending / "round3.json").write_text('{"header": {"round_id": "x"}, "chunk_bytes": 1024}')
+    (pending / "round3.safetensors").write_bytes(b"update")
+    (pending / "round4.json").write_text("{not json")
+    (pending / "roundabout.txt").write_text("someone else's file")
+    link = CoordinatorLink(credential, home, on_body=lambda body: None, hello_facts=dict)
+    sent = []
+    link.send_update = lambda *args: sent.append(args)  # nothing valid is pending, so nothing may be sent
+    link.resend_pending()
+    link.drop_stale_pending(current_round=10)
+    assert sent == [] and sorted(p.name for p in pending.iterdir()) == ["roundabout.txt"]

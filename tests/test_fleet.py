@@ -296,3 +296,13 @@ print("freed")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "freed", done.stderr
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"history": 5}', '{"history": [1]}', '{"unknown": 1}', "[]"])
+def test_a_damaged_run_state_is_refused_in_one_line(tmp_path, text):
+    """state.json is read back when a run resumes: damaged or foreign, it is named, not half-used."""
+    from fleet.simulate import RunState
+
+    (tmp_path / "state.json").write_text(text)
+    with pytest.raises(ValueError, match="state.json is damaged or was not written by ffr fleet simulate"):
+        RunState.load(tmp_path / "state.json")

@@ -108,3 +108,14 @@ def test_fleet_partition_command(capsys, synthetic_dir, tmp_path):
     assert "cannot give each of 30 clients" in capsys.readouterr().err
     assert main(["-q", "fleet", "partition", "--data", str(synthetic_dir), "--partition", "attribute"]) == 2
     assert "no per-image attributes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"scheme": "iid"}',
+                                  '{"scheme": "iid", "params": {}, "seed": 0, "clients": [[1, 2]]}',
+                                  '{"scheme": "iid", "params": {}, "seed": 0, "clients": [["a"]], '
+                                  '"heldout_clients": [7]}'])
+def test_a_damaged_saved_partition_is_refused_in_one_line(tmp_path, text):
+    """A run folder's partition.json is read back on resume: damaged or foreign, it is named."""
+    (tmp_path / "partition.json").write_text(text)
+    with pytest.raises(PartitionError, match="partition.json is damaged or was not written by ffr fleet"):
+        Partition.load(tmp_path / "partition.json")

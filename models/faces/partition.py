@@ -43,7 +43,21 @@ class Partition:
 
     @classmethod
     def load(cls, path: str | Path) -> Partition:
-        return cls(**json.loads(Path(path).read_text()))
+        """A saved partition (a run folder's, read back on resume); a damaged or foreign file is named."""
+        def names(value) -> bool:
+            return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+        try:
+            part = cls(**json.loads(Path(path).read_text()))
+            ok = (isinstance(part.scheme, str) and isinstance(part.params, dict) and isinstance(part.seed, int)
+                  and isinstance(part.clients, list) and all(names(c) for c in part.clients)
+                  and names(part.holdout_identities) and isinstance(part.heldout_clients, list)
+                  and all(isinstance(k, int) and 0 <= k < len(part.clients) for k in part.heldout_clients))
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise PartitionError(f"{path} is damaged or was not written by ffr fleet; choose another --out")
+        return part
 
     def summary(self, images_per_identity: dict[str, int]) -> dict:
         rows = []
