@@ -261,3 +261,14 @@ def test_a_teacher_that_could_not_be_fed_is_refused_before_any_data_is_read(tmp_
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage", ["meta.json", "values.f16"])
+def test_a_damaged_teacher_target_cache_is_named(tmp_path, damage):
+    """The cache is read back by every cached run: a damaged note or array is named, not half-read."""
+    from models.training.distill_data import TeacherTargets
+
+    TeacherTargets.open(tmp_path / "targets", n=4, dim=8, views=2)
+    (tmp_path / "targets" / damage).write_bytes(b"{cut")
+    with pytest.raises(ValueError, match="holds damaged teacher targets; delete it"):
+        TeacherTargets.open(tmp_path / "targets", n=4, dim=8, views=2)

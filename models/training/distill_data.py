@@ -112,11 +112,20 @@ class TeacherTargets:
         root.mkdir(parents=True, exist_ok=True)
         meta_file = root / "meta.json"
         expected = {"n": n, "dim": dim, "views": views, **(meta or {})}
-        if meta_file.exists() and json.loads(meta_file.read_text()) != expected:
+        damaged = ValueError(f"{root} holds damaged teacher targets; delete it or use another cache dir")
+        try:
+            recorded = json.loads(meta_file.read_text()) if meta_file.exists() else expected
+        except ValueError:
+            raise damaged from None
+        if recorded != expected:
             raise ValueError(f"{root} holds teacher targets for other data; delete it or use another cache dir")
         mode = "r+" if (root / "values.f16").exists() else "w+"
-        values = np.lib.format.open_memmap(root / "values.f16", mode=mode, dtype=np.float16, shape=(views, n, dim))
-        done = np.lib.format.open_memmap(root / "done.u8", mode=mode, dtype=np.uint8, shape=(views, n))
+        try:  # a cut or foreign array is refused by numpy's header check
+            values = np.lib.format.open_memmap(root / "values.f16", mode=mode, dtype=np.float16,
+                                               shape=(views, n, dim))
+            done = np.lib.format.open_memmap(root / "done.u8", mode=mode, dtype=np.uint8, shape=(views, n))
+        except ValueError:
+            raise damaged from None
         meta_file.write_text(json.dumps(expected))
         return cls(root, values, done)
 
