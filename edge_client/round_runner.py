@@ -88,8 +88,7 @@ class RoundRunner:
                global_state: dict[str, torch.Tensor]) -> tuple[LocalResult, dict | None]:
         """The local algorithm the round names, from the global backbone; the private parts stay in the home."""
         cfg = job.config
-        previous = load_torch(str(self.home.local_backbone)) if cfg.contrastive and self.home.local_backbone.exists() \
-            else None
+        previous = self._private(self.home.local_backbone, shareable_state(model)) if cfg.contrastive else None
         pfm = cfg.algorithm == "pfm"
         momentum = self._fetch_momentum(job, global_state) if pfm else None
         result = train_round(model, self._crops(), global_state, cfg.epochs, cfg.batch_size, cfg.lr,
@@ -192,11 +191,26 @@ class RoundRunner:
             self.model = FaceModel(ModelConfig(n_classes=len(self._crops().identities),
                                                embedding_dim=cfg.embedding_dim, width_mult=cfg.width_mult,
                                                pretrained=False, dfc=cfg.dfc, dfc_weight=cfg.dfc_weight))
-            if self.home.private_state.exists():
-                saved = load_torch(str(self.home.private_state))
-                if set(saved) == set(private_state(self.model)):
-                    self.model.load_state_dict(saved, strict=False)
+            saved = self._private(self.home.private_state, private_state(self.model))
+            if saved is not None:
+                self.model.load_state_dict(saved, strict=False)
         return self.model
+
+    def _private(self, path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """A private part this device saved (its head and DFC branch, or its last local backbone) if it matches
+        `like` key for key and shape for shape; a damaged or outgrown file is skipped with a warning (the next
+        round writes it anew), so one bad file costs that part's personalisation, not every round after it."""
+        if not path.exists():
+            return None
+        try:
+            saved = load_torch(str(path))
+            if set(saved) == set(like) and all(saved[k].shape == like[k].shape for k in like):
+                return saved
+            problem = "it does not fit this model"
+        except Exception as exc:  # noqa: BLE001 - safetensors says a damaged file many ways
+            problem = " ".join(str(exc).split())[:120] or type(exc).__name__
+        log.warning("%s: %s is not used (%s); starting that part afresh", self.device_id, path.name, problem)
+        return None
 
     def adopt_release(self, release: ModelRelease) -> bool:
         """The federation's final model: fetched, checked like every global model, and (if it passes) what this
