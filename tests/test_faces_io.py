@@ -134,3 +134,14 @@ def test_too_few_synthetic_faces_are_refused_in_one_line_before_anything_is_writ
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "at least 2" in err and "--synthetic-identities" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_too_few_faces_a_person_is_said_with_the_number_needed(tmp_path):
+    """Faces found but too few each: the error says so, not 'no usable face images' alone with zero failures."""
+    for person in ("a", "b"):
+        (tmp_path / "ds" / person).mkdir(parents=True)
+        write_image(tmp_path / "ds" / person / "x.png", np.full((64, 64, 3), 120, np.uint8))
+    with pytest.raises(DatasetError, match=r"2 people have faces, but each needs at least 2 \(most: 1\)") as caught:
+        crop_index(load_index(tmp_path / "ds"), CropConfig(detector="none"), use_cache=False, progress=False,
+                   min_images=2)
+    assert "--detector none" not in str(caught.value)  # no hint to use the detector it already used

@@ -261,11 +261,12 @@ def _assemble(crops, names, paths, report, index, config, min_images) -> FaceCro
     keep_names = sorted(n for n, c in counts.items() if c >= min_images)
     report.dropped_identities = sorted(set(index.identities) - set(keep_names))
     if not keep_names:
-        raise DatasetError(
-            f"no usable face images in {index.root}: {len(report.unreadable)} unreadable, "
-            f"{len(report.no_face)} without a detected face (detector {config.detector}; "
-            "for pre-cropped faces use --detector none or --fallback-center)"
-        )
+        hint = ("; for pre-cropped faces use --detector none or --fallback-center" if config.detector != "none"
+                and report.no_face else "")
+        few = (f"; {len(counts)} people have faces, but each needs at least {min_images} (most: "
+               f"{max(counts.values())})" if counts else "")
+        raise DatasetError(f"no usable face images in {index.root}: {len(report.unreadable)} unreadable, "
+                           f"{len(report.no_face)} without a detected face (detector {config.detector}{hint}){few}")
     label_of = {n: i for i, n in enumerate(keep_names)}
     keep = [i for i, n in enumerate(names) if n in label_of]
     report.n_cropped = len(keep)
