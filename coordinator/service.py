@@ -258,7 +258,7 @@ def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool =
     previous = signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn takes over: SIGTERM during start-up too
     service = None
     try:
-        _check_port_free(config.http_host, config.http_port)
+        check_port_free(config.http_host, config.http_port)
         service = Service(config, settings)
         server = _Server(uvicorn_config(create_app(service, docs), config.http_host, config.http_port))
         if exit_when_done:
@@ -275,8 +275,9 @@ def serve(config: ServiceConfig, settings: RoundSettings, exit_when_done: bool =
     return 0
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Refuse a taken --http-port before the broker and the engine start (uvicorn would fail only after them)."""
+def check_port_free(host: str, port: int, flag: str = "--http-port") -> None:
+    """Refuse a taken HTTP port (`flag`) before the broker and the engine start: uvicorn would fail only after
+    them, and in a thread (a fleet's dashboard) only in the log."""
     if port == 0:
         return
     try:
@@ -285,8 +286,8 @@ def _check_port_free(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no owner
             probe.bind((host, port))
     except (OSError, OverflowError) as exc:  # taken, not this machine's address, or not a port at all
-        raise ValueError(f"--http-port {port} on {host} cannot be used ({getattr(exc, 'strerror', None) or exc}): "
-                         "another coordinator may hold it; choose another --http-port") from None
+        raise ValueError(f"{flag} {port} on {host} cannot be used ({getattr(exc, 'strerror', None) or exc}): "
+                         f"another coordinator may hold it; choose another {flag}") from None
 
 
 def _exit_when_done(service: Service, server, grace_s: float) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from models.cli.common import Parser, one_line
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None, models_only: bool = False) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed: resume hints repeat it
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    # MLflow's own INFO lines ("Creating initial MLflow database tables...") only with -v; ffr names the store itself
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO" if args.verbose else "WARNING")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     for name in LOGGERS:
         logging.getLogger(name).setLevel(level)

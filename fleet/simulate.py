@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from coordinator.service import Service, ServiceConfig
+from coordinator.service import Service, ServiceConfig, check_port_free
 from edge_client.home import DeviceHome
 from fleet.config import SimConfig
 from fleet.data import TRAIN, VAL, FleetData, crop_cache, device_id, prepare, write_device_folders
@@ -77,6 +77,8 @@ def should_stop(history: list[dict], patience: int, min_delta: float) -> bool:
 class Simulation:
     def __init__(self, config: SimConfig, run_dir: Path):
         config.validate()
+        if config.dashboard_port:  # taken: said now, not as uvicorn's log line after the dashboard URL was printed
+            check_port_free("127.0.0.1", config.dashboard_port, "--dashboard-port")
         self.config, self.run_dir = config, Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._check_resume()

@@ -306,3 +306,18 @@ def test_a_damaged_run_state_is_refused_in_one_line(tmp_path, text):
     (tmp_path / "state.json").write_text(text)
     with pytest.raises(ValueError, match="state.json is damaged or was not written by ffr fleet simulate"):
         RunState.load(tmp_path / "state.json")
+
+
+def test_a_taken_dashboard_port_is_refused_before_the_run(tmp_path, capsys):
+    """Before, the run printed the dashboard's URL, uvicorn logged that it could not bind, and the run went on."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = tmp_path / "r"
+        assert main(["-q", "fleet", "simulate", *TINY, "--dashboard-port", str(port), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--dashboard-port {port} on 127.0.0.1 cannot be used" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r" / "devices").exists()
