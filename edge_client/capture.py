@@ -8,6 +8,7 @@ recognise, or a face too blurred (variance of the Laplacian of the crop, the usu
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,10 @@ def frames(camera: int | None = None, video: Path | None = None, images: Path | 
     if images is not None:
         yield from _images(Path(images), max_frames)
         return
+    if camera is not None and camera < 0:  # OpenCV's "any camera" index; with none attached it crashed the process
+        raise SourceError(f"--camera is a camera's index, 0 or more (got {camera})")
+    if video is not None and Path(video).is_dir():
+        raise SourceError(f"{video} is a folder: give a video file, or --images for a folder of images")
     if video is not None and not Path(video).is_file():
         raise SourceError(f"video file not found: {video}")
     capture = _open_quietly(int(camera) if camera is not None else str(video))
@@ -65,6 +70,7 @@ def frames(camera: int | None = None, video: Path | None = None, images: Path | 
 
 def _open_quietly(source: int | str) -> cv2.VideoCapture:
     """Open a camera or video without OpenCV's own WARN/ERROR lines: the caller says what went wrong, once."""
+    os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")  # FFmpeg's own decoder lines too (read when it starts)
     level = cv2.utils.logging.getLogLevel()
     cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
     try:

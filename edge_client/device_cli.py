@@ -364,7 +364,7 @@ def _faces(g) -> None:
 
 def _source(p: argparse.ArgumentParser, frames_help: str) -> None:
     g = p.add_argument_group("source (one of)")
-    g.add_argument("--camera", type=int, metavar="INDEX", help="camera index, e.g. 0")
+    g.add_argument("--camera", type=at_least(0), metavar="INDEX", help="camera index, e.g. 0")
     g.add_argument("--video", type=Path, metavar="FILE", help="a video file")
     g.add_argument("--images", "--image", type=Path, metavar="PATH", help="an image file or a folder of images")
     g = p.add_argument_group("faces")

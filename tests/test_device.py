@@ -388,3 +388,16 @@ def test_a_damaged_private_part_is_skipped_with_a_warning_not_every_round(tmp_pa
     with caplog.at_level("WARNING", logger="edge_client"):
         model = runner.ensure_model(job)
     assert model is not None and "head_and_dfc.safetensors is not used" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("source, says", [
+    (["--camera", "-1"], "argument --camera: must be at least 0 (got -1)"),  # OpenCV's "any camera": a segfault here
+    (["--video", "FOLDER"], "is a folder: give a video file, or --images for a folder of images"),
+    (["--video", "NOT_A_VIDEO"], "gave no frames")])
+def test_a_bad_capture_source_is_one_line_without_decoder_noise(tmp_path, home, source, says):
+    """Before: `--camera -1` crashed the process (exit 139), and a file that is no video let FFmpeg print its own
+    '[mjpeg @ 0x...] No JPEG data found' lines above the error."""
+    (tmp_path / "clip.avi").write_bytes(b"\xff\xd8 not a video at all")
+    source = [{"FOLDER": str(tmp_path), "NOT_A_VIDEO": str(tmp_path / "clip.avi")}.get(a, a) for a in source]
+    rc, out, err = ffr("-q", "device", "verify", "--home", str(home), "--name", "s1", *source)
+    assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
