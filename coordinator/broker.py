@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from protocol.json_file import read_json
 from protocol.messages import MAX_CHUNK_BYTES
 
 
@@ -34,14 +35,8 @@ def broker_record(state: str | Path) -> dict:
     path = broker_file(state)
     if not path.exists():
         return {}
-    try:
-        record = json.loads(path.read_text())
-    except ValueError:
-        record = None
-    if not isinstance(record, dict):
-        raise ValueError(f"{path} is damaged or was not written by ffr-edge; delete it and start `ffr coordinator "
-                         "serve` once, which records the broker again")
-    return record
+    return read_json(path, "ffr-edge", "delete it and start `ffr coordinator serve` once, which records the broker "
+                     "again")
 
 
 MOSQUITTO_PATHS = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from protocol.folder_lock import FolderHeld, hold
+from protocol.json_file import read_json
 
 
 class HomeInUse(ValueError):
@@ -52,12 +53,8 @@ class DeviceHome:
         """(coordinator public key, admission token) of the admission this device completed, if any."""
         if not self._registration.exists():
             return None
-        try:
-            saved = json.loads(self._registration.read_text())
-            return str(saved["coordinator_public_key"]), str(saved["token"])
-        except (ValueError, KeyError, TypeError):  # not JSON, not an object, or keys missing
-            raise ValueError(f"{self._registration} is damaged or was not written by ffr-edge; delete it and the "
-                             "device registers again with its credential") from None
+        return read_json(self._registration, "ffr-edge", "delete it and the device registers again with its "
+                         "credential", lambda saved: (str(saved["coordinator_public_key"]), str(saved["token"])))
 
     def save_registration(self, coordinator_public_key: str, token: str) -> None:
         from protocol.auth import write_secret
@@ -134,18 +131,18 @@ class DeviceHome:
         path = self.root / "rounds.json"
         if not path.exists():
             return []
-        try:
-            entries = json.loads(path.read_text())
-        except ValueError:
-            entries = None
-        if not (isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get("round_id"), int)
-                                                  for e in entries)):
-            raise ValueError(f"{path} is damaged or was not written by ffr-edge; move it away (the device then "
-                             "takes part in the coordinator's open round again)")
-        return entries
+        return read_json(path, "ffr-edge", "move it away (the device then takes part in the coordinator's open "
+                         "round again)", _round_entries)
 
     def log_round(self, entry: dict) -> None:
         entries = self.rounds_log() + [entry]
         tmp = self.root / "rounds.json.tmp"
         tmp.write_text(json.dumps(entries, indent=2))
         tmp.replace(self.root / "rounds.json")
+
+
+def _round_entries(raw) -> list[dict]:
+    """rounds.json's shape: a list of objects, each with an integer round_id."""
+    if not (isinstance(raw, list) and all(isinstance(e, dict) and isinstance(e.get("round_id"), int) for e in raw)):
+        raise TypeError("not a list of rounds")
+    return raw

@@ -21,6 +21,7 @@ from coordinator.quality_gate import GateSettings
 from coordinator.settings import RoundSettings
 from models.faces.partition import check_rules, check_scheme
 from models.typed_fields import check_types
+from protocol.json_file import json_object, read_json
 from protocol.messages import TrainingConfig
 
 # Options that may change between an interrupted run and its resumption; all others must match.
@@ -178,15 +179,8 @@ class SimConfig:
     @classmethod
     def load(cls, path: Path) -> SimConfig:
         """A run folder's spec; a damaged or foreign file is refused in one line, never half-read."""
-        try:
-            raw = json.loads(path.read_text())
-            if not isinstance(raw, dict):
-                raise TypeError("not a JSON object")
-            return cls.from_dict(raw)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"{path} is damaged or was not written by ffr fleet simulate ({reason}); "
-                             "choose another --out") from None
+        return read_json(path, "ffr fleet simulate", "choose another --out",
+                         lambda raw: cls.from_dict(json_object(raw)))
 
     def differences(self, other: SimConfig) -> list[str]:
         """Options that differ from `other` and may not change when resuming."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from protocol.json_file import read_json
+
 VERIFIERS = ("global", "tuned", "local", "local+dfc", "centralized")
 
 
@@ -123,13 +125,7 @@ def load_summary(run_dir: Path) -> dict:
     path = Path(run_dir) / "summary.json"
     if not path.exists():
         raise FileNotFoundError(f"no summary.json in {run_dir}: has the simulation finished?")
-    try:
-        summary = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path} is damaged or was not written by ffr fleet simulate ({exc})") from None
-    if not isinstance(summary, dict):
-        raise ValueError(f"{path} is damaged or was not written by ffr fleet simulate (not a JSON object)")
-    return summary
+    return read_json(path, "ffr fleet simulate", "run the simulation again, or leave this folder out")
 
 
 def run_rows(run_dirs: list[Path]) -> list[dict]:

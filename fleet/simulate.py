@@ -31,6 +31,7 @@ from models.evaluation.evaluate import verification
 from models.networks.backbone import FaceEmbedder
 from models.networks.face_model import global_embedder
 from models.training.tracking import MlflowTracker, NullTracker, default_tracking_uri
+from protocol.json_file import json_object, read_json
 
 log = logging.getLogger("ffr.fleet")
 
@@ -47,20 +48,20 @@ class RunState:
     @classmethod
     def load(cls, path: Path) -> RunState:
         """The run folder's state, or a fresh one; a damaged or foreign file is refused in one line."""
-        if not path.exists():
-            return cls()
-        try:
-            state = cls(**json.loads(path.read_text()))
-            if isinstance(state.history, list) and all(isinstance(row, dict) for row in state.history):
-                return state
-        except (ValueError, TypeError):
-            pass
-        raise ValueError(f"{path} is damaged or was not written by ffr fleet simulate; choose another --out")
+        return read_json(path, "ffr fleet simulate", "choose another --out", _run_state) if path.exists() else cls()
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(self), indent=1))
         tmp.replace(path)
+
+
+def _run_state(raw) -> RunState:
+    """state.json's shape: RunState's fields, its history a list of objects."""
+    state = RunState(**json_object(raw))
+    if not (isinstance(state.history, list) and all(isinstance(row, dict) for row in state.history)):
+        raise TypeError("history is not a list of rounds")
+    return state
 
 
 def should_stop(history: list[dict], patience: int, min_delta: float) -> bool:

