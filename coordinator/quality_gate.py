@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.server_step import best_step
 from models.evaluation.separation import FaceSet, Scores, SeparationSettings, score
 
 log = logging.getLogger("coordinator")
@@ -46,6 +47,12 @@ class QualityGate:
         verdict = s.judge(self._current[1], score(candidate_state, self.faces, s.threads))
         metrics = {f"gate_{k}": v for k, v in verdict.metrics.items()}
         return ("" if verdict.ok else f"quality gate: {verdict.reason}"), metrics
+
+    def step(self, current_state: dict[str, np.ndarray], candidate_state: dict[str, np.ndarray]
+             ) -> tuple[dict[str, np.ndarray], dict]:
+        """The server's step towards the candidate, chosen on these faces (`coordinator.server_step`)."""
+        threads = self.settings.threads
+        return best_step(current_state, candidate_state, lambda state: score(state, self.faces, threads).auc)
 
     @classmethod
     def from_path(cls, path: Path, settings: GateSettings | None = None) -> QualityGate:

@@ -2,8 +2,9 @@
 
 The order is fixed: combine the clipped updates by the run's rule, let the update filter finish the mean (DP's
 noise), step the strategy, check the result (finite, non-negative BatchNorm variances, a step within what the
-bound allows), then the quality gate; a gate refusal may still save the round without its worst updates
-(`leave_out`). The engine only hears the outcome: a model to publish, or a reason to roll back.
+bound allows), then, where the coordinator holds faces, take the part of the step that separates them best
+(`coordinator.server_step`) and let the quality gate judge it; a gate refusal may still save the round without
+its worst updates (`leave_out`). The engine only hears the outcome: a model to publish, or a reason to roll back.
 """
 from __future__ import annotations
 
@@ -83,7 +84,9 @@ class RoundAggregator:
         new_state = non_negative_variances(new_state)
         gate_metrics = {}
         if not problem and self.gate is not None:
-            problem, gate_metrics = self.gate.check(global_state, global_sha, new_state)
+            new_state, gate_metrics = self.gate.step(global_state, new_state)
+            problem, verdict = self.gate.check(global_state, global_sha, new_state)
+            gate_metrics.update(verdict)
             if problem and fresh_mean and self.filter.allows_leave_out:  # may be saved without its poisoners
                 new_state, problem, gate_metrics = self.leave_out(current, global_state, global_sha, devices, bound,
                                                                   problem, gate_metrics, server_state)

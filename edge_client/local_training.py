@@ -31,6 +31,7 @@ from models.training.crop_batches import as_chw, frozen_copy, frozen_features, t
 from models.training.fast_step import accelerate
 from models.training.fedfr import hard_negatives
 from models.training.hfmaml import anchored_to
+from models.training.trainable import frozen_batchnorm, top_blocks_only
 from protocol.messages import TrainingConfig
 
 
@@ -107,7 +108,9 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
                         previous_net=frozen_copy(model.backbone, previous_state) if contrastive else None)
     if objective.embedding_reg > 0:  # eq. 4 against the round's starting model
         round_.extra = anchored_to(frozen_copy(model.backbone), objective.embedding_reg)
-    metrics = dict(LOCAL_ALGORITHMS[name](round_)[-1])
+    with frozen_batchnorm(model.backbone, objective.batchnorm == "frozen"), \
+            top_blocks_only(model.backbone, objective.top_blocks):
+        metrics = dict(LOCAL_ALGORITHMS[name](round_)[-1])
     for key in ("neg_loss", "total_loss"):  # figures that involve D_g: the device's log only
         if key in metrics:
             private[key] = metrics.pop(key)

@@ -32,7 +32,8 @@ DEFAULT_THRESHOLD = 0.5  # cosine; only until `ffr device calibrate` has run
 
 
 def current_model(home: DeviceHome, vault: Vault) -> Path:
-    """The most recently delivered model: personalised or generic, whichever is newer.
+    """The model the device verifies with: the one its sealed settings name (the last installed, or the one a round
+    chose, `edge_client.verifier_choice`), else, in a home from before that was recorded, the newer file.
 
     A home with no model yet gets the shipped face-pretrained embedder (built as ONNX without torch),
     so a new device verifies faces before it has joined any federation.
@@ -40,7 +41,9 @@ def current_model(home: DeviceHome, vault: Vault) -> Path:
     found = [p for p in (home.personalised_onnx, home.generic_onnx) if p.is_file()]
     if not found:
         return install_default_model(home, vault)
-    return max(found, key=lambda p: p.stat().st_mtime_ns)
+    chosen = Settings.load(home, vault).verifier
+    named = [p for p in found if p.name == chosen]
+    return named[0] if named else max(found, key=lambda p: p.stat().st_mtime_ns)
 
 
 def install_default_model(home: DeviceHome, vault: Vault) -> Path:
@@ -57,9 +60,11 @@ def install_default_model(home: DeviceHome, vault: Vault) -> Path:
 
 
 def seal_model(home: DeviceHome, vault: Vault, path: Path) -> str:
-    """Record the hash of a model this device just installed in the sealed settings; its sha256."""
+    """Record the hash of a model this device just installed in the sealed settings, and verify with it from now
+    on; its sha256."""
     settings = Settings.load(home, vault)
     settings.models[path.name] = file_sha256(path)
+    settings.verifier = path.name
     settings.save(home, vault)
     return settings.models[path.name]
 
@@ -100,6 +105,7 @@ class Settings:
 
     calibration: Calibration | None = None
     models: dict[str, str] = field(default_factory=dict)  # model file name -> sha256 when this device installed it
+    verifier: str | None = None  # the model file decisions use (None: a home from before it was recorded)
 
     @classmethod
     def load(cls, home: DeviceHome, vault: Vault) -> Settings:
@@ -114,7 +120,8 @@ class Settings:
             mac = raw.pop("mac")
             body = _canonical(raw)
             settings = cls(Calibration(**raw["calibration"]) if raw.get("calibration") else None,
-                           {str(k): str(v) for k, v in raw.get("models", {}).items()})
+                           {str(k): str(v) for k, v in raw.get("models", {}).items()},
+                           str(raw["verifier"]) if raw.get("verifier") is not None else None)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise VaultError(f"{path} is damaged or was not written by ffr-edge; refusing to decide with it") from None
         if not hmac.compare_digest(str(mac), vault.mac(body)) or mac != sealed:
@@ -186,10 +193,12 @@ class Recognizer:
         return self.refresh(self.vault.get(name))
 
 
-def calibration_scores(embeddings: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def calibration_scores(embeddings: list[np.ndarray], strangers: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
     """Scores of the statistic a decision uses: a face against a person's template (`Recognizer.template`, the
     normalised mean of their faces). Genuine: each face against its own person's template made without it;
-    impostor: each face against every other person's template. Face-to-face scores run lower than face-to-template
+    impostor: each face against every other person's template, and each of `strangers` (faces of nobody the device
+    knows: public negatives) against every template. Face-to-face scores run lower than face-to-template
     ones, so a threshold set on them would accept more impostors than it promises. A probe's score is the mean over
     its faces, never above its highest face, so one face per score is the conservative side."""
     templates = [template_of(e) for e in embeddings]
@@ -199,20 +208,24 @@ def calibration_scores(embeddings: list[np.ndarray]) -> tuple[np.ndarray, np.nda
             without_each = normalise(faces.sum(0, keepdims=True) - faces)  # row k: template_of(faces but k)
             genuine.append(np.sum(faces * without_each, axis=1))
         impostor.extend(faces @ t for j, t in enumerate(templates) if j != i)
+    if strangers is not None and len(strangers) and templates:
+        impostor.append((strangers @ np.stack(templates).T).ravel())
     return (np.concatenate(genuine) if genuine else np.zeros(0),
             np.concatenate(impostor) if impostor else np.zeros(0))
 
 
-def calibrate(embeddings: list[np.ndarray], far: float, model_sha256: str) -> Calibration:
-    """The threshold for a false-accept rate of `far` on the device's own people, and the
-    false-reject rate expected there. Needs two people with two or more faces each. With fewer than 1/far
-    impostor scores the rate cannot be counted: the threshold is then the higher of the highest impostor score
-    and the fitted normal's tail at `far`, never only the highest seen (a few people's 97th percentile)."""
+def calibrate(embeddings: list[np.ndarray], far: float, model_sha256: str,
+              strangers: np.ndarray | None = None) -> Calibration:
+    """The threshold for a false-accept rate of `far` on the device's own people (and `strangers`: faces of
+    nobody it knows), and the false-reject rate expected there. Needs two people with two or more faces each.
+    With fewer than 1/far impostor scores the rate cannot be counted: the threshold is then the higher of the
+    highest impostor score and the fitted normal's tail at `far`, never only the highest seen (a few people's
+    97th percentile)."""
     usable = [e for e in embeddings if len(e) >= 2]
     if len(usable) < 2:
         raise ValueError("calibration needs at least two people with at least two face images each "
                          "(enrol more people, or add --data DIR)")
-    genuine, impostor = calibration_scores(usable)
+    genuine, impostor = calibration_scores(usable, strangers)
     threshold, measurable = threshold_at_far(impostor, far)
     if not measurable:
         threshold = max(threshold, gaussian_tail(impostor, far))

@@ -72,10 +72,12 @@ class RoundRunner:
         delta, n_samples = self._outgoing(delta, n_samples, global_state)
         timing = {"fetch_seconds": fetched - started, "train_seconds": time.perf_counter() - fetched}
         header, acked, sent, upload_seconds = self._upload(job, delta, n_samples, {**result.metrics, **timing})
+        chosen = None
         if self.export_onnx and self.adopted:  # a model the device's check refused never verifies a face here
-            export_models(model, self.home, self.device_id)
+            chosen = self._export(model, global_state)
         self.home.log_round({"round_id": job.round_id, "base_version": job.model_version, "acked": acked,
                              "adopted": self.adopted, "bytes_sent": sent, **timing, "upload_seconds": upload_seconds,
+                             "verifier": chosen,
                              "global_momentum_tensors": len(momentum or {}),
                              **result.metrics, **result.private_metrics})
         log.info("%s: round %d: picked; model v%d fetched in %.1f s; trained %d samples in %.1f s (loss %.3f); "
@@ -83,6 +85,15 @@ class RoundRunner:
                  n_samples, timing["train_seconds"], result.metrics.get("train_loss", float("nan")), sent / 1e6,
                  "acked" if acked else "not acked (kept to resend)",
                  "adopted" if self.adopted else "kept the last good model (this device's check refused it)")
+        if chosen:
+            log.info("%s: round %d: %s", self.device_id, job.round_id, chosen)
+
+    def _export(self, model: FaceModel, global_state: dict[str, torch.Tensor]) -> str | None:
+        """The device's verifying models from this round (the global one and its personalised one), the better one
+        chosen and recalibrated on its faces."""
+        crops = self._crops()
+        return export_models(model, self.home, self.device_id, global_state, crops.images, crops.labels,
+                             self.public.negatives_for_adoption())
 
     def _train(self, job: RoundAnnouncement, model: FaceModel,
                global_state: dict[str, torch.Tensor]) -> tuple[LocalResult, dict | None]:
@@ -218,12 +229,14 @@ class RoundRunner:
         could not be taken (the release is retained: the next connection tries again)."""
         try:
             global_state = self.fetch_global(release)
+            chosen = None
             if self.adopted and self.export_onnx:
                 model = self.ensure_model(release)
                 load_shareable_state(model, global_state)
-                export_models(model, self.home, self.device_id)
-            log.info("%s: final model v%d %s", self.device_id, release.model_version,
-                     "adopted" if self.adopted else "refused by this device's check; keeping the last good model")
+                chosen = self._export(model, global_state)
+            log.info("%s: final model v%d %s%s", self.device_id, release.model_version,
+                     "adopted" if self.adopted else "refused by this device's check; keeping the last good model",
+                     f"; {chosen}" if chosen else "")
         except Exception as exc:  # noqa: BLE001 - a failed fetch must not kill the daemon; the release is retained
             log.error("%s: could not take the final model v%d: %s", self.device_id, release.model_version, exc)
             return False

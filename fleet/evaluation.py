@@ -2,9 +2,10 @@
 
 - Global: the shared embedder on identities that live on no device (AUC, EER, TAR@FAR).
 - Personalised, per client: genuine pairs from the client's own people's test images, impostor
-  pairs between its people and other clients' people, scored by each candidate verifier the
-  client could run: the global backbone, its local backbone, its local backbone + DFC
-  transform, and the centralised upper bound. Mean and standard deviation over clients are the
+  pairs between its people and strangers (people on no device; other clients' people in a run that
+  keeps no one off the devices), scored by each candidate verifier the client could run: the starting
+  model (what the client had before the federation), the global backbone, its local backbone, its
+  local backbone + DFC transform, and the centralised upper bound. Mean and standard deviation over clients are the
   fairness figure of the HF-MAML paper; clients held out of training are reported apart.
 """
 from __future__ import annotations
@@ -41,7 +42,8 @@ def flat(report: dict) -> dict:
     tar = report.get("tar_at_far", {})
     value = lambda v: v if isinstance(v, float) else None  # noqa: E731
     return {"auc": report.get("auc"), "eer": report.get("eer"),
-            "tar@1e-1": value(tar.get("0.1")), "tar@1e-2": value(tar.get("0.01")), "tar@1e-3": value(tar.get("0.001"))}
+            "tar@1e-1": value(tar.get("0.1")), "tar@1e-2": value(tar.get("0.01")), "tar@1e-3": value(tar.get("0.001")),
+            **({"tar@1e-4": value(tar["0.0001"])} if "0.0001" in tar else {})}
 
 
 def client_pairs(own_labels: np.ndarray, n_other: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,16 +94,18 @@ def evaluate_clients(data: FleetData, verifiers: dict[str, Callable[[int], Calla
                      impostor_images: int, seed: int, limit: int | None = None) -> dict:
     """Per-client reports for each verifier; `verifiers[name](client)` gives a function from crop indices
     to embeddings (so a model shared by all clients can embed each image once), or None. `limit`: a seeded
-    sample of that many clients (a 1,000-device fleet), all of them by default."""
+    sample of that many clients (a 1,000-device fleet), all of them by default. The impostors are strangers:
+    `impostor_images` images of people on no device, as a device meets them at its door (other clients' test
+    images only when every person lives on some device)."""
     test_idx = np.flatnonzero(data.split == TEST)
+    strangers = np.flatnonzero(data.holdout_mask())
     rows, pooled = [], {name: ([], []) for name in verifiers}
     clients = np.arange(len(data.partition.clients))
     if limit is not None and limit < len(clients):
         clients = np.sort(np.random.default_rng(seed).choice(clients, limit, replace=False))
     for k in map(int, clients):
         own = np.flatnonzero(data.client_mask(k, TEST))
-        others = np.setdiff1d(test_idx, np.flatnonzero(data.client_mask(k)))
-        others = np.setdiff1d(others, np.flatnonzero(data.holdout_mask()))
+        others = strangers if len(strangers) else np.setdiff1d(test_idx, np.flatnonzero(data.client_mask(k)))
         rng = np.random.default_rng(seed + k)
         others = (
             np.sort(rng.choice(others, min(impostor_images, len(others)), replace=False)) if len(others) else others
@@ -124,7 +128,8 @@ def evaluate_clients(data: FleetData, verifiers: dict[str, Callable[[int], Calla
             pooled[name][1].append(same)
         rows.append(row)
     curves = {name: (np.concatenate(s), np.concatenate(t)) for name, (s, t) in pooled.items() if s}
-    return {"clients": rows, "training": fairness([r for r in rows if not r["held_out"]], verifiers),
+    return {"clients": rows, "impostors": "people on no device" if len(strangers) else "other devices' people",
+            "training": fairness([r for r in rows if not r["held_out"]], verifiers),
             "held_out": fairness([r for r in rows if r["held_out"]], verifiers), "curves": curves}
 
 

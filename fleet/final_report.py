@@ -15,13 +15,14 @@ from fleet import plots
 from fleet.config import SimConfig
 from fleet.data import TEST, TRAIN, FleetData, device_id
 from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model, tuned_model
-from models.evaluation.evaluate import verification
+from models.evaluation.evaluate import unseen_people
 from models.networks.backbone import FaceEmbedder
 from models.networks.face_model import FaceModel
 
 
 def best_round(history: list[dict]) -> int | None:
-    """The round whose global model had the best validation AUC (what early stopping keeps)."""
+    """The round whose global model verified people no device holds best (`select_auc`, what early stopping watches;
+    the devices' validation AUC only in a run with no such people)."""
     scored = [h for h in history if h.get("select_auc") is not None]
     return max(scored, key=lambda h: h["select_auc"])["round"] if scored else None
 
@@ -50,6 +51,7 @@ class FinalEvaluation:
         best = best_round([h for h in history if h["round"] > 0])
         chosen = next((h for h in history if h["round"] == best), None)
         global_model = global_model_of(chosen["model_version"] if chosen else 0)
+        start_model = global_model_of(0)  # what every device had before the federation: the column to beat
         central_model, central_metrics = None, None
         if c.centralized:
             from fleet.centralized import budget_epochs, train_centralized
@@ -57,11 +59,11 @@ class FinalEvaluation:
             tqdm.write(f"centralised upper bound: {budget_epochs(c)} epochs on the union of the clients' training "
                        "images")
             central_model, central_metrics = train_centralized(self.data, c, self.run_dir / "centralized")
-        global_report, global_curve = verification(global_model, self.holdout, c.max_eval_pairs, c.seed)
-        central_report, central_curve = (verification(central_model, self.holdout, c.max_eval_pairs, c.seed)
+        global_report, global_curve = unseen_people(global_model, self.holdout, c.max_eval_pairs, c.seed)
+        central_report, central_curve = (unseen_people(central_model, self.holdout, c.max_eval_pairs, c.seed)
                                          if central_model is not None else ({}, None))
-        clients = evaluate_clients(self.data, self.verifiers(global_model, central_model), c.impostor_images, c.seed,
-                                   c.eval_clients)
+        clients = evaluate_clients(self.data, self.verifiers(start_model, global_model, central_model),
+                                   c.impostor_images, c.seed, c.eval_clients)
         figures = self.plots(history, best, global_curve, central_curve, central_report, clients, global_model)
         return Evaluated(best, chosen, global_report, clients, central_report, central_metrics, figures)
 
@@ -83,10 +85,11 @@ class FinalEvaluation:
             "rolled_back": [{"round_id": r["round_id"], "reason": r["reason"],
                              "bytes_up": int(r["metrics"].get("bytes_received", 0))} for r in rolled_back],
             "global": {**flat(global_report), "evaluated_on": "unseen identities (on no device)",
+                       "interval": global_report.get("interval"),
                        "model_version": result.chosen["model_version"] if result.chosen else 0,
                        "n_genuine_pairs": global_report.get("n_genuine_pairs"),
                        "n_impostor_pairs": global_report.get("n_impostor_pairs")},
-            "personalized": {"training_clients": result.clients["training"],
+            "personalized": {"impostors": result.clients["impostors"], "training_clients": result.clients["training"],
                              "held_out_clients": result.clients["held_out"], "per_client": result.clients["clients"]},
             "centralized": None if central is None else {
                 "global": flat(result.central_report), "epochs": central["epochs_run"],
@@ -105,7 +108,7 @@ class FinalEvaluation:
             "privacy": privacy,
         }
 
-    def verifiers(self, global_model: FaceEmbedder, central_model: FaceModel | None) -> dict:
+    def verifiers(self, start_model: FaceEmbedder, global_model: FaceEmbedder, central_model: FaceModel | None) -> dict:
         c, cache, images = self.config, {}, self.data.crops.images
         tests = np.flatnonzero(self.data.split == TEST)
 
@@ -120,10 +123,11 @@ class FinalEvaluation:
             model = cache[client]
             return None if model is None else (lambda idx: embed(model, images[idx], personalised))
 
-        shared = {"global": embed_once(global_model, images, tests)}
+        shared = {"start": embed_once(start_model, images, tests), "global": embed_once(global_model, images, tests)}
         if central_model is not None:
             shared["centralized"] = embed_once(central_model, images, tests)
-        verifiers = {"global": lambda k: shared["global"], "local": lambda k: local(k, False)}
+        verifiers = {"start": lambda k: shared["start"], "global": lambda k: shared["global"],
+                     "local": lambda k: local(k, False)}
         if c.training.dfc:
             verifiers["local+dfc"] = lambda k: local(k, True)
         if central_model is not None:
@@ -155,7 +159,7 @@ class FinalEvaluation:
         if clients["curves"]:
             figures["roc_personalized"] = roc_png(clients["curves"], out / "roc_personalized.png",
                                                   "ROC, each client's own people (pooled)", synthetic)
-        names = [n for n in ("global", "local", "local+dfc", "centralized") if n in clients["curves"]]
+        names = [n for n in ("start", "global", "local", "local+dfc", "centralized") if n in clients["curves"]]
         figures["client_tar"] = plots.client_bars_png(clients["clients"], names, out / "client_tar.png",
                                                       synthetic=synthetic)
         holdout = self.holdout

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from protocol.json_file import read_json
 
-VERIFIERS = ("global", "tuned", "local", "local+dfc", "centralized")
+VERIFIERS = ("start", "global", "tuned", "local", "local+dfc", "centralized")
 
 
 def _f(value, digits: int = 3) -> str:
@@ -33,17 +33,53 @@ def run_row(summary: dict) -> dict:
     c, g = summary["config"], summary["global"]
     central = (summary.get("centralized") or {}).get("global") or {}
     training = summary["personalized"]["training_clients"]
+    start = summary.get("initial") or {}
     partition = c["partition"] + (f" {c['alpha']}" if c["partition"] == "dirichlet" else "")
     return {
         "run": Path(summary["run"]).name, "data": summary["data_kind"], "partition": partition,
         "algorithm": method_label(c), "clients": c["clients"],
         "rounds": summary["rounds_completed"], "best round": summary["best_round"],
-        "global AUC": _f(g.get("auc")), "global EER": _f(g.get("eer")), "global TAR@1e-2": _f(g.get("tar@1e-2")),
+        "start AUC": _f(start.get("auc")), "global AUC": _f(g.get("auc")),
+        "start TAR@1e-3": _f(start.get("tar@1e-3")), "global TAR@1e-3": _f(g.get("tar@1e-3")),
+        "global EER": _f(g.get("eer")), "global TAR@1e-2": _f(g.get("tar@1e-2")),
         "central AUC": _f(central.get("auc")), "central EER": _f(central.get("eer")),
-        **{f"pers. TAR@1e-2 {v}": mean_std(training.get(v), "tar@1e-2") for v in ("global", "local", "local+dfc")},
+        **{f"pers. TAR@1e-3 {v}": mean_std(training.get(v), "tar@1e-3")
+           for v in ("start", "global", "local", "local+dfc")},
         "MB/round up": _f(summary["bytes"]["per_round_up_mean"] / 1e6, 1),
         "s/round": _f(summary.get("round_seconds_mean"), 1), "wall s": _f(summary["wall_seconds"], 0),
     }
+
+
+def _with(figures: dict, interval: dict, key: str, digits: int = 3) -> str:
+    """'0.952 [0.941, 0.960]': a figure and its bootstrap interval over people, where there is one."""
+    bounds = interval.get(key)
+    shown = _f(figures.get(key), digits)
+    if not bounds or figures.get(key) is None:
+        return shown
+    return f"{shown} [{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
+
+
+def _rounds_lines(summary: dict) -> list[str]:
+    """Every published round's global model on unseen people beside the start: whether the federation paid."""
+    history = summary.get("history") or []
+    if len(history) < 2 or history[0].get("holdout_auc") is None:
+        return []
+    start = history[0]
+    lines = ["", "## Round by round, people no device holds", "",
+             "| round | AUC | vs start | TAR@1e-3 | vs start | TAR@1e-4 |", "|---|---|---|---|---|---|"]
+    for h in history:
+        interval = h.get("holdout_interval") or {}
+        figures = {k.removeprefix("holdout_"): v for k, v in h.items() if k.startswith("holdout_")}
+        lines.append(f"| {h['round']}{' (start)' if h['round'] == 0 else ''} | {_with(figures, interval, 'auc', 4)} | "
+                     f"{_delta(h.get('holdout_auc'), start.get('holdout_auc'), 4)} | "
+                     f"{_with(figures, interval, 'tar@1e-3')} | "
+                     f"{_delta(h.get('holdout_tar@1e-3'), start.get('holdout_tar@1e-3'))} | "
+                     f"{_with(figures, interval, 'tar@1e-4')} |")
+    return lines
+
+
+def _delta(value, start, digits: int = 3) -> str:
+    return "n/a" if value is None or start is None else f"{value - start:+.{digits}f}"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -71,14 +107,17 @@ def summary_markdown(summary: dict) -> str:
              f"{summary['rounds_completed']} rounds ({summary['status']}), "
              f"best round {summary['best_round']}.", "", *_rolled_back_lines(summary.get("rolled_back", [])),
              "## Global model on unseen people", "",
-             "| model | AUC | EER | TAR@1e-1 | TAR@1e-2 | TAR@1e-3 |", "|---|---|---|---|---|---|"]
+             "[low, high]: 95% bootstrap interval over people.", "",
+             "| model | AUC | EER | TAR@1e-2 | TAR@1e-3 | TAR@1e-4 |", "|---|---|---|---|---|---|"]
     rows = [("starting model (round 0)", summary["initial"])] if summary.get("initial") else []
     rows.append((f"federated (round {summary['best_round']})", summary["global"]))
     if summary.get("centralized"):
         rows.append(("centralised (upper bound)", summary["centralized"]["global"]))
     for name, g in rows:
-        lines.append(f"| {name} | {_f(g.get('auc'))} | {_f(g.get('eer'))} | {_f(g.get('tar@1e-1'))} | "
-                     f"{_f(g.get('tar@1e-2'))} | {_f(g.get('tar@1e-3'))} |")
+        interval = g.get("interval") or {}
+        lines.append(f"| {name} | {_with(g, interval, 'auc', 4)} | {_f(g.get('eer'))} | {_f(g.get('tar@1e-2'))} | "
+                     f"{_with(g, interval, 'tar@1e-3')} | {_with(g, interval, 'tar@1e-4')} |")
+    lines += _rounds_lines(summary)
     if not summary["personalized"]["training_clients"]:
         lines += ["", "## Personalised verification", "",
                   "Not measured: no client has two test images of one person (more images per identity needed)."]
@@ -87,6 +126,8 @@ def summary_markdown(summary: dict) -> str:
         if not stats:
             continue
         lines += ["", f"## Personalised verification, {title} (mean ± std over clients)", "",
+                  f"Each client's own people against {summary['personalized'].get('impostors', 'other people')}; "
+                  "start: the model every device had before the federation.", "",
                   "| verifier | clients | AUC | EER | TAR@1e-2 | TAR@1e-3 |", "|---|---|---|---|---|---|"]
         for name in VERIFIERS:
             if name in stats:

@@ -27,7 +27,7 @@ from fleet.devices import DevicePool, Turn
 from fleet.evaluation import flat
 from fleet.final_report import FinalEvaluation
 from fleet.report import write_summary
-from models.evaluation.evaluate import verification
+from models.evaluation.evaluate import unseen_people, verification
 from models.networks.backbone import FaceEmbedder
 from models.networks.face_model import global_embedder
 from models.training.tracking import MlflowTracker, NullTracker, default_tracking_uri
@@ -329,11 +329,14 @@ class Simulation:
         evaluating = time.perf_counter()
         self._eval_threads()
         val_report, _ = verification(model, self.val, self.config.max_eval_pairs, self.config.seed)
-        hold_report, _ = verification(model, self.holdout, self.config.max_eval_pairs, self.config.seed)
+        hold_report, _ = unseen_people(model, self.holdout, self.config.max_eval_pairs, self.config.seed)
         record.update({f"val_{k}": v for k, v in flat(val_report).items() if k in ("auc", "eer")})
         record.update({f"holdout_{k}": v for k, v in flat(hold_report).items()})
-        # early stopping watches validation images of the devices' own people; unseen people when too few
-        record["select_auc"] = record.get("val_auc") if record.get("val_auc") is not None else record.get("holdout_auc")
+        record["holdout_interval"] = hold_report.get("interval")
+        # the best round and early stopping watch people no device holds (what the federation must not make worse);
+        # the devices' own validation images only when there are no such people: they can rise while those fall
+        unseen = record.get("holdout_auc")
+        record["select_auc"] = unseen if unseen is not None else record.get("val_auc")
         record["eval_s"] = time.perf_counter() - evaluating
         quality = {k: float(record[f"holdout_{k}"]) for k in ("auc", "eer") if record.get(f"holdout_{k}") is not None}
         if quality:  # the coordinator's dashboard plots it (the operator's evaluation: the simulator holds the faces)

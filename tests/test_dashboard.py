@@ -100,6 +100,9 @@ def test_the_dashboard_shows_a_running_fleet_and_controls_training(live_coordina
     expect(page.locator("#legend")).to_contain_text("gate AUC")
     service.engine.store.record_evaluation(1, {"auc": 0.9, "eer": 0.1}, "test")
     expect(page.locator("#legend")).to_contain_text("held-out AUC (operator)")
+    # and in words, start against now, for whoever would rather read than look
+    expect(page.locator("#quality-values")).to_contain_text("gate AUC (coordinator's faces): start v0 ")
+    expect(page.locator("#quality-values")).to_contain_text("held-out AUC (operator): start v1 0.9000, now v1 0.9000")
     assert page.locator("#chart polyline").count() >= 3
     assert "loss" not in page.inner_text("#legend")
     # 1280 px: no table wider than its panel (nothing scrolls sideways), no panel past the window

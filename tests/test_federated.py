@@ -125,14 +125,18 @@ def test_every_device_gets_the_final_model_and_the_coordinator_says_finished(fle
 
 
 def test_each_device_personalised_model_verifies_its_own_people(fleet):
+    from edge_client.recognizer import Settings, current_model, file_sha256
+
     _, devices, datasets, _ = fleet
     for device, data in zip(devices, datasets):
         model = device.home.personalised_onnx
-        from edge_client.recognizer import current_model
-
-        assert current_model(device.home, Vault.open(device.home.root / "store")) == model, (
-            "`ffr device verify/calibrate` use the personalised model"
-        )
+        vault = Vault.open(device.home.root / "store")
+        # the device verifies with the better of the global and its personalised model, recalibrated for it
+        settings, chosen = Settings.load(device.home, vault), current_model(device.home, vault)
+        assert chosen.name == settings.verifier and chosen in (model, device.home.generic_onnx)
+        assert settings.calibration.model_sha256 == file_sha256(chosen)
+        assert all(e["verifier"].startswith("own people TAR ") and " at FAR 0.001 with the " in e["verifier"]
+                   for e in device.home.rounds_log())
         embedder = OnnxEmbedder(model)
         assert embedder.info.kind == "personalised"
         crops = crop_index(load_index(data), CropConfig(detector="none"), use_cache=False, progress=False)

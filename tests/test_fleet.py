@@ -50,7 +50,13 @@ def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
     assert 0.0 <= summary["global"]["auc"] <= 1.0 and summary["global"]["n_impostor_pairs"] > 0
     assert summary["centralized"]["epochs"] == 2 and 0.0 <= summary["centralized"]["global"]["auc"] <= 1.0
     personalised = summary["personalized"]["training_clients"]
-    assert set(personalised) == {"global", "local", "local+dfc", "centralized"}
+    assert set(personalised) == {"start", "global", "local", "local+dfc", "centralized"}
+    # the starting model is scored per device like the rest, against strangers (people on no device)
+    assert summary["personalized"]["impostors"] == "people on no device"
+    assert all(r["start"]["auc"] is not None and "tar@1e-3" in r["start"] for r in summary["personalized"]["per_client"])
+    low, high = summary["history"][0]["holdout_interval"]["auc"]  # a bootstrap over the unseen people
+    assert 0.0 <= low <= high <= 1.0 and summary["global"]["interval"]["auc"] is not None
+    assert summary["best_round"] == max(summary["history"][1:], key=lambda h: h["holdout_auc"])["round"]
     assert personalised["local+dfc"]["clients"] == 3 and personalised["local+dfc"]["auc"]["std"] >= 0.0
     # the local models really differ from the global one (they were trained on the device)
     rows = summary["personalized"]["per_client"]
@@ -61,7 +67,9 @@ def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
     for name in ("rounds", "roc_global", "roc_personalized", "client_tar", "confusion", "partition"):
         png = Path(summary["plots"][name])
         assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert "| federated (round " in (simulated / "summary.md").read_text()
+    markdown = (simulated / "summary.md").read_text()
+    assert "| federated (round " in markdown and "## Round by round, people no device holds" in markdown
+    assert "| 0 (start) |" in markdown and "| start | 3 |" in markdown
 
 
 def test_simulation_used_the_real_coordinator_and_devices(simulated):
@@ -104,6 +112,7 @@ def test_report_puts_runs_side_by_side(simulated, capsys):
     assert main(["fleet", "report", str(simulated), str(simulated)]) == 0
     table = capsys.readouterr().out.strip().splitlines()
     assert table[0].startswith("| run |") and len(table) == 4
+    assert "| start AUC | global AUC |" in table[0] and "pers. TAR@1e-3 start" in table[0]
     assert compare([simulated]).count("fedprox +DFC") == 1
 
 

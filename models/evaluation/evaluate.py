@@ -34,6 +34,28 @@ def verification(model, crops: FaceCrops | None, max_pairs: int, seed: int,
     return roc_report(scores, same), (scores, same)
 
 
+UNSEEN_FARS = (1e-1, 1e-2, 1e-3, 1e-4)
+
+
+def unseen_people(model, crops: FaceCrops | None, max_pairs: int, seed: int) -> tuple[dict, tuple | None]:
+    """The federation's first figure: AUC, EER and TAR@FAR down to 1e-4 of a model on people it never trained on,
+    each of AUC and TAR@1e-3/1e-4 with a 95% bootstrap interval over people (`models.evaluation.bootstrap`);
+    plus the raw scores for ROC plots. ({}, None) when there are too few people."""
+    from models.evaluation.bootstrap import people_interval
+    from models.networks.embedders import TorchEmbedder
+
+    if crops is None or len(crops) < 2 or len(np.unique(crops.labels)) < 2:
+        return {}, None
+    emb = embed_all(TorchEmbedder(model, False), crops.images)
+    pairs, same = make_pairs(crops.labels, max_pairs, seed)
+    if same.all() or not same.any():
+        return {}, None
+    scores = cosine_scores(emb, pairs)
+    report = roc_report(scores, same, UNSEEN_FARS)
+    report["interval"] = people_interval(scores, same, crops.labels[pairs], seed=seed)
+    return report, (scores, same)
+
+
 def evaluate_crops(embedder, crops: FaceCrops, pairs_file: Path | None = None, image_root: Path | None = None,
                    max_pairs: int = 200_000, seed: int = 0, progress: bool = False,
                    roc_png: Path | None = None) -> dict:

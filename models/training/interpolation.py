@@ -10,9 +10,9 @@ is always a candidate, so the chosen weights are never worse than the start on t
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+
+from models.maths.interpolation import choose_alpha as choose_between
 
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -26,13 +26,6 @@ def interpolate(start: dict[str, torch.Tensor], tuned: dict[str, torch.Tensor], 
             if tuned[k].is_floating_point() else tuned[k].clone() for k in tuned}
 
 
-def choose_alpha(score: Callable[[float], float | None], alphas: tuple[float, ...] = ALPHAS
-                 ) -> tuple[float, dict[float, float]]:
-    """(the alpha with the highest score, every alpha's score); ties go to the smaller move.
-
-    Returns alpha 1.0 (the tuned weights, as without this step) when no alpha could be scored."""
-    scores = {a: s for a in alphas if (s := score(a)) is not None}
-    if not scores:
-        return 1.0, {}
-    best = max(scores.values())
-    return min(a for a, s in scores.items() if s == best), scores
+def choose_alpha(score, alphas: tuple[float, ...] = ALPHAS) -> tuple[float, dict[float, float]]:
+    """`models.maths.interpolation.choose_alpha` over `ffr train`'s alphas, the start (0) among them."""
+    return choose_between(score, alphas)

@@ -1,0 +1,176 @@
+"""What honest federated rounds do to the shared model, setting by setting: start vs after, on the figures a device
+lives by. The federation issue's measurement of why honest rounds degrade.
+
+Each arm replays R rounds of N CelebA devices in one process, with the device's own round function
+(`edge_client.local_training.train_round`) and the coordinator's own mean (`coordinator.aggregation.RunningMean`,
+`apply_delta`), no broker: the figures depend only on the local training and the mean. After each round it scores
+  - the global model on people no device holds (AUC, TAR@FAR=1e-3 and 1e-4), and
+  - each device's own people against strangers (people of no device, TAR@FAR=1e-3), with the global model and
+    with the device's local model,
+beside the starting model's same figures. Arms differ only in `TrainingConfig` fields (`--arm NAME:k=v,k=v`).
+
+    python -m bench.honest_round --out bench/results --rounds 2 \
+        --arm today: --arm bn_frozen:batchnorm=frozen --arm anchor10:embedding_reg=10
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.common import face_set, write_results
+from coordinator.aggregation import RunningMean, apply_delta
+from edge_client.local_training import train_round
+from fleet.config import SimConfig
+from fleet.data import TEST, TRAIN, FleetData, prepare
+from fleet.evaluation import client_pairs, embed, flat
+from models.evaluation.evaluate import unseen_people
+from models.evaluation.metrics import cosine_scores, roc_report
+from models.faces.splits import relabel
+from models.networks.face_model import FaceModel, ModelConfig, global_embedder, initial_global_state
+from protocol.messages import TrainingConfig
+
+BASE = {"algorithm": "fedprox"}  # `ffr coordinator serve`'s and `ffr fleet simulate`'s default method
+
+
+def parse_arm(text: str) -> tuple[str, dict]:
+    """'name:k=v,k=v' -> (name, TrainingConfig overrides); values are JSON where they parse, else strings."""
+    name, _, rest = text.partition(":")
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return name, overrides
+
+
+def device_crops(data: FleetData, client: int):
+    train = data.union(TRAIN, [client])
+    return relabel(train, np.unique(train.labels))
+
+
+def own_vs_strangers(data: FleetData, client: int, embedder, strangers: np.ndarray) -> dict:
+    """TAR@FAR of the client's own people's test images against strangers' images (people of no device)."""
+    own = np.flatnonzero(data.client_mask(client, TEST))
+    pairs, same = client_pairs(data.crops.labels[own], len(strangers))
+    scores = cosine_scores(embedder(np.concatenate([own, strangers])), pairs)
+    return flat(roc_report(scores, same))
+
+
+def score_round(data: FleetData, state: dict, locals_: dict[int, FaceModel], strangers: np.ndarray,
+                max_pairs: int, seed: int) -> dict:
+    model = global_embedder(state)
+    unseen, _ = unseen_people(model, data.holdout(), max_pairs, seed)
+    images = data.crops.images
+    table = {}
+    for k in data.training_clients:
+        row = {"global": own_vs_strangers(data, k, lambda idx: embed(model, images[idx]), strangers)}
+        if k in locals_:
+            row["local"] = own_vs_strangers(data, k, lambda idx, m=locals_[k]: embed(m, images[idx]), strangers)
+        table[k] = row
+    per = {name: float(np.mean([r[name]["tar@1e-3"] for r in table.values() if name in r
+                                and r[name]["tar@1e-3"] is not None]))
+           for name in ("global", "local") if any(name in r for r in table.values())}
+    tar = unseen.get("tar_at_far", {})
+    return {"unseen_auc": unseen.get("auc"), "unseen_tar@1e-3": tar.get("0.001"), "unseen_tar@1e-4": tar.get("0.0001"),
+            "unseen_interval": unseen.get("interval"), "own_tar@1e-3": per,
+            "per_client": {str(k): v for k, v in table.items()}}
+
+
+def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs: int, strangers: np.ndarray,
+            start_scores: dict) -> list[dict]:
+    config = TrainingConfig(**{**BASE, **overrides})
+    state = initial_global_state()
+    rows = []
+    for r in range(1, rounds + 1):
+        mean, locals_, started = RunningMean(), {}, time.perf_counter()
+        torch_state = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
+        for k in data.training_clients:
+            crops = device_crops(data, k)
+            model = FaceModel(ModelConfig(n_classes=len(crops.identities), pretrained=False, dfc=config.dfc,
+                                          dfc_weight=config.dfc_weight))
+            result = train_round(model, crops, torch_state, config.epochs, config.batch_size, config.lr,
+                                 config.prox_mu if config.algorithm == "fedprox" else 0.0, seed=seed * 1000 + k + r,
+                                 objective=config)
+            mean.add(result.delta, result.n_samples)
+            locals_[k] = model.eval()
+        state = apply_delta(state, mean.mean())
+        scores = score_round(data, state, locals_, strangers, max_pairs, seed)
+        scores.update(round=r, seconds=time.perf_counter() - started)
+        print(f"  round {r}: unseen AUC {start_scores['unseen_auc']:.4f} -> {scores['unseen_auc']:.4f}, "
+              f"TAR@1e-3 {start_scores['unseen_tar@1e-3']:.3f} -> {scores['unseen_tar@1e-3']:.3f}; own people "
+              f"TAR@1e-3 {start_scores['own_tar@1e-3']['global']:.3f} -> global {scores['own_tar@1e-3']['global']:.3f}"
+              f", local {scores['own_tar@1e-3'].get('local', float('nan')):.3f} ({scores['seconds']:.0f} s)",
+              flush=True)
+        rows.append(scores)
+    return rows
+
+
+def table(results: dict) -> list[dict]:
+    """One row per arm and round, the start first."""
+    def row(arm: str, settings: str, r: int, scores: dict) -> dict:
+        own = scores["own_tar@1e-3"]
+        return {"arm": arm, "settings": settings, "round": r, "unseen AUC": scores["unseen_auc"],
+                "unseen TAR@1e-3": scores["unseen_tar@1e-3"], "unseen TAR@1e-4": scores["unseen_tar@1e-4"],
+                "own TAR@1e-3 (global)": own["global"], "own TAR@1e-3 (local)": own.get("local", "-")}
+
+    rows = [row("start", "shipped model", 0, results["start"])]
+    for name, arm in results["arms"].items():
+        settings = ", ".join(f"{k}={v}" for k, v in arm["overrides"].items()) or "defaults"
+        rows += [row(name, settings, scores["round"], scores) for scores in arm["rounds"]]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, help="labelled faces (default: $FFR_FACES_DIR/celeba_subset)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--name", default="honest_round")
+    p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--partition", default="iid")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strangers", type=int, default=300, help="images of people of no device each device is tried on")
+    p.add_argument("--max-pairs", type=int, default=100_000)
+    p.add_argument("--arm", action="append", default=[], help="NAME:field=value,... (TrainingConfig fields)")
+    args = p.parse_args(argv)
+    data_dir = face_set(args.data)
+    if data_dir is None:
+        return 2
+    torch.manual_seed(args.seed)
+    sim = SimConfig(data=str(data_dir), clients=args.clients, partition=args.partition, holdout_identities=0.2,
+                    progress=False, mlflow=False)
+    sim.server.seed = args.seed
+    run_dir = args.out / f".{args.name}_data"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = prepare(sim, run_dir)
+    rng = np.random.default_rng(args.seed)
+    holdout = np.flatnonzero(data.holdout_mask())
+    strangers = np.sort(rng.choice(holdout, min(args.strangers, len(holdout)), replace=False))
+    start = score_round(data, initial_global_state(), {}, strangers, args.max_pairs, args.seed)
+    print(f"start: unseen AUC {start['unseen_auc']:.4f}, TAR@1e-3 {start['unseen_tar@1e-3']:.3f}; own people "
+          f"TAR@1e-3 {start['own_tar@1e-3']['global']:.3f}", flush=True)
+    results = {"clients": args.clients, "partition": args.partition, "start": start, "arms": {}}
+    for text in args.arm or ["today:"]:
+        name, overrides = parse_arm(text)
+        print(f"arm {name}: {overrides or 'defaults'}", flush=True)
+        results["arms"][name] = {"overrides": overrides,
+                                 "rounds": run_arm(data, overrides, args.rounds, args.seed, args.max_pairs, strangers,
+                                                   start)}
+        write_results(args.out, args.name, results, table(results),
+                      f"Honest rounds, start vs after: {args.clients} CelebA devices, {args.partition} (unseen: people "
+                      "no device holds; own: each device's people against strangers, mean TAR@1e-3 over devices)",
+                      "python -m bench.honest_round " + " ".join(sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""Which model a device verifies with after a round, and the threshold it holds for it.
+
+A round leaves a device two candidates: the global model (`generic.onnx`) and its personalised one (its local
+backbone with the DFC branch, `personalised.onnx`). The personalised model learnt the device's people, and may
+also have learnt to let strangers in, so it is used only when, on the device's people and public negatives
+(faces of nobody's people), it keeps more of its people at the device's false-accept rate than the global model
+does. Whichever is chosen is calibrated again on those same faces (`edge_client.recognizer.calibrate`, as
+`ffr device calibrate` sets a threshold), so the FAR the device promises holds across rounds: the threshold
+set for the last model is never carried over to the next. Its people's figures are on the images it trains on:
+a personalised model is judged where it is at its best, which is why it must beat the global model, not tie.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.home import DeviceHome
+from edge_client.recognizer import Calibration, Settings, calibrate, file_sha256, normalise
+from edge_client.vault import Vault
+from models.runtime import OnnxEmbedder
+
+log = logging.getLogger("edge_client")
+DEFAULT_FAR = 1e-3  # `ffr device calibrate`'s default, for a device that was never calibrated
+
+
+@dataclass
+class Choice:
+    """The model the device verifies with from now on, its new calibration, and each candidate's share of the
+    device's people accepted at that FAR (1 - expected false-reject rate)."""
+
+    model: Path
+    calibration: Calibration
+    tar: dict[str, float]
+    previous: Calibration | None
+
+    def line(self) -> str:
+        """The device's log line: its people's TAR before and after, at the FAR it promises."""
+        cal, before = self.calibration, self.previous
+        was = f"{1 - before.expected_frr:.3f}" if before is not None else "n/a (never calibrated)"
+        threshold = f"{before.threshold:.3f} -> {cal.threshold:.3f}" if before is not None else f"{cal.threshold:.3f}"
+        others = ", ".join(f"{name} {tar:.3f}" for name, tar in self.tar.items())
+        return (f"own people TAR {was} -> {1 - cal.expected_frr:.3f} at FAR {cal.far_target:g} with the "
+                f"{self.model.stem} model ({others}); threshold {threshold}, recalibrated on "
+                f"{cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor scores")
+
+
+def people_embeddings(embedder: OnnxEmbedder, images: np.ndarray, labels: np.ndarray,
+                      negatives: np.ndarray | None) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """One array of embeddings per person of the device, and the public negatives' (None without them)."""
+    emb = normalise(embedder.embed(images))
+    strangers = normalise(embedder.embed(negatives)) if negatives is not None and len(negatives) else None
+    return [emb[labels == k] for k in np.unique(labels)], strangers
+
+
+def choose(home: DeviceHome, vault: Vault, images: np.ndarray, labels: np.ndarray,
+           negatives: np.ndarray | None) -> Choice | None:
+    """Calibrate each exported model on the device's faces, verify with the better one, save both choices in the
+    sealed settings. None (nothing changed) when the device has too few people to calibrate on."""
+    settings = Settings.load(home, vault)
+    previous = settings.calibration
+    far = previous.far_target if previous is not None else DEFAULT_FAR
+    candidates = [p for p in (home.generic_onnx, home.personalised_onnx) if p.is_file()]
+    calibrations: dict[Path, Calibration] = {}
+    for path in candidates:
+        embeddings, strangers = people_embeddings(OnnxEmbedder(path), images, labels, negatives)
+        try:
+            calibrations[path] = calibrate(embeddings, far, file_sha256(path), strangers)
+        except ValueError as exc:
+            log.warning("%s: not recalibrated: %s", home.root, exc)
+            return None
+    if not calibrations:
+        return None
+    tar = {path.stem: 1 - cal.expected_frr for path, cal in calibrations.items()}
+    # the personalised model must beat the global one outright; a tie keeps the model everyone shares
+    best = max(calibrations, key=lambda p: (tar[p.stem], p == home.generic_onnx))
+    settings.verifier, settings.calibration = best.name, calibrations[best]
+    settings.save(home, vault)
+    return Choice(best, calibrations[best], tar, previous)

@@ -1,0 +1,92 @@
+"""What tells whether a federated round paid: intervals over people, the server's step, what a round may change."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.server_step import best_step
+from models.evaluation.bootstrap import people_interval, weighted_tar_at_far
+from models.evaluation.metrics import cosine_scores, make_pairs, tar_at_far
+from models.maths.interpolation import interpolate_arrays
+from models.networks.backbone import FaceEmbedder
+from models.training.trainable import frozen_batchnorm, top_blocks_only
+
+
+def _scored_people(n_people: int, noise: float, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    labels = np.repeat(np.arange(n_people), 8)
+    emb = rng.normal(size=(n_people, 32))[labels] + noise * rng.normal(size=(len(labels), 32))
+    pairs, same = make_pairs(labels, 40_000, seed)
+    return cosine_scores(emb, pairs), same, labels[pairs]
+
+
+def test_weighted_tar_with_unit_weights_is_the_plain_tar():
+    scores, same, _ = _scored_people(30, 1.0)
+    plain = tar_at_far(scores, same, (1e-2, 1e-3))
+    for far in (1e-2, 1e-3):
+        assert weighted_tar_at_far(scores, same, np.ones(len(scores)), far) == pytest.approx(plain[f"{far:g}"])
+    assert weighted_tar_at_far(scores[:50], same[:50], np.ones(50), 1e-4) is None  # too few impostors to say
+
+
+def test_the_interval_over_people_narrows_with_more_people_and_holds_the_figure():
+    from sklearn.metrics import roc_auc_score
+
+    few, many = _scored_people(10, 1.2), _scored_people(60, 1.2)
+    widths = []
+    for scores, same, people in (few, many):
+        interval = people_interval(scores, same, people, fars=(1e-2,), resamples=100)
+        low, high = interval["auc"]
+        assert low <= roc_auc_score(same, scores) <= high
+        assert interval["tar@1e-2"][0] <= interval["tar@1e-2"][1]
+        widths.append(high - low)
+    assert widths[1] < widths[0]
+
+
+def test_the_server_step_takes_the_point_that_separates_the_held_faces_best():
+    current = {"w": np.zeros(4, np.float32), "n": np.array(3)}
+    aggregate = {"w": np.full(4, 8.0, np.float32), "n": np.array(5)}
+    # held faces that like a short step: the AUC peaks at w = 2 (a quarter of the way)
+    auc_of = lambda state: 0.9 - abs(float(state["w"][0]) - 2.0) / 100  # noqa: E731
+    state, figures = best_step(current, aggregate, auc_of)
+    assert figures["server_step"] == 0.25 and np.allclose(state["w"], 2.0) and state["n"] == 5
+    assert figures["server_step_auc@1"] == pytest.approx(0.84)
+    # a faithful aggregate is taken whole; equal scores go to the smaller move
+    assert best_step(current, aggregate, lambda s: float(s["w"][0]))[1]["server_step"] == 1.0
+    assert best_step(current, aggregate, lambda s: 0.5)[1]["server_step"] == 0.25
+    half = interpolate_arrays(current, aggregate, 0.5)
+    assert half["w"].dtype == np.float32 and np.allclose(half["w"], 4.0)
+
+
+def _one_step(model: FaceEmbedder) -> None:
+    optimiser = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.train()
+    loss = model(torch.rand(4, 3, 64, 64) * 4).sum()
+    optimiser.zero_grad()
+    loss.backward()
+    optimiser.step()
+
+
+def test_frozen_batchnorm_keeps_the_received_statistics_through_training():
+    torch.manual_seed(0)
+    model = FaceEmbedder(32, 0.35, pretrained=False)
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    with frozen_batchnorm(model):
+        _one_step(model)
+    assert all(torch.equal(before[k], model.state_dict()[k]) for k in before)
+    _one_step(model)  # outside, BatchNorm learns its statistics again
+    assert not all(torch.equal(before[k], model.state_dict()[k]) for k in before)
+
+
+def test_top_blocks_only_leaves_the_lower_trunk_as_received():
+    torch.manual_seed(0)
+    model = FaceEmbedder(32, 0.35, pretrained=False)
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    with top_blocks_only(model, 2):
+        _one_step(model)
+    after = dict(model.named_parameters())
+    lower = [k for k in before if k.startswith("features.") and int(k.split(".")[1]) < len(model.features) - 2]
+    upper = [k for k in before if k not in lower]
+    assert lower and all(torch.equal(before[k], after[k]) for k in lower)
+    assert any(not torch.equal(before[k], after[k]) for k in upper)
+    assert all(p.requires_grad for p in model.parameters())  # everything trains again outside

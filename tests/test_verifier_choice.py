@@ -1,0 +1,98 @@
+"""After a round a device verifies with the better of the global and its personalised model, recalibrated on its own
+people and public negatives; real ONNX exports, real ONNX Runtime, SYNTHETIC faces."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from edge_client.exporter import export_models
+from edge_client.home import DeviceHome
+from edge_client.recognizer import Calibration, Recognizer, Settings, current_model, file_sha256
+from edge_client.vault import Vault
+from models.faces.crops import CropConfig, crop_index
+from models.faces.datasets import load_index
+from models.networks.face_model import FaceModel, ModelConfig, initial_global_state, load_shareable_state
+
+
+@pytest.fixture(scope="module")
+def faces(tmp_path_factory):
+    """4 people of 6 faces each on the device, and 60 public faces of nobody's people."""
+    from models.faces.synthetic import write_dataset
+
+    root = tmp_path_factory.mktemp("faces")
+    own = crop_index(load_index(write_dataset(root / "own", 4, 6, seed=5)), CropConfig(detector="none"),
+                     use_cache=False, progress=False)
+    public = crop_index(load_index(write_dataset(root / "public", 60, 2, seed=6)), CropConfig(detector="none"),
+                        use_cache=False, progress=False)
+    return own.images, own.labels, public.images[::2]
+
+
+def _calibrated_home(path, far: float = 0.05) -> DeviceHome:
+    """A home whose owner once ran `ffr device calibrate --far 0.05` (a FAR these few faces can measure)."""
+    home = DeviceHome(path)
+    vault = Vault.open(home.root / "store")
+    settings = Settings.load(home, vault)
+    settings.calibration = Calibration(0.5, far, 0.1, True, 10, 100, "0" * 64)
+    settings.save(home, vault)
+    return home
+
+
+def _face_state() -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v.copy()) for k, v in initial_global_state().items()}
+
+
+def _blind_state() -> dict[str, torch.Tensor]:
+    """A backbone that maps every face to one point (its embedding layer zeroed): it tells no one apart."""
+    state = _face_state()
+    state["backbone.embedding.weight"] = torch.zeros_like(state["backbone.embedding.weight"])
+    return state
+
+
+def _model(backbone: dict[str, torch.Tensor]) -> FaceModel:
+    model = FaceModel(ModelConfig(n_classes=4, pretrained=False, dfc=True))
+    load_shareable_state(model, backbone)
+    return model.eval()
+
+
+def test_a_device_keeps_the_global_model_when_its_personalised_one_is_worse(tmp_path, faces, caplog):
+    home, (images, labels, public) = _calibrated_home(tmp_path / "home"), faces
+    with caplog.at_level(logging.INFO):
+        line = export_models(_model(_blind_state()), home, "dev", _face_state(), images, labels, public)
+    vault = Vault.open(home.root / "store")
+    settings = Settings.load(home, vault)
+    assert current_model(home, vault) == home.generic_onnx and settings.verifier == "generic.onnx"
+    assert home.personalised_onnx.exists(), "exported and sealed, but not the one that decides"
+    assert "with the generic model" in line and "personalised 0.000" in line and "own people TAR 0.900 ->" in line
+    # the threshold belongs to the model that decides, set on these faces for the device's FAR
+    assert settings.calibration.model_sha256 == file_sha256(home.generic_onnx)
+    assert settings.calibration.far_target == 0.05 and settings.calibration.measurable
+
+
+def test_a_better_personalised_model_is_used_and_every_new_model_is_recalibrated(tmp_path, faces):
+    home, (images, labels, public) = _calibrated_home(tmp_path / "home"), faces
+    export_models(_model(_face_state()), home, "dev", _blind_state(), images, labels, public)
+    vault = Vault.open(home.root / "store")
+    first = Settings.load(home, vault).calibration
+    assert current_model(home, vault) == home.personalised_onnx
+    assert first.model_sha256 == file_sha256(home.personalised_onnx)
+    # the next round brings other weights: the device recalibrates rather than keep the old threshold
+    moved = _face_state()
+    moved["backbone.embedding.weight"] = moved["backbone.embedding.weight"] * 1.5 + 0.02
+    line = export_models(_model(moved), home, "dev", moved, images, labels, public)
+    second = Settings.load(home, vault).calibration
+    assert second.model_sha256 == file_sha256(current_model(home, vault)) != first.model_sha256
+    assert second.threshold != first.threshold and second.far_target == first.far_target
+    assert f"threshold {first.threshold:.3f} -> {second.threshold:.3f}" in line
+    # and `ffr device verify` holds it for the model it now uses: calibrated, not 'for an older model'
+    assert Recognizer(home, vault).threshold_note == "calibrated for FAR 0.05"
+
+
+def test_without_faces_to_judge_by_the_last_model_exported_decides(tmp_path):
+    home = DeviceHome(tmp_path / "home")
+    assert export_models(_model(_face_state()), home, "dev") is None
+    vault = Vault.open(home.root / "store")
+    assert current_model(home, vault) == home.personalised_onnx and Settings.load(home, vault).calibration is None
+    assert np.isfinite(Recognizer(home, vault).threshold)
