@@ -2,8 +2,11 @@
 lives by. The federation issue's measurement of why honest rounds degrade.
 
 Each arm replays R rounds of N CelebA devices in one process, with the device's own round function
-(`edge_client.local_training.train_round`) and the coordinator's own mean (`coordinator.aggregation.RunningMean`,
-`apply_delta`), no broker: the figures depend only on the local training and the mean. After each round it scores
+(`edge_client.local_training.train_round`), the coordinator's own mean (`coordinator.aggregation.RunningMean`,
+`apply_delta`) and, as `ffr fleet simulate` gives it, its quality gate on its own people (a share of the people on
+no device, `--gate-identities`): the server step chosen on them (`coordinator.server_step`) and the gate's verdict.
+No broker: the figures depend only on the local training and what the coordinator does with the mean. After each
+round it scores
   - the global model on people no device holds (AUC, TAR@FAR=1e-3 and 1e-4), and
   - each device's own people against strangers (people of no device, TAR@FAR=1e-3), with the global model and
     with the device's local model,
@@ -83,8 +86,36 @@ def score_round(data: FleetData, state: dict, locals_: dict[int, FaceModel], str
             "per_client": {str(k): v for k, v in table.items()}}
 
 
+def coordinator_gate(data: FleetData, seed: int):
+    """The quality gate `ffr fleet simulate` gives the coordinator: its own people's faces (None without them)."""
+    from coordinator.quality_gate import GateSettings, QualityGate
+    from models.evaluation.separation import FaceSet
+
+    if not data.gate_people:
+        return None
+    mask = data.gate_mask()
+    return QualityGate(FaceSet(np.ascontiguousarray(data.crops.images[mask]), data.crops.labels[mask]),
+                       GateSettings(seed=seed), "the coordinator's people")
+
+
+def publish(gate, state: dict, aggregate: dict, round_id: int) -> tuple[dict, dict]:
+    """What the coordinator publishes from the round's aggregate, in `coordinator.round_aggregation`'s order: the
+    gate's verdict on the whole step, then the server step on its faces, judged again (no leave-out: every device
+    here is honest); without a gate, the aggregate."""
+    if gate is None:
+        return aggregate, {}
+    problem, verdict = gate.check(state, f"round-{round_id}", aggregate)
+    if problem:
+        return state, {**verdict, "server_step": 0.0, "rolled_back": problem}
+    stepped, figures = gate.step(state, aggregate)
+    again, verdict = gate.check(state, f"round-{round_id}", stepped)
+    chosen = aggregate if again else stepped
+    return chosen, {**verdict, **figures, "server_step": figures["server_step"] if not again else 1.0,
+                    "rolled_back": ""}
+
+
 def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs: int, strangers: np.ndarray,
-            start_scores: dict) -> list[dict]:
+            start_scores: dict, gate=None) -> list[dict]:
     config = TrainingConfig(**{**BASE, **overrides})
     state = initial_global_state()
     rows = []
@@ -100,14 +131,15 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
                                  objective=config)
             mean.add(result.delta, result.n_samples)
             locals_[k] = model.eval()
-        state = apply_delta(state, mean.mean())
+        state, published = publish(gate, state, apply_delta(state, mean.mean()), r)
         scores = score_round(data, state, locals_, strangers, max_pairs, seed)
-        scores.update(round=r, seconds=time.perf_counter() - started)
+        scores.update(round=r, seconds=time.perf_counter() - started, coordinator=published)
         print(f"  round {r}: unseen AUC {start_scores['unseen_auc']:.4f} -> {scores['unseen_auc']:.4f}, "
               f"TAR@1e-3 {start_scores['unseen_tar@1e-3']:.3f} -> {scores['unseen_tar@1e-3']:.3f}; own people "
               f"TAR@1e-3 {start_scores['own_tar@1e-3']['global']:.3f} -> global {scores['own_tar@1e-3']['global']:.3f}"
-              f", local {scores['own_tar@1e-3'].get('local', float('nan')):.3f} ({scores['seconds']:.0f} s)",
-              flush=True)
+              f", local {scores['own_tar@1e-3'].get('local', float('nan')):.3f} ({scores['seconds']:.0f} s)"
+              + (f"; server step {published['server_step']:g}, {published['rolled_back'] or 'published'}"
+                 if published else ""), flush=True)
         rows.append(scores)
     return rows
 
@@ -116,7 +148,10 @@ def table(results: dict) -> list[dict]:
     """One row per arm and round, the start first."""
     def row(arm: str, settings: str, r: int, scores: dict) -> dict:
         own = scores["own_tar@1e-3"]
-        return {"arm": arm, "settings": settings, "round": r, "unseen AUC": scores["unseen_auc"],
+        published = scores.get("coordinator") or {}
+        step = "-" if not published else (f"{published['server_step']:g}" + (" rolled back" if published["rolled_back"]
+                                                                             else ""))
+        return {"arm": arm, "settings": settings, "round": r, "server step": step, "unseen AUC": scores["unseen_auc"],
                 "unseen TAR@1e-3": scores["unseen_tar@1e-3"], "unseen TAR@1e-4": scores["unseen_tar@1e-4"],
                 "own TAR@1e-3 (global)": own["global"], "own TAR@1e-3 (local)": own.get("local", "-")}
 
@@ -141,13 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strangers", type=int, default=300, help="images of people of no device each device is tried on")
     p.add_argument("--max-pairs", type=int, default=100_000)
     p.add_argument("--arm", action="append", default=[], help="NAME:field=value,... (TrainingConfig fields)")
+    p.add_argument("--gate-identities", type=float, default=0.3,
+                   help="share of the people on no device the coordinator keeps for its server step and gate, as "
+                        "`ffr fleet simulate` does (0: publish every aggregate)")
     args = p.parse_args(argv)
     data_dir = face_set(args.data)
     if data_dir is None:
         return 2
     torch.manual_seed(args.seed)
     sim = SimConfig(data=str(data_dir), clients=args.clients, partition=args.partition, holdout_identities=0.2,
-                    progress=False, mlflow=False)
+                    gate_identities=args.gate_identities, progress=False, mlflow=False)
     sim.server.seed = args.seed
     run_dir = args.out / f".{args.name}_data"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -158,13 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     start = score_round(data, initial_global_state(), {}, strangers, args.max_pairs, args.seed)
     print(f"start: unseen AUC {start['unseen_auc']:.4f}, TAR@1e-3 {start['unseen_tar@1e-3']:.3f}; own people "
           f"TAR@1e-3 {start['own_tar@1e-3']['global']:.3f}", flush=True)
+    gate = coordinator_gate(data, args.seed)
     results = {"clients": args.clients, "partition": args.partition, "start": start, "arms": {}}
     for text in args.arm or ["today:"]:
         name, overrides = parse_arm(text)
         print(f"arm {name}: {overrides or 'defaults'}", flush=True)
         results["arms"][name] = {"overrides": overrides,
                                  "rounds": run_arm(data, overrides, args.rounds, args.seed, args.max_pairs, strangers,
-                                                   start)}
+                                                   start, gate)}
         write_results(args.out, args.name, results, table(results),
                       f"Honest rounds, start vs after: {args.clients} CelebA devices, {args.partition} (unseen: people "
                       "no device holds; own: each device's people against strangers, mean TAR@1e-3 over devices)",

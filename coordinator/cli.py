@@ -154,8 +154,9 @@ def add_broker_options(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--ca-file", help="CA certificate for mqtts:// brokers")
 
 
-def add_gate_options(p: argparse.ArgumentParser) -> None:
-    """The quality gate's options (coordinator.quality_gate), shared by `ffr coordinator serve` and `ffr fleet`."""
+def add_gate_options(p: argparse.ArgumentParser):
+    """The quality gate's options (coordinator.quality_gate), shared by `ffr coordinator serve` and `ffr fleet`; the
+    group, for a command's own gate options."""
     from coordinator.quality_gate import GateSettings
 
     d = GateSettings()
@@ -174,6 +175,7 @@ def add_gate_options(p: argparse.ArgumentParser) -> None:
                    help=f"... or loses more than this much AUC (default {d.auc_margin:g})")
     g.add_argument("--gate-faces", type=int, default=d.limit, help=f"faces scored, at most (default {d.limit})")
     g.add_argument("--no-gate", action="store_true", help="publish without the quality gate (not for deployments)")
+    return g
 
 
 def gate_settings(args, seed: int):

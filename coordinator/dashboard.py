@@ -51,6 +51,7 @@ def _round_row(r: dict) -> dict:
             # quality measured by the coordinator itself: the gate's AUC on its faces (before and after the round)
             # and the Federated Validation score of the weighting chosen
             "gate_auc_before": m.get("gate_auc_current"), "gate_auc_after": m.get("gate_auc_candidate"),
+            "gate_auc_start": m.get("gate_auc_start"), "server_step": m.get("server_step"),
             "fv_score": _chosen_fv_score(m)}
 
 

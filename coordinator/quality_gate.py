@@ -37,6 +37,7 @@ class QualityGate:
     settings: GateSettings = field(default_factory=GateSettings)
     source: str = ""
     _current: tuple[str, Scores] | None = None
+    _start: float | None = None
 
     def check(self, current_state: dict[str, np.ndarray], current_sha: str,
               candidate_state: dict[str, np.ndarray]) -> tuple[str, dict]:
@@ -47,6 +48,14 @@ class QualityGate:
         verdict = s.judge(self._current[1], score(candidate_state, self.faces, s.threads))
         metrics = {f"gate_{k}": v for k, v in verdict.metrics.items()}
         return ("" if verdict.ok else f"quality gate: {verdict.reason}"), metrics
+
+    def start_figures(self, start_state: dict[str, np.ndarray] | None) -> dict:
+        """The starting model's AUC on these faces (scored once), for each round's record: start against now."""
+        if start_state is None:
+            return {}
+        if self._start is None:
+            self._start = score(start_state, self.faces, self.settings.threads).auc
+        return {"gate_auc_start": self._start}
 
     def step(self, current_state: dict[str, np.ndarray], candidate_state: dict[str, np.ndarray]
              ) -> tuple[dict[str, np.ndarray], dict]:

@@ -2,9 +2,9 @@
 
 The order is fixed: combine the clipped updates by the run's rule, let the update filter finish the mean (DP's
 noise), step the strategy, check the result (finite, non-negative BatchNorm variances, a step within what the
-bound allows), then, where the coordinator holds faces, take the part of the step that separates them best
-(`coordinator.server_step`) and let the quality gate judge it; a gate refusal may still save the round without
-its worst updates (`leave_out`). The engine only hears the outcome: a model to publish, or a reason to roll back.
+bound allows), then the quality gate; a gate refusal may still save the round without its worst updates
+(`leave_out`); a model the gate passed is then reached only as far as separates the gate's faces best
+(`coordinator.server_step`). The engine only hears the outcome: a model to publish, or a reason to roll back.
 """
 from __future__ import annotations
 
@@ -84,12 +84,13 @@ class RoundAggregator:
         new_state = non_negative_variances(new_state)
         gate_metrics = {}
         if not problem and self.gate is not None:
-            new_state, gate_metrics = self.gate.step(global_state, new_state)
-            problem, verdict = self.gate.check(global_state, global_sha, new_state)
-            gate_metrics.update(verdict)
+            problem, gate_metrics = self.gate.check(global_state, global_sha, new_state)
             if problem and fresh_mean and self.filter.allows_leave_out:  # may be saved without its poisoners
                 new_state, problem, gate_metrics = self.leave_out(current, global_state, global_sha, devices, bound,
                                                                   problem, gate_metrics, server_state)
+            if not problem:
+                new_state, gate_metrics = self.step(global_state, global_sha, new_state, gate_metrics)
+            gate_metrics.update(self.gate.start_figures(self.store.load_model(0)))
         metrics = {**filter_metrics, **current.validation_metrics,
                    "aggregation_seconds": time.perf_counter() - started, "codec": self.settings.training.codec,
                    "fold_ms_per_update": 1000 * current.fold_seconds / max(1, len(devices)),
@@ -99,6 +100,17 @@ class RoundAggregator:
         if problem and self.strategy.stateful:
             self.strategy.state = server_state  # the server's momentum forgets the refused round too
         return Outcome(global_state if problem else new_state, problem, metrics)
+
+    def step(self, global_state: State, global_sha: str, passed: State, metrics: dict) -> tuple[State, dict]:
+        """The part of the way to the model the gate passed that separates its faces best (`coordinator.server_step`),
+        judged again; the whole way when the shorter step does not pass."""
+        stepped, figures = self.gate.step(global_state, passed)
+        if figures["server_step"] == 1.0:
+            return passed, {**metrics, **figures}
+        why, verdict = self.gate.check(global_state, global_sha, stepped)
+        if why:
+            return passed, {**metrics, **figures, "server_step": 1.0, "server_step_refused": why}
+        return stepped, {**metrics, **verdict, **figures}
 
     def leave_out(self, current: OpenRound, global_state: State, global_sha: str, devices: list[str], bound: float,
                   problem: str, metrics: dict, server_state) -> tuple[State, str, dict]:

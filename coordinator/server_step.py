@@ -7,8 +7,9 @@ WiSE-FT's interpolation (Wortsman et al., CVPR 2022, eq. 1) taken once per round
 with alpha chosen among STEPS by the AUC of each point on the faces the coordinator holds (the quality gate's:
 faces no device trains on); ties go to the smaller move. Honest devices that each hold a few people pull the
 aggregate towards those people; measured on held faces, part of the way is often better than all of it
-(`bench.honest_round`). The current model itself (alpha 0) is not a candidate: the gate that judges the chosen
-point against the current model (`coordinator.quality_gate`) is what refuses a round, with its reason.
+(`bench.honest_round`). The step is taken after the quality gate passed the whole way (so a poisoner is left
+out on the full step, `coordinator.round_aggregation.leave_out`, not let in diluted), and the chosen point is judged
+again. The current model itself (alpha 0) is not a candidate: refusing a round is the gate's, with its reason.
 """
 from __future__ import annotations
 

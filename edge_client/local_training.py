@@ -108,7 +108,8 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
                         previous_net=frozen_copy(model.backbone, previous_state) if contrastive else None)
     if objective.embedding_reg > 0:  # eq. 4 against the round's starting model
         round_.extra = anchored_to(frozen_copy(model.backbone), objective.embedding_reg)
-    with frozen_batchnorm(model.backbone, objective.batchnorm == "frozen"), \
+    with frozen_batchnorm(model.backbone if objective.batchnorm == "frozen" else model.backbone.features,
+                          objective.batchnorm != "train"), \
             top_blocks_only(model.backbone, objective.top_blocks):
         metrics = dict(LOCAL_ALGORITHMS[name](round_)[-1])
     for key in ("neg_loss", "total_loss"):  # figures that involve D_g: the device's log only

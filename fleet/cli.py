@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from models.cli.common import (
+    GATE_IDENTITIES,
     HOLDOUT_IDENTITIES,
     Owned,
     add_init_option,
@@ -208,7 +209,11 @@ def add_commands(fsub) -> None:
                    help="what they send (default scaled): scaled (1000x delta), sign-flip (-10x delta), wipe "
                         "(-global, 10^15 samples), collapse (pull all embeddings together from inside the norm "
                         "bound, largest accepted sample count)")
-    add_gate_options(p)
+    gate = add_gate_options(p)
+    gate.add_argument("--gate-identities", type=fraction, default=GATE_IDENTITIES,
+                      help="without --gate-data, the share of the people on no device that the coordinator keeps "
+                           "for its gate: faces it never serves, and no unseen-people figure uses "
+                           f"(default {GATE_IDENTITIES:g}; 0: judge on --public-data, if any)")
     g = p.add_argument_group("simulation")
     g.add_argument("--out", required=True, type=Path, help="run folder (RUN_DIR); an existing one is resumed")
     g.add_argument("--workers", type=int, default=2,

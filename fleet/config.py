@@ -74,8 +74,10 @@ class SimConfig:
     progress: bool = True
     malicious: float = 0.0             # fraction of training clients that poison their updates (fleet.attacks)
     attack: str = "scaled"
-    gate_data: str | None = None       # the coordinator's quality gate faces (default: the packed --public-data)
+    gate_data: str | None = None       # the coordinator's quality gate faces (default: its own people, see next)
     no_gate: bool = False
+    gate_identities: float = 0.3       # models.cli.common.GATE_IDENTITIES: the share of the people on no device
+                                       # the coordinator keeps for its gate (without --gate-data); 0: public set
 
     @property
     def training(self) -> TrainingConfig:
@@ -104,6 +106,9 @@ class SimConfig:
                    "--fv needs --holdout-clients of at least --fv-validators (validators are clients kept out of "
                    "training, scoring on their own images)"),
                   (self.public_limit >= 1, "--public-limit must be at least 1"),
+                  (0 <= self.gate_identities < 1,
+                   f"--gate-identities is a fraction of the people on no device, in [0, 1) (got "
+                   f"{self.gate_identities:g})"),
                   (0 <= self.holdout_identities < 1,
                    f"--holdout-identities is a fraction of the people, in [0, 1) (got {self.holdout_identities:g})"),
                   *[(value >= 0, f"{flag} must not be negative (got {value})") for flag, value in

@@ -66,6 +66,7 @@ class FleetData:
     split: np.ndarray         # TRAIN/VAL/TEST per crop (held-out identities: all TEST)
     partition: Partition
     detector: str
+    gate_people: tuple[str, ...] = ()  # people on no device whom the coordinator keeps for its quality gate
 
     @cached_property
     def names(self) -> np.ndarray:
@@ -77,11 +78,15 @@ class FleetData:
         return mask if part is None else mask & (self.split == part)
 
     def holdout_mask(self) -> np.ndarray:
-        return np.isin(self.names, self.partition.holdout_identities)
+        """The people on no device that the evaluation uses: the unseen people (the coordinator's own left out)."""
+        return np.isin(self.names, self.partition.holdout_identities) & ~self.gate_mask()
+
+    def gate_mask(self) -> np.ndarray:
+        return np.isin(self.names, self.gate_people)
 
     def holdout(self) -> FaceCrops | None:
         """Images of the people on no device: the global model's unseen identities."""
-        return self.crops.select(self.holdout_mask()) if self.partition.holdout_identities else None
+        return self.crops.select(self.holdout_mask()) if self.holdout_mask().any() else None
 
     @property
     def training_clients(self) -> list[int]:
@@ -110,12 +115,41 @@ def prepare(config: SimConfig, run_dir: Path) -> FleetData:
         part = make_partition(index, crops.identities, config)
         part.save(saved)
     split = stratified_split(crops.labels, tuple(config.split), config.seed)
-    data = FleetData(crops, split, part, detector)
+    data = FleetData(crops, split, part, detector, coordinator_people(part.holdout_identities, config))
     split[data.holdout_mask()] = TEST
     empty = [k for k in data.training_clients if not data.client_mask(k, TRAIN).any()]
     if empty:
         raise PartitionError(f"clients {empty} have no training images")
     return data
+
+
+def coordinator_people(unseen: list[str], config: SimConfig) -> tuple[str, ...]:
+    """A seeded share (`gate_identities`) of the people on no device, for the coordinator's quality gate when the run
+    names no gate faces: faces it never serves, which neither a device nor the evaluation sees. None when the share
+    is 0, the gate is off or has faces, or either side would keep fewer than two people."""
+    if config.no_gate or config.gate_data is not None or config.gate_identities <= 0:
+        return ()
+    n = int(round(len(unseen) * config.gate_identities))
+    if n < 2 or len(unseen) - n < 2:
+        return ()
+    chosen = np.random.default_rng(config.seed + 7).choice(sorted(unseen), n, replace=False)
+    return tuple(sorted(str(name) for name in chosen))
+
+
+def write_gate_faces(data: FleetData, out: Path) -> Path | None:
+    """The coordinator's people's face crops as a folder per person (what `--gate-data DIR` reads), written once."""
+    if not data.gate_people:
+        return None
+    done = out / ".complete"
+    if not done.exists():
+        import cv2
+
+        for i in np.flatnonzero(data.gate_mask()):
+            person = out / data.crops.identities[data.crops.labels[i]]
+            person.mkdir(parents=True, exist_ok=True)
+            cv2.imwrite(str(person / f"{i:06d}.png"), cv2.cvtColor(data.crops.images[i], cv2.COLOR_RGB2BGR))
+        done.write_text(json.dumps({"people": list(data.gate_people)}))
+    return out
 
 
 def write_device_folders(data: FleetData, devices_dir: Path, clients: list[int] | None = None,

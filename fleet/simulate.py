@@ -22,7 +22,16 @@ from tqdm import tqdm
 from coordinator.service import Service, ServiceConfig, check_port_free
 from edge_client.home import DeviceHome
 from fleet.config import SimConfig
-from fleet.data import TRAIN, VAL, FleetData, crop_cache, device_id, prepare, write_device_folders
+from fleet.data import (
+    TRAIN,
+    VAL,
+    FleetData,
+    crop_cache,
+    device_id,
+    prepare,
+    write_device_folders,
+    write_gate_faces,
+)
 from fleet.devices import DevicePool, Turn
 from fleet.evaluation import flat
 from fleet.final_report import FinalEvaluation
@@ -116,10 +125,12 @@ class Simulation:
 
     def _service(self) -> Service:
         """The coordinator as `ffr coordinator serve` runs it, on the spec's server and gate parts; rounds start when
-        the simulator opens them, and any one device's update may close a round (the quorum of one)."""
+        the simulator opens them, and any one device's update may close a round (the quorum of one). Its gate judges
+        on --gate-data, else on its own people (`fleet.data.coordinator_people`), else on the public set."""
         c = self.config
+        own = write_gate_faces(self.data, self.run_dir / "coordinator_faces")
         return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, init=c.init,
-                                     start_paused=True, gate_data=c.gate_data or self.public_set, gate=c.gate,
+                                     start_paused=True, gate_data=c.gate_data or own or self.public_set, gate=c.gate,
                                      no_gate=c.no_gate), replace(c.server, min_clients=1))
 
     def _turn(self, client: int, round_id: int | None) -> Turn:

@@ -109,9 +109,11 @@ class TrainingConfig(_Body):
     dfc_lr: float = Field(1e-2, gt=0, le=1.0)
     dfc_views: int = Field(2, ge=1, le=16)     # views of each local image (the first unaugmented) for that fit
     imprint_head: bool = True             # local class centres from the received model's features each round
-    # what of the shared embedder a round may change (models.training.trainable): BatchNorm's statistics, and
-    # how many of the trunk's last blocks train (None: all)
-    batchnorm: Literal["train", "frozen"] = "train"
+    # what of the shared embedder a round may change (models.training.trainable): BatchNorm's statistics (frozen:
+    # a device's few people never become the shared model's statistics; frozen-trunk: the embedding layer's own
+    # BatchNorm still learns; bench.honest_round measured them), and how many of the trunk's last blocks train
+    # (None: all)
+    batchnorm: Literal["train", "frozen", "frozen-trunk"] = "frozen"
     top_blocks: int | None = Field(None, ge=0, le=64)
     # HF-MAML (eq. 1-3 of the HF-MAML face paper) and its embedding regulariser (eq. 4, weight C)
     hfmaml: bool = False

@@ -16,7 +16,7 @@ import pytest
 
 from ffr.cli import main
 
-FLEET = ["--synthetic-identities", "12", "--synthetic-images", "6", "--holdout-identities", "0.25", "--lr", "1e-3",
+FLEET = ["--synthetic-identities", "12", "--synthetic-images", "6", "--holdout-identities", "0.25", "--lr", "1e-4",
          "--batch-size", "16", "--workers", "2", "--clients", "3", "--rounds", "2", "--partition", "iid",
          "--method", "fedavg", "--no-dfc", "--patience", "0", "--no-centralised", "--no-mlflow",
          "--malicious", "0.34", "--attack", "collapse", "--eval-clients", "1"]
@@ -24,10 +24,11 @@ FLEET = ["--synthetic-identities", "12", "--synthetic-images", "6", "--holdout-i
 
 @pytest.fixture(scope="module")
 def gate_faces(tmp_path_factory) -> Path:
-    """Faces the coordinator holds for its gate: SYNTHETIC people no device has (another seed)."""
+    """Faces the coordinator holds for its gate: SYNTHETIC people no device has (another seed), 360 of them: about
+    64,000 impostor pairs, so that twice the current FAR at 1e-3 is a count, not a handful."""
     from models.faces.synthetic import write_dataset
 
-    return write_dataset(tmp_path_factory.mktemp("gate") / "faces", n_identities=24, n_images=4, seed=99)
+    return write_dataset(tmp_path_factory.mktemp("gate") / "faces", n_identities=60, n_images=6, seed=99)
 
 
 def _faces(n_people: int = 6, n_images: int = 4, seed: int = 5):

@@ -90,3 +90,26 @@ def test_top_blocks_only_leaves_the_lower_trunk_as_received():
     assert lower and all(torch.equal(before[k], after[k]) for k in lower)
     assert any(not torch.equal(before[k], after[k]) for k in upper)
     assert all(p.requires_grad for p in model.parameters())  # everything trains again outside
+
+
+def test_a_degrading_update_is_caught_before_publication_and_a_short_step_keeps_the_faces_apart():
+    """The coordinator's gate and server step on real scoring (ONNX Runtime) of SYNTHETIC faces it holds: an update
+    that scrambles the embedding layer fails the gate taken whole, and the step the coordinator would take towards
+    it is a shorter one, which separates the held faces better."""
+    from coordinator.quality_gate import GateSettings, QualityGate
+    from models.evaluation.separation import FaceSet, score
+    from models.faces.synthetic import generate
+    from models.networks.face_weights import face_global_state
+
+    images, labels = generate(12, 4, seed=5)
+    gate = QualityGate(FaceSet(images, labels), GateSettings(far=1e-2, seed=0))
+    current = face_global_state()
+    weight = current["backbone.embedding.weight"]
+    rows, columns = (np.random.default_rng(k).permutation(n) for k, n in enumerate(weight.shape, start=1))
+    degraded = {**current, "backbone.embedding.weight": weight[rows][:, columns]}  # every feature sent elsewhere
+    problem, figures = gate.check(current, "v0", degraded)
+    assert problem.startswith("quality gate: ") and figures["gate_auc_candidate"] < figures["gate_auc_current"]
+    stepped, step = gate.step(current, degraded)
+    assert step["server_step"] < 1 and step[f"server_step_auc@{step['server_step']:g}"] > step["server_step_auc@1"]
+    assert score(stepped, gate.faces).auc > figures["gate_auc_candidate"]
+    assert gate.start_figures(current) == {"gate_auc_start": pytest.approx(figures["gate_auc_current"])}

@@ -53,7 +53,8 @@ def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
     assert set(personalised) == {"start", "global", "local", "local+dfc", "centralized"}
     # the starting model is scored per device like the rest, against strangers (people on no device)
     assert summary["personalized"]["impostors"] == "people on no device"
-    assert all(r["start"]["auc"] is not None and "tar@1e-3" in r["start"] for r in summary["personalized"]["per_client"])
+    rows = summary["personalized"]["per_client"]
+    assert all(r["start"]["auc"] is not None and "tar@1e-3" in r["start"] for r in rows)
     low, high = summary["history"][0]["holdout_interval"]["auc"]  # a bootstrap over the unseen people
     assert 0.0 <= low <= high <= 1.0 and summary["global"]["interval"]["auc"] is not None
     assert summary["best_round"] == max(summary["history"][1:], key=lambda h: h["holdout_auc"])["round"]

@@ -92,6 +92,13 @@ def add_local_training_options(group) -> None:
     group.add_argument("--dfc-weight", type=float, default=None,
                        help="alpha_3: weight of the DFC loss on devices (default 1; 10 with --method fedfr)")
     group.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier (default 1)")
+    group.add_argument("--batchnorm", choices=("frozen", "frozen-trunk", "train"), default=SPEC.batchnorm,
+                       help="frozen: devices train with BatchNorm in inference mode, so a few people's batch "
+                            "statistics never enter the shared model; frozen-trunk: all but the embedding layer's; "
+                            "train: they update it (default "
+                            f"{SPEC.batchnorm}; measured in bench/results/honest_round.md)")
+    group.add_argument("--top-blocks", type=int, metavar="N",
+                       help="devices train only the trunk's last N blocks and the embedding layer (default: all)")
 
 
 def training_config(args, **extra) -> TrainingConfig:
@@ -107,7 +114,8 @@ def training_config(args, **extra) -> TrainingConfig:
         raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
     try:
         config = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
-                                codec=args.codec, width_mult=args.width_mult,
+                                codec=args.codec, width_mult=args.width_mult, batchnorm=args.batchnorm,
+                                top_blocks=args.top_blocks,
                                 algorithm=aggregation_algorithm(args.method), dp_clip=args.dp_clip,
                                 **given(args, ["--prox-mu", "--topk-fraction"]), **settings, **extra)
     except ValueError as exc:  # pydantic's refusal, named as these commands spell the option
