@@ -19,6 +19,13 @@ def cmd_coordinator_serve(args) -> int:
     from coordinator.service import serve
 
     public = {}
+    if args.public_set is not None and args.gate_data is None and not args.no_gate:
+        from models.public_set import hold_back
+
+        # the gate judges on faces no device can download: a share of the public set, never served
+        args.public_set, args.gate_data = hold_back(Path(args.public_set), Path(args.state) / "public", seed=args.seed)
+        print(f"quality gate: {args.gate_data.name}, a share of --public-set kept by the coordinator and never served; "
+              f"devices get {args.public_set.name}", flush=True)
     if args.public_set is not None:
         from coordinator.public_set import announce_public_set, public_set_url
 
@@ -164,8 +171,9 @@ def add_gate_options(p: argparse.ArgumentParser):
                              "is published; a worse one rolls the round back)")
     g.add_argument("--gate-data", metavar="PATH",
                    help="aligned faces to score candidates on: a folder (one sub-folder per person gives TAR/FAR; "
-                        "a flat folder of unlabelled faces works too) or a public set file (default: --public-set; "
-                        "without either, no gate)")
+                        "a flat folder of unlabelled faces works too) or a public set file (default: faces the "
+                        "coordinator keeps to itself: serve keeps a share of --public-set and never serves it, fleet "
+                        "simulate a share of the people on no device; without any, no gate)")
     g.add_argument("--gate-far", type=float, default=d.far,
                    help=f"the operating point checked: the current model's threshold for this FAR (default {d.far:g})")
     g.add_argument("--gate-far-ratio", type=float, default=d.far_ratio,

@@ -10,20 +10,24 @@ from models.evaluation.plots import plt, save_png, tick_labels
 
 def rounds_png(history: list[dict], best_round: int | None, centralized: dict | None, out: Path,
                synthetic: bool = False) -> Path:
-    """Loss and accuracy of local training, AUC and EER of the global model, per round."""
+    """Loss and accuracy of local training; AUC and TAR@1e-3 of the global model on unseen people per round, with
+    their bootstrap intervals over people and the start's level."""
     rounds = [h["round"] for h in history]
     panels = [("local training loss", ("train_loss",)), ("local training accuracy", ("train_acc",)),
-              ("AUC (global model)", ("holdout_auc", "val_auc")), ("EER (global model)", ("holdout_eer", "val_eer"))]
+              ("AUC (global model)", ("holdout_auc", "val_auc")), ("TAR@1e-3 (global model)", ("holdout_tar@1e-3",))]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (title, keys) in zip(axes.flat, panels):
         for key in keys:
             values = [np.nan if h.get(key) is None else h[key] for h in history]
             if not np.all(np.isnan(values)):
-                label = {"holdout_auc": "unseen people", "val_auc": "validation",
-                         "holdout_eer": "unseen people", "val_eer": "validation"}.get(key, key)
+                label = "unseen people" if key.startswith("holdout_") else \
+                    {"val_auc": "validation"}.get(key, key)
                 ax.plot(rounds, values, marker="o", ms=4, label=label)
+                if key.startswith("holdout_"):  # the bootstrap interval over people, and the start to beat
+                    _interval_band(ax, history, key.removeprefix("holdout_"))
+                    ax.axhline(values[0], color="grey", ls=":", lw=1, label="start (round 0)")
         metric = title.split()[0].lower()
-        if centralized and metric in ("auc", "eer") and centralized.get(metric) is not None:
+        if centralized and metric in ("auc", "tar@1e-3") and centralized.get(metric) is not None:
             ax.axhline(centralized[metric], color="black", ls=":", lw=1.2, label="centralised (unseen people)")
         if best_round is not None:
             ax.axvline(best_round, color="grey", ls="--", lw=1, label=f"best round ({best_round})")
@@ -33,6 +37,15 @@ def rounds_png(history: list[dict], best_round: int | None, centralized: dict | 
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     return save_png(fig, out, synthetic)
+
+
+def _interval_band(ax, history: list[dict], metric: str) -> None:
+    """The 95% interval over people of each round's unseen-people figure, where the round has one."""
+    points = [(h["round"], *h["holdout_interval"][metric]) for h in history
+              if (h.get("holdout_interval") or {}).get(metric)]
+    if points:
+        rounds, low, high = zip(*points)
+        ax.fill_between(rounds, low, high, alpha=0.15, label="95% interval over people")
 
 
 def client_bars_png(rows: list[dict], verifiers: list[str], out: Path, metric: str = "tar@1e-2",

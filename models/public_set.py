@@ -112,3 +112,37 @@ def load_public_set(path: Path, sha256: str | None = None) -> PublicSet:
         raise PublicSetError(f"{path}: expected {len(images)} int64 identity labels in [0, N), "
                              f"got {labels.dtype} {labels.shape}")
     return PublicSet(images, labels)
+
+
+HELD_SHARE = 0.3  # of an operator's public set, kept by the coordinator for its quality gate, never served
+
+
+def hold_back(path: Path, out_dir: Path, share: float = HELD_SHARE, seed: int = 0) -> tuple[Path, Path]:
+    """(the part of the public set at `path` to serve, the part the coordinator keeps for its gate), written once into
+    `out_dir` under the source's hash. A labelled set is split by person (no one is on both sides); an unlabelled one
+    by image. A device can download what it will be trained with, never what its models are judged on."""
+    source = sha256_of(Path(path))[:16]
+    served, held = out_dir / f"public_set-{source}-served.safetensors", out_dir / f"gate_faces-{source}.safetensors"
+    if served.is_file() and held.is_file():
+        return served, held
+    public = load_public_set(path)
+    rng = np.random.default_rng(seed)
+    if public.labels is not None:
+        people = np.unique(public.labels)
+        kept = rng.choice(people, max(2, int(round(len(people) * share))), replace=False)
+        mask = np.isin(public.labels, kept)
+    else:
+        mask = np.zeros(len(public), bool)
+        mask[rng.choice(len(public), max(3, int(round(len(public) * share))), replace=False)] = True
+    if mask.all() or not mask.any():
+        raise PublicSetError(f"{path} is too small to keep a share for the quality gate and serve the rest "
+                             "(give the gate its own faces with --gate-data, or a larger public set)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for target, part in ((served, ~mask), (held, mask)):
+        tensors = {KEY: np.ascontiguousarray(public.images[part])}
+        if public.labels is not None:
+            tensors[LABELS] = np.unique(public.labels[part], return_inverse=True)[1].astype(np.int64)
+        tmp = target.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"source": str(path), "seed": str(seed)})
+        tmp.replace(target)
+    return served, held

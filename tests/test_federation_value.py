@@ -113,3 +113,24 @@ def test_a_degrading_update_is_caught_before_publication_and_a_short_step_keeps_
     assert step["server_step"] < 1 and step[f"server_step_auc@{step['server_step']:g}"] > step["server_step_auc@1"]
     assert score(stepped, gate.faces).auc > figures["gate_auc_candidate"]
     assert gate.start_figures(current) == {"gate_auc_start": pytest.approx(figures["gate_auc_current"])}
+
+
+def test_the_coordinator_keeps_a_share_of_the_public_set_it_never_serves(tmp_path):
+    from models.faces.synthetic import write_dataset
+    from models.public_set import build_public_set, hold_back, load_public_set
+
+    labelled = write_dataset(tmp_path / "people", n_identities=10, n_images=3, seed=4)
+    build_public_set(labelled, tmp_path / "public.safetensors")
+    served, held = hold_back(tmp_path / "public.safetensors", tmp_path / "state")
+    whole, a, b = (load_public_set(p) for p in (tmp_path / "public.safetensors", served, held))
+    assert len(a) + len(b) == len(whole) and len(np.unique(b.labels)) == 3  # 30% of the people, whole
+    rows = {bytes(x.tobytes()) for x in a.images}
+    assert not any(x.tobytes() in rows for x in b.images), "no face is both served and judged on"
+    assert hold_back(tmp_path / "public.safetensors", tmp_path / "state") == (served, held)  # kept, not redrawn
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for f in sorted(labelled.rglob("*.png"))[:12]:
+        (flat / f"{f.parent.name}-{f.name}").write_bytes(f.read_bytes())
+    build_public_set(flat, tmp_path / "flat.safetensors")
+    served, held = hold_back(tmp_path / "flat.safetensors", tmp_path / "state")
+    assert load_public_set(held).labels is None and len(load_public_set(held)) == 4  # by image: round(12 x 0.3)

@@ -103,8 +103,8 @@ def test_an_unreachable_server_is_a_clear_error(tmp_path):
 
 def test_coordinator_serves_the_public_set_to_a_device_without_one(public_file, tmp_path):
     """`ffr coordinator serve --method fedfr --public-set FILE` and an `ffr edge run` with no public set of its own:
-    the device fetches the file once, checks it against the signed round configuration's sha256, and samples hard
-    negatives from it in both rounds."""
+    the device fetches the served part once, checks it against the signed round configuration's sha256, and samples
+    hard negatives from it in both rounds; the coordinator judges on the part it keeps."""
     (data,) = device_datasets(tmp_path / "data", 1, 2, 4)
     port, state, home = free_port(), tmp_path / "state", tmp_path / "home"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -133,9 +133,13 @@ def test_coordinator_serves_the_public_set_to_a_device_without_one(public_file, 
         if coordinator.poll() is None:
             coordinator.kill()
     served = "".join(served)
-    sha = sha256_of(public_file)
     assert f"served at http://127.0.0.1:{port}/public-set" in served, served[-2000:]
-    assert cached_path(home / "public", sha).read_bytes() == public_file.read_bytes()
+    # what is served is the public set less the share the coordinator keeps for its gate, which no device gets
+    (kept,) = (state / "public").glob("gate_faces-*.safetensors")
+    (sent,) = (state / "public").glob("public_set-*-served.safetensors")
+    assert f"quality gate: {kept.name}, a share of --public-set kept by the coordinator" in served
+    assert cached_path(home / "public", sha256_of(sent)).read_bytes() == sent.read_bytes()
+    assert not any(f.read_bytes() == kept.read_bytes() for f in (home / "public").rglob("*") if f.is_file())
     output = edge.stdout + edge.stderr
     assert output.count("fetched from") == 1, "fetched once for both rounds"
     # the coordinator (and its embedded broker) stopped only once the device had taken the final model
