@@ -58,12 +58,25 @@ def device_crops(data: FleetData, client: int):
     return relabel(train, np.unique(train.labels))
 
 
-def own_vs_strangers(data: FleetData, client: int, embedder, strangers: np.ndarray) -> dict:
-    """TAR@FAR of the client's own people's test images against strangers' images (people of no device)."""
+def own_vs_strangers(data: FleetData, client: int, embedder, strangers: np.ndarray) -> dict | None:
+    """TAR@FAR of the client's own people's test images against strangers' images (people of no device); None
+    when its test images hold no genuine pair."""
     own = np.flatnonzero(data.client_mask(client, TEST))
     pairs, same = client_pairs(data.crops.labels[own], len(strangers))
+    if not same.any() or same.all():
+        return None
     scores = cosine_scores(embedder(np.concatenate([own, strangers])), pairs)
     return flat(roc_report(scores, same))
+
+
+def _mean(values: list) -> float | None:
+    """The mean of the figures that could be measured (a device with too few pairs has None)."""
+    kept = [v for v in values if isinstance(v, float)]
+    return float(np.mean(kept)) if kept else None
+
+
+def _n(value, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def score_round(data: FleetData, state: dict, locals_: dict[int, FaceModel], strangers: np.ndarray,
@@ -74,12 +87,16 @@ def score_round(data: FleetData, state: dict, locals_: dict[int, FaceModel], str
     table = {}
     for k in data.training_clients:
         row = {"global": own_vs_strangers(data, k, lambda idx: embed(model, images[idx]), strangers)}
+        if row["global"] is None:
+            continue
         if k in locals_:
-            row["local"] = own_vs_strangers(data, k, lambda idx, m=locals_[k]: embed(m, images[idx]), strangers)
+            mine = locals_[k]
+            row["local"] = own_vs_strangers(data, k, lambda idx: embed(mine, images[idx]), strangers)
+            if mine.dfc is not None:
+                row["local+dfc"] = own_vs_strangers(data, k, lambda idx: embed(mine, images[idx], True), strangers)
         table[k] = row
-    per = {name: float(np.mean([r[name]["tar@1e-3"] for r in table.values() if name in r
-                                and r[name]["tar@1e-3"] is not None]))
-           for name in ("global", "local") if any(name in r for r in table.values())}
+    per = {name: _mean([r[name]["tar@1e-3"] for r in table.values() if name in r])
+           for name in ("global", "local", "local+dfc") if any(name in r for r in table.values())}
     tar = unseen.get("tar_at_far", {})
     return {"unseen_auc": unseen.get("auc"), "unseen_tar@1e-3": tar.get("0.001"), "unseen_tar@1e-4": tar.get("0.0001"),
             "unseen_interval": unseen.get("interval"), "own_tar@1e-3": per,
@@ -134,10 +151,11 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
         state, published = publish(gate, state, apply_delta(state, mean.mean()), r)
         scores = score_round(data, state, locals_, strangers, max_pairs, seed)
         scores.update(round=r, seconds=time.perf_counter() - started, coordinator=published)
-        print(f"  round {r}: unseen AUC {start_scores['unseen_auc']:.4f} -> {scores['unseen_auc']:.4f}, "
-              f"TAR@1e-3 {start_scores['unseen_tar@1e-3']:.3f} -> {scores['unseen_tar@1e-3']:.3f}; own people "
-              f"TAR@1e-3 {start_scores['own_tar@1e-3']['global']:.3f} -> global {scores['own_tar@1e-3']['global']:.3f}"
-              f", local {scores['own_tar@1e-3'].get('local', float('nan')):.3f} ({scores['seconds']:.0f} s)"
+        own, was = scores["own_tar@1e-3"], start_scores["own_tar@1e-3"]
+        print(f"  round {r}: unseen AUC {_n(start_scores['unseen_auc'], 4)} -> {_n(scores['unseen_auc'], 4)}, "
+              f"TAR@1e-3 {_n(start_scores['unseen_tar@1e-3'])} -> {_n(scores['unseen_tar@1e-3'])}; own people "
+              f"TAR@1e-3 {_n(was['global'])} -> global {_n(own['global'])}, local {_n(own.get('local'))}, local+DFC "
+              f"{_n(own.get('local+dfc'))} ({scores['seconds']:.0f} s)"
               + (f"; server step {published['server_step']:g}, {published['rolled_back'] or 'published'}"
                  if published else ""), flush=True)
         rows.append(scores)
@@ -153,7 +171,8 @@ def table(results: dict) -> list[dict]:
                                                                              else ""))
         return {"arm": arm, "settings": settings, "round": r, "server step": step, "unseen AUC": scores["unseen_auc"],
                 "unseen TAR@1e-3": scores["unseen_tar@1e-3"], "unseen TAR@1e-4": scores["unseen_tar@1e-4"],
-                "own TAR@1e-3 (global)": own["global"], "own TAR@1e-3 (local)": own.get("local", "-")}
+                "own TAR@1e-3 (global)": own["global"], "own TAR@1e-3 (local)": own.get("local", "-"),
+                "own TAR@1e-3 (local+DFC)": own.get("local+dfc", "-")}
 
     rows = [row("start", "shipped model", 0, results["start"])]
     for name, arm in results["arms"].items():
@@ -194,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     holdout = np.flatnonzero(data.holdout_mask())
     strangers = np.sort(rng.choice(holdout, min(args.strangers, len(holdout)), replace=False))
     start = score_round(data, initial_global_state(), {}, strangers, args.max_pairs, args.seed)
-    print(f"start: unseen AUC {start['unseen_auc']:.4f}, TAR@1e-3 {start['unseen_tar@1e-3']:.3f}; own people "
-          f"TAR@1e-3 {start['own_tar@1e-3']['global']:.3f}", flush=True)
+    print(f"start: unseen AUC {_n(start['unseen_auc'], 4)}, TAR@1e-3 {_n(start['unseen_tar@1e-3'])}; own people "
+          f"TAR@1e-3 {_n(start['own_tar@1e-3']['global'])}", flush=True)
     gate = coordinator_gate(data, args.seed)
     results = {"clients": args.clients, "partition": args.partition, "start": start, "arms": {}}
     for text in args.arm or ["today:"]:

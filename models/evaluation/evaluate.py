@@ -18,19 +18,29 @@ def embed_all(embedder, images: np.ndarray, batch_size: int = 64, progress: bool
     return np.concatenate(out)
 
 
+def scored_pairs(model, crops: FaceCrops | None, max_pairs: int, seed: int, personalised: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(cosine scores, genuine or not, the pairs) of a torch model's embedding on `crops`' sampled pairs; None when
+    there are not both kinds of pair."""
+    from models.networks.embedders import TorchEmbedder
+
+    if crops is None or len(crops) < 2 or len(np.unique(crops.labels)) < 2:
+        return None
+    emb = embed_all(TorchEmbedder(model, personalised), crops.images)
+    pairs, same = make_pairs(crops.labels, max_pairs, seed)
+    if same.all() or not same.any():
+        return None
+    return cosine_scores(emb, pairs), same, pairs
+
+
 def verification(model, crops: FaceCrops | None, max_pairs: int, seed: int,
                  personalised: bool = False) -> tuple[dict, tuple[np.ndarray, np.ndarray] | None]:
     """AUC/EER/TAR@FAR of a torch model's embedding on `crops` (a FaceModel, or a bare embedder such as
     models.networks.face_model.global_embedder's), plus the raw scores for ROC plots."""
-    from models.networks.embedders import TorchEmbedder
-
-    if crops is None or len(crops) < 2 or len(np.unique(crops.labels)) < 2:
+    scored = scored_pairs(model, crops, max_pairs, seed, personalised)
+    if scored is None:
         return {}, None
-    emb = embed_all(TorchEmbedder(model, personalised), crops.images)
-    pairs, same = make_pairs(crops.labels, max_pairs, seed)
-    if same.all() or not same.any():
-        return {}, None
-    scores = cosine_scores(emb, pairs)
+    scores, same, _ = scored
     return roc_report(scores, same), (scores, same)
 
 
@@ -42,15 +52,11 @@ def unseen_people(model, crops: FaceCrops | None, max_pairs: int, seed: int) -> 
     each of AUC and TAR@1e-3/1e-4 with a 95% bootstrap interval over people (`models.evaluation.bootstrap`);
     plus the raw scores for ROC plots. ({}, None) when there are too few people."""
     from models.evaluation.bootstrap import people_interval
-    from models.networks.embedders import TorchEmbedder
 
-    if crops is None or len(crops) < 2 or len(np.unique(crops.labels)) < 2:
+    scored = scored_pairs(model, crops, max_pairs, seed)
+    if scored is None:
         return {}, None
-    emb = embed_all(TorchEmbedder(model, False), crops.images)
-    pairs, same = make_pairs(crops.labels, max_pairs, seed)
-    if same.all() or not same.any():
-        return {}, None
-    scores = cosine_scores(emb, pairs)
+    scores, same, pairs = scored
     report = roc_report(scores, same, UNSEEN_FARS)
     report["interval"] = people_interval(scores, same, crops.labels[pairs], seed=seed)
     return report, (scores, same)
