@@ -162,6 +162,21 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
     return rows
 
 
+def centralised(data: FleetData, sim: SimConfig, rounds: int, out: Path, max_pairs: int, seed: int) -> dict:
+    """The bound: the devices' model trained centrally on the union of their training images for as many epochs as
+    the rounds, scored on the unseen people like the rounds' models."""
+    from dataclasses import replace
+
+    from fleet.centralized import train_centralized
+
+    sim = replace(sim, server=replace(sim.server, rounds=rounds))
+    model, _ = train_centralized(data, sim, out)
+    unseen, _ = unseen_people(model.backbone.eval(), data.holdout(), max_pairs, seed)
+    tar = unseen.get("tar_at_far", {})
+    return {"unseen_auc": unseen.get("auc"), "unseen_tar@1e-3": tar.get("0.001"), "unseen_tar@1e-4": tar.get("0.0001"),
+            "unseen_interval": unseen.get("interval"), "epochs": rounds}
+
+
 def table(results: dict) -> list[dict]:
     """One row per arm and round, the start first."""
     def row(arm: str, settings: str, r: int, scores: dict) -> dict:
@@ -175,6 +190,12 @@ def table(results: dict) -> list[dict]:
                 "own TAR@1e-3 (local+DFC)": own.get("local+dfc", "-")}
 
     rows = [row("start", "shipped model", 0, results["start"])]
+    if results.get("centralised"):
+        c = results["centralised"]
+        rows.append({"arm": "centralised", "settings": f"{c['epochs']} epochs on the devices' images", "round": "-",
+                     "server step": "-", "unseen AUC": c["unseen_auc"], "unseen TAR@1e-3": c["unseen_tar@1e-3"],
+                     "unseen TAR@1e-4": c["unseen_tar@1e-4"], "own TAR@1e-3 (global)": "-",
+                     "own TAR@1e-3 (local)": "-", "own TAR@1e-3 (local+DFC)": "-"})
     for name, arm in results["arms"].items():
         settings = ", ".join(f"{k}={v}" for k, v in arm["overrides"].items()) or "defaults"
         rows += [row(name, settings, scores["round"], scores) for scores in arm["rounds"]]
@@ -195,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strangers", type=int, default=300, help="images of people of no device each device is tried on")
     p.add_argument("--max-pairs", type=int, default=100_000)
     p.add_argument("--arm", action="append", default=[], help="NAME:field=value,... (TrainingConfig fields)")
+    p.add_argument("--centralised", action="store_true",
+                   help="also train the centralised bound on the union of the devices' training images (same budget "
+                        "in epochs as the rounds, `fleet.centralized`) and score it on the unseen people")
     p.add_argument("--gate-identities", type=float, default=0.3,
                    help="share of the people on no device the coordinator keeps for its server step and gate, as "
                         "`ffr fleet simulate` does (0: publish every aggregate)")
@@ -217,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
           f"TAR@1e-3 {_n(start['own_tar@1e-3']['global'])}", flush=True)
     gate = coordinator_gate(data, args.seed)
     results = {"clients": args.clients, "partition": args.partition, "start": start, "arms": {}}
+    if args.centralised:
+        results["centralised"] = centralised(data, sim, args.rounds, run_dir / "centralised", args.max_pairs,
+                                             args.seed)
+        print(f"centralised: unseen AUC {_n(results['centralised']['unseen_auc'], 4)}, TAR@1e-3 "
+              f"{_n(results['centralised']['unseen_tar@1e-3'])}", flush=True)
     for text in args.arm or ["today:"]:
         name, overrides = parse_arm(text)
         print(f"arm {name}: {overrides or 'defaults'}", flush=True)
