@@ -12,7 +12,8 @@ def test_it_replays_rounds_and_scores_the_start_beside_each(tmp_path):
     faces = write_dataset(tmp_path / "faces", n_identities=10, n_images=12, seed=2)
     out = tmp_path / "results"
     assert main(["--data", str(faces), "--out", str(out), "--name", "tiny", "--clients", "2", "--rounds", "1",
-                 "--strangers", "12", "--gate-identities", "0", "--centralised", "--arm", "frozen:batchnorm=frozen,epochs=1"]) == 0
+                 "--strangers", "12", "--gate-identities", "0", "--centralised",
+                 "--arm", "frozen:batchnorm=frozen,epochs=1"]) == 0
     results = json.loads((out / "tiny.json").read_text())
     assert results["start"]["unseen_auc"] is not None
     # each device's people against strangers (too few here for a TAR at 1e-3: its AUC says the pairs were scored)

@@ -39,7 +39,7 @@ def live_coordinator(tmp_path):
     service = Service(ServiceConfig(state=tmp_path / "state", http_port=port, gate_data=datasets[2],
                                     gate=GateSettings(limit=30)),
                       RoundSettings(rounds=50, min_clients=2, round_timeout_s=300,
-                                    training=TrainingConfig(epochs=1, batch_size=8, lr=1e-3, dfc_steps=0)))
+                                    training=TrainingConfig(epochs=1, batch_size=8, lr=1e-4, dfc_steps=0)))
     server = uvicorn.Server(uvicorn.Config(create_app(service, docs=True), host="127.0.0.1", port=port,
                                            log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
