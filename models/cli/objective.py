@@ -92,11 +92,12 @@ def add_local_training_options(group) -> None:
     group.add_argument("--dfc-weight", type=float, default=None,
                        help="alpha_3: weight of the DFC loss on devices (default 1; 10 with --method fedfr)")
     group.add_argument("--width-mult", type=float, default=1.0, help="MobileNetV2 width multiplier (default 1)")
-    group.add_argument("--batchnorm", choices=("frozen", "frozen-trunk", "train"), default=SPEC.batchnorm,
+    group.add_argument("--batchnorm", choices=("frozen", "frozen-trunk", "train"),
                        help="frozen: devices train with BatchNorm in inference mode, so a few people's batch "
                             "statistics never enter the shared model; frozen-trunk: all but the embedding layer's; "
-                            "train: they update it (default "
-                            f"{SPEC.batchnorm}; measured in bench/results/honest_round.md)")
+                            "train: they update it (default: frozen from the face weights, measured in "
+                            "bench/results/honest_round_batchnorm.md; train from any other --init, whose statistics "
+                            "are not a face model's)")
     group.add_argument("--top-blocks", type=int, metavar="N",
                        help="devices train only the trunk's last N blocks and the embedding layer (default: all)")
 
@@ -114,7 +115,7 @@ def training_config(args, **extra) -> TrainingConfig:
         raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
     try:
         config = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
-                                codec=args.codec, width_mult=args.width_mult, batchnorm=args.batchnorm,
+                                codec=args.codec, width_mult=args.width_mult, batchnorm=batchnorm(args),
                                 top_blocks=args.top_blocks,
                                 algorithm=aggregation_algorithm(args.method), dp_clip=args.dp_clip,
                                 **given(args, ["--prox-mu", "--topk-fraction"]), **settings, **extra)
@@ -122,6 +123,14 @@ def training_config(args, **extra) -> TrainingConfig:
         raise ValueError(one_line(exc, {"epochs": "--local-epochs", "algorithm": "--method"})) from None
     refuse_unowned(args, OWNED, config)
     return config
+
+
+def batchnorm(args) -> str:
+    """--batchnorm, else frozen from the shipped face weights and train from any other start (a random model's
+    BatchNorm statistics are no model's: frozen, its activations grow until they overflow)."""
+    if args.batchnorm is not None:
+        return args.batchnorm
+    return SPEC.batchnorm if getattr(args, "init", "face") == "face" else "train"
 
 
 def objective_settings(args) -> dict:
