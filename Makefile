@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 # a fleet of 5 simulated devices on SYNTHETIC faces: real coordinator, broker and edge clients
 demo: $(STAMP)
-	$(FFR) fleet simulate --clients 5 --rounds 5 --lr 1e-3 --holdout-identities 0.2 --out runs/demo
+	$(FFR) fleet simulate --clients 5 --rounds 5 --holdout-identities 0.2 --out runs/demo
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
