@@ -117,18 +117,17 @@ def coordinator_gate(data: FleetData, seed: int):
 
 def publish(gate, state: dict, aggregate: dict, round_id: int) -> tuple[dict, dict]:
     """What the coordinator publishes from the round's aggregate, in `coordinator.round_aggregation`'s order: the
-    gate's verdict on the whole step, then the server step on its faces, judged again (no leave-out: every device
-    here is honest); without a gate, the aggregate."""
+    gate's verdict on the whole step, then its `take_step` (no leave-out: every device here is honest); without a
+    gate, the aggregate."""
+    from coordinator.round_aggregation import take_step
+
     if gate is None:
         return aggregate, {}
     problem, verdict = gate.check(state, f"round-{round_id}", aggregate)
     if problem:
         return state, {**verdict, "server_step": 0.0, "rolled_back": problem}
-    stepped, figures = gate.step(state, aggregate)
-    again, verdict = gate.check(state, f"round-{round_id}", stepped)
-    chosen = aggregate if again else stepped
-    return chosen, {**verdict, **figures, "server_step": figures["server_step"] if not again else 1.0,
-                    "rolled_back": ""}
+    chosen, figures = take_step(gate, state, f"round-{round_id}", aggregate, verdict)
+    return chosen, {**figures, "rolled_back": ""}
 
 
 def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs: int, strangers: np.ndarray,

@@ -15,6 +15,7 @@ device's data is involved. Torch-free: the backbone runs as ONNX built from the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,12 +50,14 @@ class QualityGate:
         metrics = {f"gate_{k}": v for k, v in verdict.metrics.items()}
         return ("" if verdict.ok else f"quality gate: {verdict.reason}"), metrics
 
-    def start_figures(self, start_state: dict[str, np.ndarray] | None) -> dict:
-        """The starting model's AUC on these faces (scored once), for each round's record: start against now."""
-        if start_state is None:
-            return {}
+    def start_figures(self, start_state: Callable[[], dict[str, np.ndarray] | None]) -> dict:
+        """The starting model's AUC on these faces (loaded and scored once), for each round's record: start against
+        now."""
         if self._start is None:
-            self._start = score(start_state, self.faces, self.settings.threads).auc
+            state = start_state()
+            if state is None:
+                return {}
+            self._start = score(state, self.faces, self.settings.threads).auc
         return {"gate_auc_start": self._start}
 
     def step(self, current_state: dict[str, np.ndarray], candidate_state: dict[str, np.ndarray]

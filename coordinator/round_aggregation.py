@@ -89,8 +89,8 @@ class RoundAggregator:
                 new_state, problem, gate_metrics = self.leave_out(current, global_state, global_sha, devices, bound,
                                                                   problem, gate_metrics, server_state)
             if not problem:
-                new_state, gate_metrics = self.step(global_state, global_sha, new_state, gate_metrics)
-            gate_metrics.update(self.gate.start_figures(self.store.load_model(0)))
+                new_state, gate_metrics = take_step(self.gate, global_state, global_sha, new_state, gate_metrics)
+            gate_metrics.update(self.gate.start_figures(lambda: self.store.load_model(0)))
         metrics = {**filter_metrics, **current.validation_metrics,
                    "aggregation_seconds": time.perf_counter() - started, "codec": self.settings.training.codec,
                    "fold_ms_per_update": 1000 * current.fold_seconds / max(1, len(devices)),
@@ -100,17 +100,6 @@ class RoundAggregator:
         if problem and self.strategy.stateful:
             self.strategy.state = server_state  # the server's momentum forgets the refused round too
         return Outcome(global_state if problem else new_state, problem, metrics)
-
-    def step(self, global_state: State, global_sha: str, passed: State, metrics: dict) -> tuple[State, dict]:
-        """The part of the way to the model the gate passed that separates its faces best (`coordinator.server_step`),
-        judged again; the whole way when the shorter step does not pass."""
-        stepped, figures = self.gate.step(global_state, passed)
-        if figures["server_step"] == 1.0:
-            return passed, {**metrics, **figures}
-        why, verdict = self.gate.check(global_state, global_sha, stepped)
-        if why:
-            return passed, {**metrics, **figures, "server_step": 1.0, "server_step_refused": why}
-        return stepped, {**metrics, **verdict, **figures}
 
     def leave_out(self, current: OpenRound, global_state: State, global_sha: str, devices: list[str], bound: float,
                   problem: str, metrics: dict, server_state) -> tuple[State, str, dict]:
@@ -163,6 +152,19 @@ class RoundAggregator:
         if step > limit * 1.001:
             return f"the new global model moved {step:.4g}, beyond the bound {limit:.4g}"
         return ""
+
+
+def take_step(gate: QualityGate, global_state: State, global_sha: str, passed: State, metrics: dict
+              ) -> tuple[State, dict]:
+    """The part of the way to the model the gate passed that separates its faces best (`coordinator.server_step`),
+    judged again; the whole way when the shorter step does not pass."""
+    stepped, figures = gate.step(global_state, passed)
+    if figures["server_step"] == 1.0:
+        return passed, {**metrics, **figures}
+    why, verdict = gate.check(global_state, global_sha, stepped)
+    if why:
+        return passed, {**metrics, **figures, "server_step": 1.0, "server_step_refused": why}
+    return stepped, {**metrics, **verdict, **figures}
 
 
 def non_negative_variances(state: State) -> State:

@@ -118,13 +118,12 @@ HELD_SHARE = 0.3  # of an operator's public set, kept by the coordinator for its
 
 
 def hold_back(path: Path, out_dir: Path, share: float = HELD_SHARE, seed: int = 0) -> tuple[Path, Path]:
-    """(the part of the public set at `path` to serve, the part the coordinator keeps for its gate), written once into
-    `out_dir` under the source's hash. A labelled set is split by person (no one is on both sides); an unlabelled one
-    by image. A device can download what it will be trained with, never what its models are judged on."""
+    """(the part of the public set at `path` to serve, the part the coordinator keeps for its gate), written into
+    `out_dir` under the source's hash at every start, never read back (the same source and seed give the same bytes,
+    so a device's cached copy stays valid). A labelled set is split by person (no one is on both sides); an
+    unlabelled one by image. A device can download what it will be trained with, never what its models are judged on."""
     source = sha256_of(Path(path))[:16]
     served, held = out_dir / f"public_set-{source}-served.safetensors", out_dir / f"gate_faces-{source}.safetensors"
-    if served.is_file() and held.is_file():
-        return served, held
     public = load_public_set(path)
     rng = np.random.default_rng(seed)
     if public.labels is not None:

@@ -112,7 +112,7 @@ def test_a_degrading_update_is_caught_before_publication_and_a_short_step_keeps_
     stepped, step = gate.step(current, degraded)
     assert step["server_step"] < 1 and step[f"server_step_auc@{step['server_step']:g}"] > step["server_step_auc@1"]
     assert score(stepped, gate.faces).auc > figures["gate_auc_candidate"]
-    assert gate.start_figures(current) == {"gate_auc_start": pytest.approx(figures["gate_auc_current"])}
+    assert gate.start_figures(lambda: current) == {"gate_auc_start": pytest.approx(figures["gate_auc_current"])}
 
 
 def test_the_coordinator_keeps_a_share_of_the_public_set_it_never_serves(tmp_path):

@@ -96,3 +96,15 @@ def test_without_faces_to_judge_by_the_last_model_exported_decides(tmp_path):
     vault = Vault.open(home.root / "store")
     assert current_model(home, vault) == home.personalised_onnx and Settings.load(home, vault).calibration is None
     assert np.isfinite(Recognizer(home, vault).threshold)
+
+
+@pytest.mark.parametrize("named", ["../../device.json", "/etc/passwd", "missing.onnx", ""])
+def test_a_verifier_name_that_is_not_one_of_the_homes_models_is_never_opened(tmp_path, named):
+    """`device.json` is sealed, but what it names is still only looked up among the home's two model files."""
+    home = DeviceHome(tmp_path / "home")
+    export_models(_model(_face_state()), home, "dev")
+    vault = Vault.open(home.root / "store")
+    settings = Settings.load(home, vault)
+    settings.verifier = named
+    settings.save(home, vault)
+    assert current_model(home, vault) in (home.generic_onnx, home.personalised_onnx)
