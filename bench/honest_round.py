@@ -115,25 +115,22 @@ def coordinator_gate(data: FleetData, seed: int):
                        GateSettings(seed=seed), "the coordinator's people")
 
 
-def publish(gate, state: dict, aggregate: dict, round_id: int) -> tuple[dict, dict]:
-    """What the coordinator publishes from the round's aggregate, in `coordinator.round_aggregation`'s order: the
-    gate's verdict on the whole step, then its `take_step` (no leave-out: every device here is honest); without a
-    gate, the aggregate."""
-    from coordinator.round_aggregation import take_step
+def publish(gate, state: dict, aggregate: dict, round_id: int, start: dict) -> tuple[dict, dict]:
+    """What the coordinator publishes from the round's aggregate (`coordinator.round_aggregation.publishable`, no
+    leave-out: every device here is honest), anchored on the start; without a gate, the aggregate."""
+    from coordinator.round_aggregation import publishable
 
     if gate is None:
         return aggregate, {}
-    problem, verdict = gate.check(state, f"round-{round_id}", aggregate)
-    if problem:
-        return state, {**verdict, "server_step": 0.0, "rolled_back": problem}
-    chosen, figures = take_step(gate, state, f"round-{round_id}", aggregate, verdict)
-    return chosen, {**figures, "rolled_back": ""}
+    gate.anchor_on(lambda: start)
+    chosen, problem, figures = publishable(gate, state, f"round-{round_id}", aggregate)
+    return chosen, {**figures, "rolled_back": problem}
 
 
 def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs: int, strangers: np.ndarray,
             start_scores: dict, gate=None) -> list[dict]:
     config = TrainingConfig(**{**BASE, **overrides})
-    state = initial_global_state()
+    state = start = initial_global_state()
     rows = []
     for r in range(1, rounds + 1):
         mean, locals_, started = RunningMean(), {}, time.perf_counter()
@@ -147,7 +144,7 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
                                  objective=config)
             mean.add(result.delta, result.n_samples)
             locals_[k] = model.eval()
-        state, published = publish(gate, state, apply_delta(state, mean.mean()), r)
+        state, published = publish(gate, state, apply_delta(state, mean.mean()), r, start)
         scores = score_round(data, state, locals_, strangers, max_pairs, seed)
         scores.update(round=r, seconds=time.perf_counter() - started, coordinator=published)
         own, was = scores["own_tar@1e-3"], start_scores["own_tar@1e-3"]

@@ -5,7 +5,9 @@ is clipped and capped, yet it can still pull every embedding together, so that d
 thresholds accept every impostor. The engine's norm and step checks cannot see that; the faces can.
 Before publishing, the engine hands the gate the current model and the candidate; the gate scores both
 on its faces (`models.evaluation.separation`: the false-accept rate at the current model's threshold,
-and the AUC) and says why the candidate must not be published, which rolls the round back.
+and the AUC) and says why the candidate must not be published, which rolls the round back. The same bar is
+held against the anchor, the model the run started from (model v0): each round may move within the bar, but
+not the run as a whole, so an insider cannot drift past it a step at a time.
 
 The faces: the public set the coordinator serves (`--public-set`), or any folder the operator names
 (`--gate-data`: one folder per person gives TAR/FAR over labelled pairs; a flat folder of unlabelled
@@ -21,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.server_step import best_step
-from models.evaluation.separation import FaceSet, Scores, SeparationSettings, score
+from coordinator.server_step import Judged, best_step
+from models.evaluation.separation import FaceSet, Scores, SeparationSettings, Verdict, score
 
 log = logging.getLogger("coordinator")
 
@@ -32,39 +34,56 @@ GateSettings = SeparationSettings  # the gate's bar: the spec's defaults
 
 @dataclass
 class QualityGate:
-    """Scores candidates against the current model on fixed faces; the current model's scores are kept per version."""
+    """Scores candidates on fixed faces against two references: the current model (its scores kept per version) and
+    the anchor, the model the run started from, so that steps each within the bar cannot add up past it."""
 
     faces: FaceSet
     settings: GateSettings = field(default_factory=GateSettings)
     source: str = ""
     _current: tuple[str, Scores] | None = None
-    _start: float | None = None
+    _anchor: Scores | None = None
+
+    def anchor_on(self, start_state: Callable[[], dict[str, np.ndarray] | None]) -> None:
+        """Fix the anchor (loaded and scored once; nothing to anchor on when it cannot be loaded)."""
+        if self._anchor is None and (state := start_state()) is not None:
+            self._anchor = score(state, self.faces, self.settings.threads)
 
     def check(self, current_state: dict[str, np.ndarray], current_sha: str,
               candidate_state: dict[str, np.ndarray]) -> tuple[str, dict]:
         """('' or why the candidate must not be published, the figures behind it for the round's record)."""
-        s = self.settings
-        if self._current is None or self._current[0] != current_sha:
-            self._current = (current_sha, score(current_state, self.faces, s.threads))
-        verdict = s.judge(self._current[1], score(candidate_state, self.faces, s.threads))
+        judged = self._judge(self._current_scores(current_state, current_sha), candidate_state)
+        return judged.problem, judged.metrics
+
+    def step(self, current_state: dict[str, np.ndarray], current_sha: str, aggregate: dict[str, np.ndarray]
+             ) -> tuple[dict[str, np.ndarray] | None, str, dict]:
+        """The server's step towards the aggregate: the point that separates these faces best among those that pass
+        (`coordinator.server_step`); (None, why, figures) when none does."""
+        current = self._current_scores(current_state, current_sha)
+        return best_step(current_state, aggregate, lambda state: self._judge(current, state))
+
+    def start_figures(self) -> dict:
+        """The anchor's AUC on these faces, for each round's record: start against now."""
+        return {} if self._anchor is None else {"gate_auc_start": self._anchor.auc}
+
+    def _current_scores(self, state: dict[str, np.ndarray], sha: str) -> Scores:
+        if self._current is None or self._current[0] != sha:
+            self._current = (sha, score(state, self.faces, self.settings.threads))
+        return self._current[1]
+
+    def _judge(self, current: Scores, candidate_state: dict[str, np.ndarray]) -> Judged:
+        """The bar against the current model, then the same bar against the anchor (the run's whole budget)."""
+        candidate = score(candidate_state, self.faces, self.settings.threads)
+        verdict = self.settings.judge(current, candidate)
         metrics = {f"gate_{k}": v for k, v in verdict.metrics.items()}
-        return ("" if verdict.ok else f"quality gate: {verdict.reason}"), metrics
-
-    def start_figures(self, start_state: Callable[[], dict[str, np.ndarray] | None]) -> dict:
-        """The starting model's AUC on these faces (loaded and scored once), for each round's record: start against
-        now."""
-        if self._start is None:
-            state = start_state()
-            if state is None:
-                return {}
-            self._start = score(state, self.faces, self.settings.threads).auc
-        return {"gate_auc_start": self._start}
-
-    def step(self, current_state: dict[str, np.ndarray], candidate_state: dict[str, np.ndarray]
-             ) -> tuple[dict[str, np.ndarray], dict]:
-        """The server's step towards the candidate, chosen on these faces (`coordinator.server_step`)."""
-        threads = self.settings.threads
-        return best_step(current_state, candidate_state, lambda state: score(state, self.faces, threads).auc)
+        problem = "" if verdict.ok else f"quality gate: {verdict.reason}"
+        if self._anchor is not None:
+            anchored: Verdict = self.settings.judge(self._anchor, candidate)
+            metrics.update({f"gate_anchor_{name}": anchored.metrics[k] for name, k in
+                            (("threshold", "threshold"), ("far_start", "far_current"),
+                             ("far_candidate", "far_candidate"), ("far_limit", "far_limit"))})
+            if not problem and not anchored.ok:
+                problem = f"quality gate, against the model the run started from: {anchored.reason}"
+        return Judged(candidate.auc, problem, metrics)
 
     @classmethod
     def from_path(cls, path: Path, settings: GateSettings | None = None) -> QualityGate:

@@ -3,13 +3,14 @@
 The order is fixed: combine the clipped updates by the run's rule, let the update filter finish the mean (DP's
 noise), step the strategy, check the result (finite, non-negative BatchNorm variances, a step within what the
 bound allows), then the quality gate; a gate refusal may still save the round without its worst updates
-(`leave_out`); a model the gate passed is then reached only as far as separates the gate's faces best
-(`coordinator.server_step`). The engine only hears the outcome: a model to publish, or a reason to roll back.
+(`leave_out`), else a shorter step of the whole; the model is then reached only as far as separates the gate's
+faces best among the points that pass (`coordinator.server_step`). The engine only hears the outcome: a model to publish, or a reason to roll back.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,13 +85,8 @@ class RoundAggregator:
         new_state = non_negative_variances(new_state)
         gate_metrics = {}
         if not problem and self.gate is not None:
-            problem, gate_metrics = self.gate.check(global_state, global_sha, new_state)
-            if problem and fresh_mean and self.filter.allows_leave_out:  # may be saved without its poisoners
-                new_state, problem, gate_metrics = self.leave_out(current, global_state, global_sha, devices, bound,
-                                                                  problem, gate_metrics, server_state)
-            if not problem:
-                new_state, gate_metrics = take_step(self.gate, global_state, global_sha, new_state, gate_metrics)
-            gate_metrics.update(self.gate.start_figures(lambda: self.store.load_model(0)))
+            new_state, problem, gate_metrics = self.gate_and_step(current, global_state, global_sha, new_state,
+                                                                  devices, bound, fresh_mean, server_state)
         metrics = {**filter_metrics, **current.validation_metrics,
                    "aggregation_seconds": time.perf_counter() - started, "codec": self.settings.training.codec,
                    "fold_ms_per_update": 1000 * current.fold_seconds / max(1, len(devices)),
@@ -100,6 +96,25 @@ class RoundAggregator:
         if problem and self.strategy.stateful:
             self.strategy.state = server_state  # the server's momentum forgets the refused round too
         return Outcome(global_state if problem else new_state, problem, metrics)
+
+    def gate_and_step(self, current: OpenRound, global_state: State, global_sha: str, aggregate: State,
+                      devices: list[str], bound: float, fresh_mean: bool, server_state) -> tuple[State, str, dict]:
+        """`publishable`, with this round's leave-out (only for a mean formed here: FV's adopted blend has none)."""
+        def leave_out(problem: str, metrics: dict) -> tuple[State, str, dict]:
+            state, left_problem, metrics = self.leave_out(current, global_state, global_sha, devices, bound, problem,
+                                                          metrics, server_state)
+            if left_problem and self.strategy.stateful:  # the trials moved the server's momentum: the whole round's
+                self.model_of(current, global_state, devices, server_state)
+            return state, left_problem, metrics
+
+        self.gate.anchor_on(lambda: self.store.load_model(0))
+        usable = fresh_mean and self.filter.allows_leave_out
+        state, problem, metrics = publishable(self.gate, global_state, global_sha, aggregate,
+                                              leave_out if usable else None)
+        if metrics.get("gate_whole_step_refused") and not problem:
+            log.warning("round %d: the whole step failed the gate (%s); published %g of it", current.round_id,
+                        metrics["gate_whole_step_refused"], metrics["server_step"])
+        return state, problem, metrics
 
     def leave_out(self, current: OpenRound, global_state: State, global_sha: str, devices: list[str], bound: float,
                   problem: str, metrics: dict, server_state) -> tuple[State, str, dict]:
@@ -154,17 +169,24 @@ class RoundAggregator:
         return ""
 
 
-def take_step(gate: QualityGate, global_state: State, global_sha: str, passed: State, metrics: dict
-              ) -> tuple[State, dict]:
-    """The part of the way to the model the gate passed that separates its faces best (`coordinator.server_step`),
-    judged again; the whole way when the shorter step does not pass."""
-    stepped, figures = gate.step(global_state, passed)
-    if figures["server_step"] == 1.0:
-        return passed, {**metrics, **figures}
-    why, verdict = gate.check(global_state, global_sha, stepped)
-    if why:
-        return passed, {**metrics, **figures, "server_step": 1.0, "server_step_refused": why}
-    return stepped, {**metrics, **verdict, **figures}
+def publishable(gate: QualityGate, global_state: State, global_sha: str, aggregate: State,
+                leave_out: Callable[[str, dict], tuple[State, str, dict]] | None = None) -> tuple[State, str, dict]:
+    """What the gate lets the coordinator publish from the round's aggregate: the gate on the whole step; when it
+    refuses, first the round without its worst updates (`leave_out`: a poisoner's step), then shorter steps of the
+    whole aggregate (an honest round that overshoots); the server step is then chosen among the points that pass
+    (`coordinator.server_step`). Returns (model, '' or why the round rolls back, the gate's figures)."""
+    problem, metrics = gate.check(global_state, global_sha, aggregate)
+    passed = aggregate
+    if problem and leave_out is not None:
+        passed, left_problem, metrics = leave_out(problem, metrics)
+        passed = aggregate if left_problem else passed
+    stepped, step_problem, figures = gate.step(global_state, global_sha, passed)
+    metrics = {**metrics, **figures, **gate.start_figures()}
+    if stepped is None:
+        return global_state, problem or step_problem, metrics
+    if problem and passed is aggregate:
+        metrics["gate_whole_step_refused"] = problem
+    return stepped, "", metrics
 
 
 def non_negative_variances(state: State) -> State:

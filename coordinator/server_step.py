@@ -5,15 +5,16 @@ WiSE-FT's interpolation (Wortsman et al., CVPR 2022, eq. 1) taken once per round
     theta_next = (1 - alpha) * theta_current + alpha * theta_aggregate,
 
 with alpha chosen among STEPS by the AUC of each point on the faces the coordinator holds (the quality gate's:
-faces no device trains on); ties go to the smaller move. Honest devices that each hold a few people pull the
-aggregate towards those people; measured on held faces, part of the way is often better than all of it
-(`bench.honest_round`). The step is taken after the quality gate passed the whole way (so a poisoner is left
-out on the full step, `coordinator.round_aggregation.leave_out`, not let in diluted), and the chosen point is judged
-again. The current model itself (alpha 0) is not a candidate: refusing a round is the gate's, with its reason.
+faces no device trains on), among the points the gate passes; ties go to the smaller move. Honest devices that
+each hold a few people pull the aggregate towards those people; measured on held faces, part of the way is often
+better than all of it, and the whole way can overshoot the gate's bar where a quarter of it does not
+(`bench.honest_round`). The current model itself (alpha 0) is not a candidate: refusing a round is the gate's,
+with its reason.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,13 +24,25 @@ State = dict[str, np.ndarray]
 STEPS = (0.25, 0.5, 1.0)
 
 
-def best_step(current: State, aggregate: State, auc_of: Callable[[State], float],
-              steps: tuple[float, ...] = STEPS) -> tuple[State, dict]:
-    """(the point of `steps` whose `auc_of` is highest, the figures for the round's record)."""
+@dataclass(frozen=True)
+class Judged:
+    """One point's figures on the held faces: its AUC and '' or why it may not be published."""
+
+    auc: float
+    problem: str
+    metrics: dict
+
+
+def best_step(current: State, aggregate: State, judge: Callable[[State], Judged],
+              steps: tuple[float, ...] = STEPS) -> tuple[State | None, str, dict]:
+    """(the passing point of `steps` whose AUC is highest, or None; '' or why no point passes; the figures for the
+    round's record: the chosen step, every step's AUC, the chosen (else the whole) step's verdict figures)."""
     points = {alpha: interpolate_arrays(current, aggregate, alpha) if alpha != 1.0 else aggregate for alpha in steps}
-    alpha, scores = choose_alpha(lambda a: _finite(auc_of(points[a])), steps)
-    return points[alpha], {"server_step": alpha, **{f"server_step_auc@{a:g}": s for a, s in scores.items()}}
-
-
-def _finite(value: float) -> float | None:
-    return float(value) if np.isfinite(value) else None
+    judged = {alpha: judge(points[alpha]) for alpha in steps}
+    passing = {a: j.auc for a, j in judged.items() if not j.problem and np.isfinite(j.auc)}
+    aucs = {f"server_step_auc@{a:g}": j.auc for a, j in judged.items()}
+    if not passing:
+        whole = judged[max(steps)]
+        return None, whole.problem, {**whole.metrics, **aucs, "server_step": 0.0}
+    alpha, _ = choose_alpha(passing.get, tuple(passing))
+    return points[alpha], "", {**judged[alpha].metrics, **aucs, "server_step": alpha}

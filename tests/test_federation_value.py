@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.server_step import best_step
+from coordinator.server_step import Judged, best_step
 from models.evaluation.bootstrap import people_interval, weighted_tar_at_far
 from models.evaluation.metrics import cosine_scores, make_pairs, tar_at_far
 from models.maths.interpolation import interpolate_arrays
@@ -48,12 +48,18 @@ def test_the_server_step_takes_the_point_that_separates_the_held_faces_best():
     aggregate = {"w": np.full(4, 8.0, np.float32), "n": np.array(5)}
     # held faces that like a short step: the AUC peaks at w = 2 (a quarter of the way)
     auc_of = lambda state: 0.9 - abs(float(state["w"][0]) - 2.0) / 100  # noqa: E731
-    state, figures = best_step(current, aggregate, auc_of)
-    assert figures["server_step"] == 0.25 and np.allclose(state["w"], 2.0) and state["n"] == 5
+    passes = lambda auc: lambda state: Judged(auc(state), "", {})  # noqa: E731
+    state, problem, figures = best_step(current, aggregate, passes(auc_of))
+    assert problem == "" and figures["server_step"] == 0.25 and np.allclose(state["w"], 2.0) and state["n"] == 5
     assert figures["server_step_auc@1"] == pytest.approx(0.84)
     # a faithful aggregate is taken whole; equal scores go to the smaller move
-    assert best_step(current, aggregate, lambda s: float(s["w"][0]))[1]["server_step"] == 1.0
-    assert best_step(current, aggregate, lambda s: 0.5)[1]["server_step"] == 0.25
+    assert best_step(current, aggregate, passes(lambda s: float(s["w"][0])))[2]["server_step"] == 1.0
+    assert best_step(current, aggregate, passes(lambda s: 0.5))[2]["server_step"] == 0.25
+    # only points the gate passes are candidates: the best one refused, the next best is taken; none, no step
+    refuse_short = lambda s: Judged(auc_of(s), "too far" if s["w"][0] < 3 else "", {})  # noqa: E731
+    assert best_step(current, aggregate, refuse_short)[2]["server_step"] == 0.5
+    state, problem, figures = best_step(current, aggregate, lambda s: Judged(auc_of(s), "no", {"why": 1}))
+    assert state is None and problem == "no" and figures["server_step"] == 0.0 and figures["why"] == 1
     half = interpolate_arrays(current, aggregate, 0.5)
     assert half["w"].dtype == np.float32 and np.allclose(half["w"], 4.0)
 
@@ -109,10 +115,56 @@ def test_a_degrading_update_is_caught_before_publication_and_a_short_step_keeps_
     degraded = {**current, "backbone.embedding.weight": weight[rows][:, columns]}  # every feature sent elsewhere
     problem, figures = gate.check(current, "v0", degraded)
     assert problem.startswith("quality gate: ") and figures["gate_auc_candidate"] < figures["gate_auc_current"]
-    stepped, step = gate.step(current, degraded)
-    assert step["server_step"] < 1 and step[f"server_step_auc@{step['server_step']:g}"] > step["server_step_auc@1"]
+    stepped, why, step = gate.step(current, "v0", degraded)
+    assert not why and step["server_step"] < 1 and step[f"server_step_auc@{step['server_step']:g}"] > step["server_step_auc@1"]
     assert score(stepped, gate.faces).auc > figures["gate_auc_candidate"]
-    assert gate.start_figures(lambda: current) == {"gate_auc_start": pytest.approx(figures["gate_auc_current"])}
+    gate.anchor_on(lambda: current)
+    assert gate.start_figures() == {"gate_auc_start": pytest.approx(figures["gate_auc_current"])}
+
+
+def test_a_round_whose_whole_step_overshoots_the_gate_is_published_part_of_the_way():
+    """Today's order rolled such a round back (the gate refused the whole step before any shorter one was tried);
+    `publishable` tries the shorter steps of the whole aggregate and publishes the best that passes."""
+    from coordinator.quality_gate import GateSettings, QualityGate
+    from coordinator.round_aggregation import publishable
+    from models.evaluation.separation import FaceSet
+    from models.faces.synthetic import generate
+    from models.networks.face_weights import face_global_state
+
+    images, labels = generate(12, 4, seed=5)
+    gate = QualityGate(FaceSet(images, labels), GateSettings(far=1e-2, seed=0))
+    current = face_global_state()
+    weight = current["backbone.embedding.weight"]
+    rows, columns = (np.random.default_rng(k).permutation(n) for k, n in enumerate(weight.shape, start=1))
+    overshoot = {**current, "backbone.embedding.weight": weight[rows][:, columns]}
+    assert gate.check(current, "v0", overshoot)[0]
+    published, problem, figures = publishable(gate, current, "v0", overshoot)
+    assert problem == "" and figures["gate_whole_step_refused"].startswith("quality gate")
+    assert 0 < figures["server_step"] < 1 and published is not overshoot and published is not current
+
+
+def test_the_anchor_refuses_the_third_small_step_of_a_drift_that_passes_each_round():
+    """A drift that raises every impostor score a little each round (a shift of the embedding's BatchNorm bias, as an
+    insider's update could carry): each step is within the bar against the model before it, but the third takes
+    the run past the bar against the model it started from. Without the anchor, the same third step passes."""
+    from coordinator.quality_gate import GateSettings, QualityGate
+    from models.evaluation.separation import FaceSet
+    from models.faces.synthetic import generate
+    from models.networks.face_weights import face_global_state
+
+    images, labels = generate(12, 4, seed=5)
+    start = face_global_state()
+    direction = np.random.default_rng(0).standard_normal(128).astype(np.float32)
+    direction *= 1.2 / np.linalg.norm(direction)
+    states = [{**start, "backbone.bn.bias": start["backbone.bn.bias"] + k * direction} for k in range(4)]
+    anchored, plain = (QualityGate(FaceSet(images, labels), GateSettings(far=1e-2, seed=0)) for _ in range(2))
+    anchored.anchor_on(lambda: start)
+    verdicts = [anchored.check(states[k - 1], f"v{k - 1}", states[k]) for k in (1, 2, 3)]
+    assert [why for why, _ in verdicts[:2]] == ["", ""]
+    why, figures = verdicts[2]
+    assert "started from" in why and figures["gate_anchor_far_candidate"] > figures["gate_anchor_far_limit"]
+    assert figures["gate_far_candidate"] <= figures["gate_far_limit"]  # within the bar against the model before
+    assert plain.check(states[2], "v2", states[3])[0] == ""
 
 
 def test_the_coordinator_keeps_a_share_of_the_public_set_it_never_serves(tmp_path):
