@@ -8,7 +8,10 @@ it adopted. When the new model would accept clearly more impostors at the old th
 its people clearly worse, the device keeps its last good model and reports only that fact (one
 number in its next update's metrics: no score, no embedding).
 
-The last adopted model's hash is kept in the home (`models/adopted.json`) beside its weights.
+It judges against two references: the last model it adopted, and the first (`models/anchor.safetensors`), so that
+rounds each within the bar cannot drift past it together (an insider who scales its updates to pass each round's
+check). Both hashes are kept in the home (`models/adopted.json`, `models/anchor.json`) beside their weights and
+sealed in the device's settings.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from models.evaluation.separation import FaceSet, SeparationSettings, Verdict, s
 log = logging.getLogger("edge_client")
 ADOPTED_METRIC = "global_adopted"  # 1: the announced model passed the device's check, 0: it kept its last
 ADOPTED_FILE = "adopted.safetensors"  # its hash is kept in the device's sealed settings
+ANCHOR_FILE = "anchor.safetensors"  # the first model the device adopted; its hash sealed as well
 
 
 # a device has few impostor pairs: its operating point is measured at 1e-2 and judged with more slack than the
@@ -56,55 +60,83 @@ def check_faces(images: np.ndarray, labels: np.ndarray, public: np.ndarray | Non
 
 
 class Adoption:
-    """The last model this device adopted (weights and hash in `folder`), and the check against it. `sealed`: the
-    hash the device's sealed settings hold for it (edge_client.recognizer.Settings), so that a file swapped on
-    disk cannot become the reference a poisoned model is judged against."""
+    """The last model this device adopted and the first (the anchor), weights and hashes in `folder`, and the check
+    against both. `sealed`: the hashes the device's sealed settings hold for them (edge_client.recognizer.Settings,
+    file name -> sha256), so that a file swapped on disk cannot become the reference a poisoned model is judged
+    against."""
 
-    def __init__(self, folder: Path, settings: SeparationSettings = ADOPTION, sealed: str | None = None):
+    def __init__(self, folder: Path, settings: SeparationSettings = ADOPTION, sealed: dict[str, str] | None = None):
         self.folder, self.settings, self.sealed = Path(folder), settings, sealed
-        self.weights, self.record = self.folder / "adopted.safetensors", self.folder / "adopted.json"
 
     def last(self) -> tuple[str, dict[str, np.ndarray]] | None:
         """(sha256, state) of the last adopted model; None before the first, or when its file does not match."""
+        return self._load(ADOPTED_FILE)
+
+    def anchor(self) -> tuple[str, dict[str, np.ndarray]] | None:
+        """(sha256, state) of the first model this device adopted: each step may be small, the whole run is judged
+        against this one."""
+        return self._load(ANCHOR_FILE)
+
+    def seals(self) -> dict[str, str]:
+        """File name -> sha256 of the references on disk, for the device's sealed settings."""
+        return {name: ref[0] for name in (ADOPTED_FILE, ANCHOR_FILE) if (ref := self._load(name)) is not None}
+
+    def judge(self, sha: str, payload: bytes, state: dict[str, np.ndarray], faces: FaceSet | None) -> Verdict:
+        """Adopt the announced model (and remember it) unless it is clearly worse on `faces` than the last one, or
+        than the first one this device adopted."""
+        last, anchor = self.last(), self.anchor()
+        for name, ref in ((ADOPTED_FILE, last), (ANCHOR_FILE, anchor)):
+            sealed = (self.sealed or {}).get(name)
+            if self.sealed is not None and sealed is not None and (ref is None or ref[0] != sealed):
+                return Verdict(False, f"the {name} in {self.folder} is not the one this device sealed (changed "
+                                      "outside ffr-edge); adopting nothing until it is restored", {})
+        if anchor is None and last is not None:  # a home from before the anchor: its last model starts the budget
+            self._remember(ANCHOR_FILE, last[0], (self.folder / ADOPTED_FILE).read_bytes())
+            anchor = last
+        if last is not None and last[0] == sha:
+            return Verdict(True, "", {})
+        verdict = Verdict(True, "", {})
+        if faces is not None:
+            candidate = None
+            for ref, against in ((last, ""), (anchor, "the first model this device adopted: ")):
+                if ref is None or (against and last is not None and ref[0] == last[0]):
+                    continue
+                candidate = candidate or score(state, faces)
+                judged = self.settings.judge(score(ref[1], faces), candidate)
+                if not judged.ok:
+                    return Verdict(False, f"against {against}{judged.reason}" if against else judged.reason,
+                                   judged.metrics)
+                verdict = verdict if verdict.metrics else judged
+        self._remember(ADOPTED_FILE, sha, payload)
+        if anchor is None:
+            self._remember(ANCHOR_FILE, sha, payload)
+        return verdict
+
+    def _load(self, name: str) -> tuple[str, dict[str, np.ndarray]] | None:
+        """(sha256, state) of a reference file whose bytes match its record; None when missing or not matching."""
         from safetensors.numpy import load_file
 
         from protocol.tensors import sha256_hex
 
-        if not (self.record.exists() and self.weights.exists()):
+        weights, record = self.folder / name, (self.folder / name).with_suffix(".json")
+        if not (record.exists() and weights.exists()):
             return None
         try:
-            sha = json.loads(self.record.read_text())["sha256"]
-            data = self.weights.read_bytes()
+            sha = json.loads(record.read_text())["sha256"]
+            data = weights.read_bytes()
             if sha256_hex(data) != sha:
-                log.warning("the last adopted model in %s does not match its hash; judging from scratch", self.folder)
+                log.warning("%s in %s does not match its hash; judging from scratch", name, self.folder)
                 return None
-            return sha, {k: v.astype(np.float32) if v.dtype.kind == "f" else v
-                         for k, v in load_file(str(self.weights)).items()}
+            return sha, {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in load_file(str(weights)).items()}
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def judge(self, sha: str, payload: bytes, state: dict[str, np.ndarray], faces: FaceSet | None) -> Verdict:
-        """Adopt the announced model (and remember it) unless it is clearly worse on `faces` than the last one."""
-        last = self.last()
-        if self.sealed is not None and (last is None or last[0] != self.sealed):
-            return Verdict(False, f"the last adopted model in {self.folder} is not the one this device sealed "
-                                  "(changed outside ffr-edge); adopting nothing until it is restored", {})
-        if last is not None and last[0] == sha:
-            return Verdict(True, "", {})
-        if last is not None and faces is not None:
-            verdict = self.settings.judge(score(last[1], faces), score(state, faces))
-            if not verdict.ok:
-                return verdict
-        else:
-            verdict = Verdict(True, "", {})
-        self._remember(sha, payload)
-        return verdict
-
-    def _remember(self, sha: str, payload: bytes) -> None:
+    def _remember(self, name: str, sha: str, payload: bytes) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.weights.with_suffix(".tmp")
+        weights, record = self.folder / name, (self.folder / name).with_suffix(".json")
+        tmp = weights.with_suffix(".tmp")
         tmp.write_bytes(payload)
-        tmp.replace(self.weights)
-        tmp = self.record.with_suffix(".tmp")
+        tmp.replace(weights)
+        tmp = record.with_suffix(".tmp")
         tmp.write_text(json.dumps({"sha256": sha}))
-        tmp.replace(self.record)
+        tmp.replace(record)

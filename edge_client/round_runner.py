@@ -164,7 +164,7 @@ class RoundRunner:
     def _adopt(self, job, payload: bytes, state: dict) -> bool:
         """The device's own check of the announced model on its people and public negatives (only the
         outcome is reported, as one metric of its update)."""
-        from edge_client.adoption import ADOPTED_FILE, Adoption, check_faces
+        from edge_client.adoption import Adoption, check_faces
         from edge_client.recognizer import Settings
         from edge_client.vault import Vault
 
@@ -172,10 +172,11 @@ class RoundRunner:
         faces = check_faces(crops.images, crops.labels, self.public.negatives_for_adoption(), seed=self.seed)
         vault = Vault.open(self.home.root / "store")
         settings = Settings.load(self.home, vault)
-        verdict = Adoption(self.home.root / "models", sealed=settings.models.get(ADOPTED_FILE)).judge(
-            job.model_sha256, payload, state, faces)
-        if verdict.ok and settings.models.get(ADOPTED_FILE) != job.model_sha256:
-            settings.models[ADOPTED_FILE] = job.model_sha256  # the reference the next model is judged against
+        adoption = Adoption(self.home.root / "models", sealed=settings.models)
+        verdict = adoption.judge(job.model_sha256, payload, state, faces)
+        seals = adoption.seals()  # the references the next model is judged against
+        if verdict.ok and any(settings.models.get(name) != sha for name, sha in seals.items()):
+            settings.models.update(seals)
             settings.save(self.home, vault)
         if not verdict.ok:
             log.warning("%s: keeping the last good model, not v%d: %s", self.device_id, job.model_version,

@@ -168,5 +168,41 @@ def test_a_swapped_adoption_reference_adopts_nothing(tmp_path):
     forged = encode(poisoned, "fp16")
     (tmp_path / "adopted.safetensors").write_bytes(forged.data)  # a local tamperer swaps the reference...
     (tmp_path / "adopted.json").write_text(json.dumps({"sha256": forged.sha256}))  # ... and its record
-    verdict = Adoption(tmp_path, sealed=wire.sha256).judge(forged.sha256, forged.data, poisoned, _faces())
-    assert not verdict.ok and "not the one this device sealed" in verdict.reason
+    sealed = {"adopted.safetensors": wire.sha256, "anchor.safetensors": wire.sha256}
+    assert adoption.seals() == {"anchor.safetensors": wire.sha256, "adopted.safetensors": forged.sha256}
+    verdict = Adoption(tmp_path, sealed=sealed).judge(forged.sha256, forged.data, poisoned, _faces())
+    assert not verdict.ok and "adopted.safetensors" in verdict.reason and "not the one this device sealed" in verdict.reason
+    (tmp_path / "adopted.safetensors").write_bytes(wire.data)  # the reference restored, the anchor swapped instead
+    (tmp_path / "adopted.json").write_text(json.dumps({"sha256": wire.sha256}))
+    (tmp_path / "anchor.safetensors").write_bytes(forged.data)
+    (tmp_path / "anchor.json").write_text(json.dumps({"sha256": forged.sha256}))
+    verdict = Adoption(tmp_path, sealed=sealed).judge(forged.sha256, forged.data, poisoned, _faces())
+    assert not verdict.ok and "anchor.safetensors" in verdict.reason
+
+
+def test_the_device_refuses_the_third_small_step_of_a_drift_each_step_of_which_passes(tmp_path):
+    """A drift that raises every impostor score a little each round (a shift of the embedding's BatchNorm bias):
+    against the last adopted model alone, every step passes the device's check; against the first model the device
+    adopted (its anchor), the third step is refused and the device keeps the second."""
+    from edge_client.adoption import Adoption, check_faces
+    from models.faces.synthetic import generate
+    from models.networks.face_weights import face_global_state
+    from protocol.tensors import encode
+
+    images, labels = generate(8, 5, seed=3)
+    public, _ = generate(40, 1, seed=9)
+    faces = check_faces(images, labels, public)
+    start = face_global_state()
+    direction = np.random.default_rng(0).standard_normal(128).astype(np.float32)
+    direction *= 1.25 / np.linalg.norm(direction)
+    states = [{**start, "backbone.bn.bias": start["backbone.bn.bias"] + k * direction} for k in range(4)]
+    wires = [encode(s, "fp16") for s in states]
+    anchored, plain = Adoption(tmp_path / "anchored"), Adoption(tmp_path / "plain")
+    verdicts = [anchored.judge(w.sha256, w.data, s, faces) for w, s in zip(wires, states)]
+    assert [v.ok for v in verdicts] == [True, True, True, False]
+    assert "the first model this device adopted" in verdicts[3].reason
+    assert anchored.last()[0] == wires[2].sha256 and anchored.anchor()[0] == wires[0].sha256
+    for w, s in zip(wires, states):  # the same drift judged against the last model only: every step adopted
+        assert plain.judge(w.sha256, w.data, s, faces).ok
+        (tmp_path / "plain" / "anchor.safetensors").write_bytes((tmp_path / "plain" / "adopted.safetensors").read_bytes())
+        (tmp_path / "plain" / "anchor.json").write_text(json.dumps({"sha256": w.sha256}))
