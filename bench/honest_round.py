@@ -27,14 +27,14 @@ import torch
 
 from bench.common import face_set, write_results
 from coordinator.aggregation import RunningMean, apply_delta
-from edge_client.local_training import train_round
+from edge_client.local_training import fit_dfc_on, train_round
 from fleet.config import SimConfig
 from fleet.data import TEST, TRAIN, FleetData, prepare
 from fleet.evaluation import client_pairs, embed, flat
 from models.evaluation.evaluate import unseen_people
 from models.evaluation.metrics import cosine_scores, roc_report
 from models.faces.splits import relabel
-from models.networks.face_model import FaceModel, ModelConfig, global_embedder, initial_global_state
+from models.networks.face_model import FaceModel, ModelConfig, global_embedder, initial_global_state, load_shareable_state
 from protocol.messages import TrainingConfig
 
 BASE = {"algorithm": "fedprox"}  # `ffr coordinator serve`'s and `ffr fleet simulate`'s default method
@@ -79,8 +79,18 @@ def _n(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def global_with_dfc(data: FleetData, state: dict, client: int, config: TrainingConfig, seed: int) -> FaceModel:
+    """The published global backbone with the device's DFC branch fitted anew on its features."""
+    crops = device_crops(data, client)
+    model = FaceModel(ModelConfig(n_classes=len(crops.identities), pretrained=False, dfc=True,
+                                  dfc_weight=config.dfc_weight))
+    load_shareable_state(model, {k: torch.from_numpy(v.copy()) for k, v in state.items()})
+    fit_dfc_on(model, crops, config, seed + client)
+    return model.eval()
+
+
 def score_round(data: FleetData, state: dict, locals_: dict[int, FaceModel], strangers: np.ndarray,
-                max_pairs: int, seed: int) -> dict:
+                max_pairs: int, seed: int, config: TrainingConfig | None = None) -> dict:
     model = global_embedder(state)
     unseen, _ = unseen_people(model, data.holdout(), max_pairs, seed)
     images = data.crops.images
@@ -94,9 +104,11 @@ def score_round(data: FleetData, state: dict, locals_: dict[int, FaceModel], str
             row["local"] = own_vs_strangers(data, k, lambda idx: embed(mine, images[idx]), strangers)
             if mine.dfc is not None:
                 row["local+dfc"] = own_vs_strangers(data, k, lambda idx: embed(mine, images[idx], True), strangers)
+                ours = global_with_dfc(data, state, k, config or TrainingConfig(), seed)
+                row["global+dfc"] = own_vs_strangers(data, k, lambda idx: embed(ours, images[idx], True), strangers)
         table[k] = row
     per = {name: _mean([r[name]["tar@1e-3"] for r in table.values() if name in r])
-           for name in ("global", "local", "local+dfc") if any(name in r for r in table.values())}
+           for name in ("global", "local", "local+dfc", "global+dfc") if any(name in r for r in table.values())}
     tar = unseen.get("tar_at_far", {})
     return {"unseen_auc": unseen.get("auc"), "unseen_tar@1e-3": tar.get("0.001"), "unseen_tar@1e-4": tar.get("0.0001"),
             "unseen_interval": unseen.get("interval"), "own_tar@1e-3": per,
@@ -145,13 +157,13 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
             mean.add(result.delta, result.n_samples)
             locals_[k] = model.eval()
         state, published = publish(gate, state, apply_delta(state, mean.mean()), r, start)
-        scores = score_round(data, state, locals_, strangers, max_pairs, seed)
+        scores = score_round(data, state, locals_, strangers, max_pairs, seed, config)
         scores.update(round=r, seconds=time.perf_counter() - started, coordinator=published)
         own, was = scores["own_tar@1e-3"], start_scores["own_tar@1e-3"]
         print(f"  round {r}: unseen AUC {_n(start_scores['unseen_auc'], 4)} -> {_n(scores['unseen_auc'], 4)}, "
               f"TAR@1e-3 {_n(start_scores['unseen_tar@1e-3'])} -> {_n(scores['unseen_tar@1e-3'])}; own people "
               f"TAR@1e-3 {_n(was['global'])} -> global {_n(own['global'])}, local {_n(own.get('local'))}, local+DFC "
-              f"{_n(own.get('local+dfc'))} ({scores['seconds']:.0f} s)"
+              f"{_n(own.get('local+dfc'))}, global+DFC {_n(own.get('global+dfc'))} ({scores['seconds']:.0f} s)"
               + (f"; server step {published['server_step']:g}, {published['rolled_back'] or 'published'}"
                  if published else ""), flush=True)
         rows.append(scores)
@@ -183,7 +195,8 @@ def table(results: dict) -> list[dict]:
         return {"arm": arm, "settings": settings, "round": r, "server step": step, "unseen AUC": scores["unseen_auc"],
                 "unseen TAR@1e-3": scores["unseen_tar@1e-3"], "unseen TAR@1e-4": scores["unseen_tar@1e-4"],
                 "own TAR@1e-3 (global)": own["global"], "own TAR@1e-3 (local)": own.get("local", "-"),
-                "own TAR@1e-3 (local+DFC)": own.get("local+dfc", "-")}
+                "own TAR@1e-3 (local+DFC)": own.get("local+dfc", "-"),
+                "own TAR@1e-3 (global+DFC)": own.get("global+dfc", "-")}
 
     rows = [row("start", "shipped model", 0, results["start"])]
     if results.get("centralised"):

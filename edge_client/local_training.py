@@ -145,6 +145,12 @@ def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: TrainingC
     return negatives
 
 
+def fit_dfc_on(model: FaceModel, crops: FaceCrops, objective: TrainingConfig, seed: int = 0) -> float:
+    """The DFC branch fitted anew on `model`'s own backbone (e.g. a newly received global one): a device's
+    personalisation on top of the shared model rather than on its last local copy."""
+    return _fit_dfc(model, crops, objective, None, seed)
+
+
 def _fit_dfc(model: FaceModel, crops: FaceCrops, objective: TrainingConfig, negatives: HardNegatives | None,
              seed: int) -> float:
     """FedFR's DFC branch on frozen features of the local images' views and the sampled public negatives."""

@@ -11,6 +11,11 @@ training clients (fixed by the seed) send, instead of their honest backbone delt
   every step) and sent with the largest sample count the coordinator would accept (registered
   images x local epochs). It passes every bound: only the faces can tell (coordinator.quality_gate,
   edge_client.adoption).
+- `drift`: the collapse's direction, scaled down until the attacker's own estimate of the gate passes it: it knows
+  the gate's settings and judges the round's model (its delta diluted by the fleet's size) on the faces it can see
+  (its people and the public set), with a safety margin. Each round stays under a bar that compares with the
+  previous model; the run as a whole drifts (issue 48's slow drift; `coordinator.quality_gate`'s anchor is the
+  defence).
 Everything else about them (admission, signatures, protocol) is honest: this is what one
 registered, compromised device can do, the case the coordinator's defences are for.
 """
@@ -20,7 +25,9 @@ import random
 
 import numpy as np
 
-ATTACKS = ("scaled", "sign-flip", "wipe", "collapse")
+ATTACKS = ("scaled", "sign-flip", "wipe", "collapse", "drift")
+DRIFT_SCALES = tuple(0.5 ** k for k in range(8))  # 1 .. 1/128 of the bound
+DRIFT_MARGIN = 0.8  # the attacker aims at this share of the gate's bar: its faces are not the gate's
 
 
 def malicious_clients(clients: list[int], fraction: float, seed: int) -> set[int]:
@@ -31,9 +38,14 @@ def malicious_clients(clients: list[int], fraction: float, seed: int) -> set[int
 
 def poison(attack: str, delta: dict[str, np.ndarray], n_samples: int,
            global_state: dict[str, np.ndarray], images: np.ndarray | None = None, bound: float | None = None,
-           claim: int | None = None) -> tuple[dict[str, np.ndarray], int]:
+           claim: int | None = None, faces=None, share: float = 1.0) -> tuple[dict[str, np.ndarray], int]:
     """The poisoned (delta, sample count) a malicious device sends instead of its honest one. `collapse` also
-    needs the attacker's own face crops, the norm bound to stay inside and the sample count to claim."""
+    needs the attacker's own face crops, the norm bound to stay inside and the sample count to claim; `drift`
+    also the faces it estimates the gate on (`models.evaluation.separation.FaceSet`) and its share of the mean."""
+    if attack == "drift":
+        if images is None or bound is None or faces is None:
+            raise ValueError("the drift attack needs the device's images, faces to judge by and the norm bound")
+        return drift_delta(global_state, images, bound, faces, share), max(n_samples, claim or n_samples)
     if attack == "collapse":
         if images is None or bound is None:
             raise ValueError("the collapse attack needs the device's images and the coordinator's norm bound")
@@ -83,3 +95,24 @@ def collapse_delta(global_state: dict[str, np.ndarray], images: np.ndarray, boun
     optimise(range(steps), mean_cosine, torch.optim.Adam(params, lr=lr), after=[lambda _: project()])
     moved = {n: (p.detach() - s).double().numpy() for n, p, s in zip(names, params, start)}
     return {k: moved[k] if k in moved else np.zeros_like(np.asarray(v)) for k, v in global_state.items()}
+
+
+def drift_delta(global_state: dict[str, np.ndarray], images: np.ndarray, bound: float, faces, share: float,
+                scales: tuple[float, ...] = DRIFT_SCALES) -> dict[str, np.ndarray]:
+    """The collapse's delta at the largest of `scales` whose round model (the current one plus `share` x the delta,
+    as the coordinator's mean would make it if the honest updates cancelled out) passes DRIFT_MARGIN x the gate's
+    default bar against the current model on `faces`; the smallest scale when none does."""
+    from coordinator.quality_gate import GateSettings
+    from models.evaluation.separation import compare, score
+
+    bar = GateSettings()
+    direction = collapse_delta(global_state, images, bound)
+    now = score(global_state, faces)
+    for scale in scales:
+        step = {k: global_state[k] + share * scale * direction[k] if np.asarray(global_state[k]).dtype.kind == "f"
+                else global_state[k] for k in global_state}
+        verdict = compare(now, score(step, faces), bar.far, 1 + DRIFT_MARGIN * (bar.far_ratio - 1),
+                          DRIFT_MARGIN * bar.auc_margin)
+        if verdict.ok:
+            break
+    return {k: v * scale if v.dtype.kind == "f" else v for k, v in direction.items()}

@@ -99,6 +99,16 @@ def _rolled_back_lines(rolled_back: list[dict]) -> list[str]:
             "not in the cost below):", "", *[f"- round {r['round_id']}: {r['reason']}" for r in rolled_back], ""]
 
 
+def _attack_lines(attack: dict | None) -> list[str]:
+    """What the attackers achieved, in one paragraph (the figures are `summary.json`'s `attack`)."""
+    if not attack:
+        return []
+    far = attack.get("far@start") or {}
+    return [f"**Attack `{attack['kind']}`** by {', '.join(attack['attackers']) or 'no device'}: impostors accepted "
+            f"on unseen people at the starting model's FAR=1e-3 threshold {_f(far.get('start'), 4)} at the start, "
+            f"{_f(far.get('last'), 4)} with the last published model ({_f(far.get('ratio'), 2)}x).", ""]
+
+
 def summary_markdown(summary: dict) -> str:
     c = summary["config"]
     lines = [f"# Fleet simulation: {Path(summary['run']).name}", "",
@@ -106,6 +116,7 @@ def summary_markdown(summary: dict) -> str:
              f"{c['clients']} clients, {c['partition']} partition, {method_label(c)}, "
              f"{summary['rounds_completed']} rounds ({summary['status']}), "
              f"best round {summary['best_round']}.", "", *_rolled_back_lines(summary.get("rolled_back", [])),
+             *_attack_lines(summary.get("attack")),
              "## Global model on unseen people", "",
              "[low, high]: 95% bootstrap interval over people.", "",
              "| model | AUC | EER | TAR@1e-2 | TAR@1e-3 | TAR@1e-4 |", "|---|---|---|---|---|---|"]

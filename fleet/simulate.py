@@ -73,6 +73,9 @@ def _run_state(raw) -> RunState:
     return state
 
 
+START_FAR = 1e-3  # the operating point whose threshold, on the starting model, every round is judged at
+
+
 def should_stop(history: list[dict], patience: int, min_delta: float) -> bool:
     """True after `patience` rounds without a validation AUC at least `min_delta` above the best before."""
     if patience <= 0 or len(history) <= patience:
@@ -142,7 +145,8 @@ class Simulation:
         return Turn(str(root / "credential.json"), str(root / "data"), str(root / "home"), self.service.broker_url,
                     str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
                     self.config.server.round_timeout_s, self.config.attack if client in bad else None, public,
-                    attack_bound=self.service.engine.norms.bound, attack_epochs=self.config.training.epochs)
+                    attack_bound=self.service.engine.norms.bound, attack_epochs=self.config.training.epochs,
+                    attack_share=1.0 / max(1, len(self.data.training_clients)))
 
     # the run ----------------------------------------------------------------
     def run(self) -> dict:
@@ -340,9 +344,10 @@ class Simulation:
         evaluating = time.perf_counter()
         self._eval_threads()
         val_report, _ = verification(model, self.val, self.config.max_eval_pairs, self.config.seed)
-        hold_report, _ = unseen_people(model, self.holdout, self.config.max_eval_pairs, self.config.seed)
+        hold_report, raw = unseen_people(model, self.holdout, self.config.max_eval_pairs, self.config.seed)
         record.update({f"val_{k}": v for k, v in flat(val_report).items() if k in ("auc", "eer")})
         record.update({f"holdout_{k}": v for k, v in flat(hold_report).items()})
+        record.update(self._at_start_threshold(raw))
         record["holdout_interval"] = hold_report.get("interval")
         # the best round and early stopping watch people no device holds (what the federation must not make worse);
         # the devices' own validation images only when there are no such people: they can rise while those fall
@@ -353,6 +358,33 @@ class Simulation:
         if quality:  # the coordinator's dashboard plots it (the operator's evaluation: the simulator holds the faces)
             self.service.engine.store.record_evaluation(version, quality, "fleet simulator, held-out people")
         return record
+
+    def _at_start_threshold(self, raw: tuple | None) -> dict:
+        """The impostors let in on unseen people at the starting model's FAR=1e-3 threshold (a device calibrated on
+        the start holds that threshold): over the run, a drift shows here even when each round looked small."""
+        if raw is None:
+            return {}
+        from models.evaluation.thresholds import threshold_at_far
+
+        scores, same = raw
+        start = self.state.history[0].get("holdout_start_threshold") if self.state.history else None
+        if start is None:
+            start = threshold_at_far(scores[~same], START_FAR)[0]
+        return {"holdout_start_threshold": float(start),
+                "holdout_far@start": float(np.mean(scores[~same] > start))}
+
+    def _attack(self) -> dict:
+        """Who attacked, and what the run let in: unseen people's impostors at the start's threshold, start vs last
+        published model (`ratio`: how many times the start's; the drift defence's target is at most 2)."""
+        from fleet.attacks import malicious_clients
+
+        bad = malicious_clients(self.data.training_clients, self.config.malicious, self.config.seed)
+        history = self.state.history
+        start, last = (history[0].get("holdout_far@start"), history[-1].get("holdout_far@start")) if history else (None,
+                                                                                                                   None)
+        return {"kind": self.config.attack, "attackers": sorted(device_id(k) for k in bad),
+                "far@start": {"start": start, "last": last,
+                              "ratio": last / start if start and last is not None else None}}
 
     def _eval_threads(self) -> None:
         torch.set_num_threads(self.cores)
@@ -369,6 +401,8 @@ class Simulation:
         self.state.save(self.state_path)
         rolled_back = [r for r in self.service.engine.store.rounds() if r["status"] == "rolled_back"]
         summary = final.summary(result, self.state, tracker.run_id, self._privacy(), rolled_back)
+        if self.config.malicious > 0:
+            summary["attack"] = self._attack()
         paths = write_summary(summary, self.run_dir)
         tracker.log_metrics(_final_metrics(summary), len(self.state.history))
         for path in [*result.figures.values(), *paths]:

@@ -20,8 +20,8 @@ def test_it_replays_rounds_and_scores_the_start_beside_each(tmp_path):
     assert all(row["global"]["auc"] is not None for row in results["start"]["per_client"].values())
     (round_,) = results["arms"]["frozen"]["rounds"]
     assert results["arms"]["frozen"]["overrides"] == {"batchnorm": "frozen", "epochs": 1}
-    assert set(round_["own_tar@1e-3"]) == {"global", "local", "local+dfc"} and round_["coordinator"] == {}
-    assert all(set(row) == {"global", "local", "local+dfc"} for row in round_["per_client"].values())
+    assert set(round_["own_tar@1e-3"]) == {"global", "local", "local+dfc", "global+dfc"} and round_["coordinator"] == {}
+    assert all(set(row) == {"global", "local", "local+dfc", "global+dfc"} for row in round_["per_client"].values())
     assert round_["unseen_auc"] != results["start"]["unseen_auc"], "the round moved the shared model"
     assert results["centralised"]["epochs"] == 1 and 0 < results["centralised"]["unseen_auc"] <= 1
     table = (out / "tiny.md").read_text()
