@@ -26,7 +26,7 @@ import random
 import numpy as np
 
 ATTACKS = ("scaled", "sign-flip", "wipe", "collapse", "drift")
-DRIFT_SCALES = tuple(0.5 ** k for k in range(8))  # 1 .. 1/128 of the bound
+DRIFT_HALVINGS = 8  # the scale found to 1/256
 DRIFT_MARGIN = 0.8  # the attacker aims at this share of the gate's bar: its faces are not the gate's
 
 
@@ -98,21 +98,27 @@ def collapse_delta(global_state: dict[str, np.ndarray], images: np.ndarray, boun
 
 
 def drift_delta(global_state: dict[str, np.ndarray], images: np.ndarray, bound: float, faces, share: float,
-                scales: tuple[float, ...] = DRIFT_SCALES) -> dict[str, np.ndarray]:
-    """The collapse's delta at the largest of `scales` whose round model (the current one plus `share` x the delta,
-    as the coordinator's mean would make it if the honest updates cancelled out) passes DRIFT_MARGIN x the gate's
-    default bar against the current model on `faces`; the smallest scale when none does."""
+                halvings: int = DRIFT_HALVINGS) -> dict[str, np.ndarray]:
+    """The collapse's delta at the largest scale in [0, 1] (bisection, `halvings` steps) whose round model (the
+    current one plus `share` x the delta, as the coordinator's mean would make it if the honest updates cancelled
+    out) passes DRIFT_MARGIN x the gate's default bar against the current model on `faces`."""
     from coordinator.quality_gate import GateSettings
     from models.evaluation.separation import compare, score
 
     bar = GateSettings()
     direction = collapse_delta(global_state, images, bound)
     now = score(global_state, faces)
-    for scale in scales:
-        step = {k: global_state[k] + share * scale * direction[k] if np.asarray(global_state[k]).dtype.kind == "f"
-                else global_state[k] for k in global_state}
-        verdict = compare(now, score(step, faces), bar.far, 1 + DRIFT_MARGIN * (bar.far_ratio - 1),
-                          DRIFT_MARGIN * bar.auc_margin)
-        if verdict.ok:
-            break
-    return {k: v * scale if v.dtype.kind == "f" else v for k, v in direction.items()}
+
+    def passes(scale: float) -> bool:
+        step = {k: v + share * scale * direction[k] if np.asarray(v).dtype.kind == "f" else v
+                for k, v in global_state.items()}
+        return compare(now, score(step, faces), bar.far, 1 + DRIFT_MARGIN * (bar.far_ratio - 1),
+                       DRIFT_MARGIN * bar.auc_margin).ok
+
+    low, high = 0.0, 1.0
+    if passes(high):
+        low = high
+    for _ in range(halvings if low < high else 0):
+        middle = (low + high) / 2
+        low, high = (middle, high) if passes(middle) else (low, middle)
+    return {k: v * low if v.dtype.kind == "f" else v for k, v in direction.items()}

@@ -1,0 +1,61 @@
+"""Issue 48's insiders: an attacker who knows the gate's settings and scales its poison to stay under them.
+
+Real parts throughout: the edge client, Mosquitto, the coordinator's gate scoring with ONNX Runtime, SYNTHETIC faces.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ffr.cli import main
+from tests.test_collapse import FLEET
+
+
+def test_the_drift_attacker_scales_its_poison_until_its_own_estimate_of_the_gate_passes():
+    from coordinator.quality_gate import GateSettings
+    from edge_client.adoption import check_faces
+    from fleet.attacks import DRIFT_MARGIN, collapse_delta, drift_delta
+    from models.evaluation.separation import compare, score
+    from models.faces.synthetic import generate
+    from models.networks.face_weights import face_global_state
+
+    state = face_global_state()
+    images, labels = generate(20, 6, seed=1)  # enough faces that a FAR of 1e-3 is a count of pairs, not one or two
+    public, _ = generate(60, 1, seed=2)
+    faces = check_faces(images, labels, public)
+    bar, share, bound = GateSettings(), 0.5, 1.0
+
+    def moved(delta: dict, scale: float = 1.0) -> dict:
+        return {k: v + share * scale * delta[k] if v.dtype.kind == "f" else v for k, v in state.items()}
+
+    whole = collapse_delta(state, images, bound)
+    now = score(state, faces)
+    assert not compare(now, score(moved(whole), faces)).ok, "the collapse at full strength is what a gate refuses"
+    drift = drift_delta(state, images, bound, faces, share)
+    assert drift["backbone.bn.num_batches_tracked"].dtype == state["backbone.bn.num_batches_tracked"].dtype
+    ratio = np.linalg.norm(drift["backbone.embedding.weight"]) / np.linalg.norm(whole["backbone.embedding.weight"])
+    assert 0 < ratio < 1, ratio
+    assert compare(now, score(moved(drift), faces), bar.far, 1 + DRIFT_MARGIN * (bar.far_ratio - 1),
+                   DRIFT_MARGIN * bar.auc_margin).ok
+
+
+def test_a_drift_attacker_in_a_fleet_is_reported_with_the_impostors_let_in_at_the_start_threshold(
+        tmp_path, mosquitto):
+    from coordinator.store import Store
+
+    run = tmp_path / "drift"
+    argv = [a if a != "collapse" else "drift" for a in FLEET]
+    assert main(["-q", "fleet", "simulate", "--broker", mosquitto.url, *argv, "--out", str(run)]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    attack = summary["attack"]
+    assert attack["kind"] == "drift" and len(attack["attackers"]) == 1
+    far = attack["far@start"]
+    assert far["start"] == summary["history"][0]["holdout_far@start"]
+    assert far["last"] == summary["history"][-1]["holdout_far@start"]
+    assert all(0 <= h["holdout_far@start"] <= 1 for h in summary["history"])
+    store = Store(run / "coordinator")
+    for r in store.rounds():  # the attacker's update is a well-formed one: it was taken in, not refused on the wire
+        assert attack["attackers"][0] in {u["device_id"] for u in store.accepted_updates(r["round_id"])} \
+            or r["metrics"].get("gate_excluded_devices") == attack["attackers"]
+    assert "Attack `drift`" in (run / "summary.md").read_text()
