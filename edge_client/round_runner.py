@@ -21,7 +21,7 @@ from edge_client.error_feedback import ErrorFeedback
 from edge_client.exporter import export_models
 from edge_client.home import DeviceHome
 from edge_client.link import CoordinatorLink
-from edge_client.local_training import LocalResult, train_round
+from edge_client.local_training import LocalResult, fit_dfc_on, train_round
 from edge_client.public_set import DevicePublicSet
 from models.maths.state_norms import clip_to_norm, without_running_stats
 from models.networks.face_model import (
@@ -226,7 +226,8 @@ class RoundRunner:
 
     def adopt_release(self, release: ModelRelease) -> bool:
         """The federation's final model: fetched, checked like every global model, and (if it passes) what this
-        device verifies with from now on (its own DFC branch on top). One log line says which; False if it
+        device verifies with from now on (its own DFC branch on top, fitted anew on the final model's features: the branch from the last round was fitted
+        on that round's local backbone). One log line says which; False if it
         could not be taken (the release is retained: the next connection tries again)."""
         try:
             global_state = self.fetch_global(release)
@@ -234,6 +235,9 @@ class RoundRunner:
             if self.adopted and self.export_onnx:
                 model = self.ensure_model(release)
                 load_shareable_state(model, global_state)
+                if model.dfc is not None and release.config.dfc_steps > 0:  # its branch was fitted on another backbone
+                    fit_dfc_on(model, self._crops(), release.config, self.seed)
+                    self.home.save_tensors(self.home.private_state, private_state(model))
                 chosen = self._export(model, global_state)
             log.info("%s: final model v%d %s%s", self.device_id, release.model_version,
                      "adopted" if self.adopted else "refused by this device's check; keeping the last good model",
