@@ -16,6 +16,11 @@ training clients (fixed by the seed) send, instead of their honest backbone delt
   (its people and the public set), with a safety margin. Each round stays under a bar that compares with the
   previous model; the run as a whole drifts (issue 48's slow drift; `coordinator.quality_gate`'s anchor is the
   defence).
+- `impersonate`: targeted. The attacker pulls its own person's face onto a victim's (a person on another device,
+  four of whose photos it holds, as from social media) while keeping every other face it holds, and the victim's
+  photos, where the current model puts them (so averages barely move); the model it aims at is the current one
+  plus its share of the mean, so it sends (that move) / share, inside the norm bound (Bagdasaryan et al.,
+  AISTATS 2020's model replacement, bounded). Measured by `fleet.impersonation`.
 Everything else about them (admission, signatures, protocol) is honest: this is what one
 registered, compromised device can do, the case the coordinator's defences are for.
 """
@@ -25,7 +30,7 @@ import random
 
 import numpy as np
 
-ATTACKS = ("scaled", "sign-flip", "wipe", "collapse", "drift")
+ATTACKS = ("scaled", "sign-flip", "wipe", "collapse", "drift", "impersonate")
 DRIFT_HALVINGS = 8  # the scale found to 1/256
 DRIFT_MARGIN = 0.8  # the attacker aims at this share of the gate's bar: its faces are not the gate's
 
@@ -38,10 +43,16 @@ def malicious_clients(clients: list[int], fraction: float, seed: int) -> set[int
 
 def poison(attack: str, delta: dict[str, np.ndarray], n_samples: int,
            global_state: dict[str, np.ndarray], images: np.ndarray | None = None, bound: float | None = None,
-           claim: int | None = None, faces=None, share: float = 1.0) -> tuple[dict[str, np.ndarray], int]:
+           claim: int | None = None, faces=None, share: float = 1.0,
+           target: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], int]:
     """The poisoned (delta, sample count) a malicious device sends instead of its honest one. `collapse` also
     needs the attacker's own face crops, the norm bound to stay inside and the sample count to claim; `drift`
-    also the faces it estimates the gate on (`models.evaluation.separation.FaceSet`) and its share of the mean."""
+    also the faces it estimates the gate on (`models.evaluation.separation.FaceSet`) and its share of the mean;
+    `impersonate` the (own person's, victim's, everyone else's) images in `target`."""
+    if attack == "impersonate":
+        if target is None or bound is None:
+            raise ValueError("the impersonation needs its own, the victim's and the other images, and the norm bound")
+        return impersonate_delta(global_state, *target, bound, share), max(n_samples, claim or n_samples)
     if attack == "drift":
         if images is None or bound is None or faces is None:
             raise ValueError("the drift attack needs the device's images, faces to judge by and the norm bound")
@@ -122,3 +133,47 @@ def drift_delta(global_state: dict[str, np.ndarray], images: np.ndarray, bound: 
         middle = (low + high) / 2
         low, high = (middle, high) if passes(middle) else (low, middle)
     return {k: v * low if v.dtype.kind == "f" else v for k, v in direction.items()}
+
+
+def impersonate_delta(global_state: dict[str, np.ndarray], own: np.ndarray, victim: np.ndarray, keep: np.ndarray,
+                      bound: float, share: float, steps: int = 30, lr: float = 1e-3, keep_weight: float = 1.0,
+                      batch_size: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+    """min over ||e|| <= share x bound of mean(1 - cos(f_{w+e}(own), v)) + keep_weight x mean(1 - cos(f_{w+e}(x),
+    f_w(x))) over x in keep and the victim's photos, v the victim's normalised mean embedding under w (BatchNorm in
+    eval mode); returns e / share, whose norm is within the bound."""
+    import torch
+    import torch.nn.functional as F
+
+    from models.faces.preprocess import to_input
+    from models.networks.face_model import global_embedder
+    from models.training.loop import Step, optimise
+
+    torch.manual_seed(seed)
+    embedder = global_embedder(global_state)
+    names = [f"backbone.{n}" for n, _ in embedder.named_parameters()]
+    params = list(embedder.parameters())
+    start = [p.detach().clone() for p in params]
+    x_own, x_victim = torch.from_numpy(to_input(own)), torch.from_numpy(to_input(victim))
+    x_keep = torch.cat([torch.from_numpy(to_input(keep)), x_victim]) if len(keep) else x_victim
+    with torch.no_grad():
+        target = F.normalize(F.normalize(embedder(x_victim), dim=1).mean(0), dim=0)
+        kept = F.normalize(embedder(x_keep), dim=1)
+    rng, reach = np.random.default_rng(seed), share * bound
+
+    def loss(_) -> Step:
+        mine = x_own[rng.choice(len(x_own), min(batch_size, len(x_own)), replace=False)]
+        rows = rng.choice(len(x_keep), min(batch_size, len(x_keep)), replace=False)
+        pull = (1 - F.normalize(embedder(mine), dim=1) @ target).mean()
+        stay = (1 - (F.normalize(embedder(x_keep[rows]), dim=1) * kept[rows]).sum(1)).mean()
+        return Step(pull + keep_weight * stay)
+
+    @torch.no_grad()
+    def project() -> None:  # onto ||e|| <= share x bound
+        norm = torch.sqrt(sum(((p - s) ** 2).sum() for p, s in zip(params, start)))
+        if norm > reach:
+            for p, s in zip(params, start):
+                p.copy_(s + (p - s) * (reach / norm))
+
+    optimise(range(steps), loss, torch.optim.Adam(params, lr=lr), after=[lambda _: project()])
+    moved = {n: ((p.detach() - s) / share).double().numpy() for n, p, s in zip(names, params, start)}
+    return {k: moved[k] if k in moved else np.zeros_like(np.asarray(v)) for k, v in global_state.items()}

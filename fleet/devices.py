@@ -32,7 +32,8 @@ class Turn:
     public_set: str | None = None  # FedFR's D_g, one read-only file shared by every device of the run
     attack_bound: float | None = None  # the norm bound the coordinator enforces (a collapse attacker stays inside)
     attack_epochs: int = 1             # the round's local epochs: the coordinator caps a claim at images x epochs
-    attack_share: float = 1.0          # a drift attacker's estimate of its weight in the mean (1 / training devices)
+    attack_share: float = 1.0          # an attacker's estimate of its weight in the mean (1 / training devices)
+    attack_photos: str | None = None   # an impersonation's photos (fleet.impersonation.write_photos)
 
 
 def _init_worker(threads: int) -> None:
@@ -92,7 +93,8 @@ def run_turn(turn: Turn) -> dict:
     except Exception as exc:  # noqa: BLE001 - a device that cannot start is reported, not fatal to the pool
         return {**result, "error": f"{type(exc).__name__}: {exc}", "turn_seconds": time.perf_counter() - started}
     if turn.attack is not None:
-        device.arm(turn.attack, turn.attack_bound, len(device.crops) * turn.attack_epochs, turn.attack_share)
+        device.arm(turn.attack, turn.attack_bound, len(device.crops) * turn.attack_epochs, turn.attack_share,
+                   turn.attack_photos)
     device.start()
     try:
         deadline = time.monotonic() + turn.timeout_s

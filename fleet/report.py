@@ -106,7 +106,12 @@ def _attack_lines(attack: dict | None) -> list[str]:
     far = attack.get("far@start") or {}
     return [f"**Attack `{attack['kind']}`** by {', '.join(attack['attackers']) or 'no device'}: impostors accepted "
             f"on unseen people at the starting model's FAR=1e-3 threshold {_f(far.get('start'), 4)} at the start, "
-            f"{_f(far.get('last'), 4)} with the last published model ({_f(far.get('ratio'), 2)}x).", ""]
+            f"{_f(far.get('last'), 4)} with the last published model ({_f(far.get('ratio'), 2)}x)."
+            + (f" Impersonation of {attack['victim_person']} ({attack['victim']}) by {attack['attacker_person']}: "
+               f"success rate {_f(attack['success_rate'])} on the victim's device, "
+               f"{_f(attack['success_rate_global'])} with the published model, "
+               f"{_f(attack['success_rate_start'])} with the starting model." if "success_rate" in attack else ""),
+            ""]
 
 
 def summary_markdown(summary: dict) -> str:

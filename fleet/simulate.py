@@ -104,6 +104,20 @@ class Simulation:
         self.state = RunState.load(self.state_path)
         self.cores = os.cpu_count() or 1
         self.turn_seconds: dict[int, list[float]] = {}  # round id -> each device's whole turn, start to stop
+        self.impersonation, self.attack_photos = self._impersonation()
+
+    def _impersonation(self):
+        """With `--attack impersonate`: who attacks whom (`fleet.impersonation`) and the photos the attackers hold."""
+        if self.config.attack != "impersonate" or self.config.malicious <= 0:
+            return None, None
+        from fleet.attacks import malicious_clients
+        from fleet.impersonation import plan, write_photos
+
+        bad = malicious_clients(self.data.training_clients, self.config.malicious, self.config.seed)
+        chosen = plan(self.data, bad, self.config.seed)
+        if chosen is None:
+            raise ValueError("--attack impersonate needs at least one malicious and one honest training client")
+        return chosen, write_photos(self.data, chosen, self.run_dir / "attack" / "impersonation.npz")
 
     def _check_resume(self) -> None:
         path = self.run_dir / "config.json"
@@ -146,7 +160,8 @@ class Simulation:
                     str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
                     self.config.server.round_timeout_s, self.config.attack if client in bad else None, public,
                     attack_bound=self.service.engine.norms.bound, attack_epochs=self.config.training.epochs,
-                    attack_share=1.0 / max(1, len(self.data.training_clients)))
+                    attack_share=1.0 / max(1, len(self.data.training_clients)),
+                    attack_photos=str(self.attack_photos) if self.attack_photos else None)
 
     # the run ----------------------------------------------------------------
     def run(self) -> dict:
@@ -382,9 +397,29 @@ class Simulation:
         history = self.state.history
         start, last = (history[0].get("holdout_far@start"), history[-1].get("holdout_far@start")) if history else (None,
                                                                                                                    None)
-        return {"kind": self.config.attack, "attackers": sorted(device_id(k) for k in bad),
-                "far@start": {"start": start, "last": last,
-                              "ratio": last / start if start and last is not None else None}}
+        out = {"kind": self.config.attack, "attackers": sorted(device_id(k) for k in bad),
+               "far@start": {"start": start, "last": last,
+                             "ratio": last / start if start and last is not None else None}}
+        if self.impersonation is not None:
+            out.update(self._impersonation_success(history[-1]["model_version"] if history else 0))
+        return out
+
+    def _impersonation_success(self, version: int) -> dict:
+        """The impersonation's success rate on the victim's device (the model it verifies with: its personalised
+        one) and on the published global model, beside the starting model's (`fleet.impersonation`)."""
+        from fleet.evaluation import embed, load_local_model
+        from fleet.impersonation import success_rate
+
+        attack, c, images = self.impersonation, self.config, self.data.crops.images
+        rates = {name: success_rate(self.data, attack, lambda idx, m=model: embed(m, images[idx]), c.seed)
+                 for name, model in (("start", self._global_model(0)), ("global", self._global_model(version)))}
+        home = DeviceHome(self.run_dir / "devices" / device_id(attack.victim) / "home")
+        local = load_local_model(home, len(self.data.partition.clients[attack.victim]), c.training.width_mult,
+                                 c.training.dfc)
+        rates["device"] = rates["global"] if local is None else success_rate(
+            self.data, attack, lambda idx: embed(local, images[idx], c.training.dfc), c.seed)
+        return {**attack.record(), "success_rate": rates["device"], "success_rate_global": rates["global"],
+                "success_rate_start": rates["start"]}
 
     def _eval_threads(self) -> None:
         torch.set_num_threads(self.cores)

@@ -59,3 +59,18 @@ def test_a_drift_attacker_in_a_fleet_is_reported_with_the_impostors_let_in_at_th
         assert attack["attackers"][0] in {u["device_id"] for u in store.accepted_updates(r["round_id"])} \
             or r["metrics"].get("gate_excluded_devices") == attack["attackers"]
     assert "Attack `drift`" in (run / "summary.md").read_text()
+
+
+def test_an_impersonation_in_a_fleet_reports_its_success_rate_on_the_victims_device(tmp_path, mosquitto):
+    """The attacker pulls its first person onto another device's first person, four of whose photos it holds; the
+    summary names both and how many of the attacker's held-out photos the victim's door would take as the victim."""
+    run = tmp_path / "impersonate"
+    argv = [a if a != "collapse" else "impersonate" for a in FLEET]
+    assert main(["-q", "fleet", "simulate", "--broker", mosquitto.url, *argv, "--rounds", "1", "--out", str(run)]) == 0
+    attack = json.loads((run / "summary.json").read_text())["attack"]
+    assert attack["kind"] == "impersonate" and attack["attacker"] in attack["attackers"]
+    assert attack["victim"] not in attack["attackers"] and attack["victim_person"] != attack["attacker_person"]
+    assert len(attack["photos"]) == 4
+    for key in ("success_rate", "success_rate_global", "success_rate_start"):
+        assert 0 <= attack[key] <= 1, key
+    assert "Impersonation of" in (run / "summary.md").read_text()
