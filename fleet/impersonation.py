@@ -76,11 +76,19 @@ def success_rate(data: FleetData, attack: Plan, embed: Embed, seed: int) -> floa
     strangers = np.flatnonzero(data.holdout_mask())
     if not len(held_out) or not len(strangers):
         return None
+    embed = _unit(embed)
     strangers = np.sort(np.random.default_rng(seed).choice(strangers, min(STRANGERS, len(strangers)), replace=False))
     templates = np.stack([_template(embed(np.flatnonzero((data.names == p) & (data.split == TRAIN)))) for p in people])
     threshold, _ = threshold_at_far((embed(strangers) @ templates.T).ravel(), FAR)
     victim = templates[people.index(attack.victim_person)]
     return float(np.mean(embed(held_out) @ victim > threshold))
+
+
+def _unit(embed: Embed) -> Embed:
+    def unit(indices: np.ndarray) -> np.ndarray:
+        e = embed(indices).astype(np.float64)
+        return e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+    return unit
 
 
 def _template(embeddings: np.ndarray) -> np.ndarray:
