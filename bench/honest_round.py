@@ -34,7 +34,13 @@ from fleet.evaluation import client_pairs, embed, flat
 from models.evaluation.evaluate import unseen_people
 from models.evaluation.metrics import cosine_scores, roc_report
 from models.faces.splits import relabel
-from models.networks.face_model import FaceModel, ModelConfig, global_embedder, initial_global_state, load_shareable_state
+from models.networks.face_model import (
+    FaceModel,
+    ModelConfig,
+    global_embedder,
+    initial_global_state,
+    load_shareable_state,
+)
 from protocol.messages import TrainingConfig
 
 BASE = {"algorithm": "fedprox"}  # `ffr coordinator serve`'s and `ffr fleet simulate`'s default method

@@ -4,7 +4,8 @@ The order is fixed: combine the clipped updates by the run's rule, let the updat
 noise), step the strategy, check the result (finite, non-negative BatchNorm variances, a step within what the
 bound allows), then the quality gate; a gate refusal may still save the round without its worst updates
 (`leave_out`), else a shorter step of the whole; the model is then reached only as far as separates the gate's
-faces best among the points that pass (`coordinator.server_step`). The engine only hears the outcome: a model to publish, or a reason to roll back.
+faces best among the points that pass (`coordinator.server_step`). The engine only hears the outcome: a model to
+publish, or a reason to roll back.
 """
 from __future__ import annotations
 

@@ -127,7 +127,8 @@ class Adoption:
             if sha256_hex(data) != sha:
                 log.warning("%s in %s does not match its hash; judging from scratch", name, self.folder)
                 return None
-            return sha, {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in load_file(str(weights)).items()}
+            state = load_file(str(weights))
+            return sha, {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in state.items()}
         except (OSError, ValueError, KeyError, TypeError):
             return None
 

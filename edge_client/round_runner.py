@@ -226,8 +226,8 @@ class RoundRunner:
 
     def adopt_release(self, release: ModelRelease) -> bool:
         """The federation's final model: fetched, checked like every global model, and (if it passes) what this
-        device verifies with from now on (its own DFC branch on top, fitted anew on the final model's features: the branch from the last round was fitted
-        on that round's local backbone). One log line says which; False if it
+        device verifies with from now on (its own DFC branch on top, fitted anew on the final model's features: the
+        branch from the last round was fitted on that round's local backbone). One log line says which; False if it
         could not be taken (the release is retained: the next connection tries again)."""
         try:
             global_state = self.fetch_global(release)

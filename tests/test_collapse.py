@@ -171,7 +171,8 @@ def test_a_swapped_adoption_reference_adopts_nothing(tmp_path):
     sealed = {"adopted.safetensors": wire.sha256, "anchor.safetensors": wire.sha256}
     assert adoption.seals() == {"anchor.safetensors": wire.sha256, "adopted.safetensors": forged.sha256}
     verdict = Adoption(tmp_path, sealed=sealed).judge(forged.sha256, forged.data, poisoned, _faces())
-    assert not verdict.ok and "adopted.safetensors" in verdict.reason and "not the one this device sealed" in verdict.reason
+    assert not verdict.ok and "adopted.safetensors" in verdict.reason
+    assert "not the one this device sealed" in verdict.reason
     (tmp_path / "adopted.safetensors").write_bytes(wire.data)  # the reference restored, the anchor swapped instead
     (tmp_path / "adopted.json").write_text(json.dumps({"sha256": wire.sha256}))
     (tmp_path / "anchor.safetensors").write_bytes(forged.data)
@@ -204,5 +205,6 @@ def test_the_device_refuses_the_third_small_step_of_a_drift_each_step_of_which_p
     assert anchored.last()[0] == wires[2].sha256 and anchored.anchor()[0] == wires[0].sha256
     for w, s in zip(wires, states):  # the same drift judged against the last model only: every step adopted
         assert plain.judge(w.sha256, w.data, s, faces).ok
-        (tmp_path / "plain" / "anchor.safetensors").write_bytes((tmp_path / "plain" / "adopted.safetensors").read_bytes())
+        plain_home = tmp_path / "plain"
+        (plain_home / "anchor.safetensors").write_bytes((plain_home / "adopted.safetensors").read_bytes())
         (tmp_path / "plain" / "anchor.json").write_text(json.dumps({"sha256": w.sha256}))
