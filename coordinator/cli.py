@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from coordinator.engine import ROUND_TIMEOUT_S
+from coordinator.server_step import FIXED_STEP
 from models.cli.common import Owned, add_init_option, at_least, given, port, refuse_unowned
 from models.cli.objective import (
     add_codec_options,
@@ -88,6 +89,7 @@ def round_settings(args, training, **fixed):
     settings = RoundSettings(rounds=args.rounds, fraction=args.fraction, round_timeout_s=args.round_timeout,
                              training=training, seed=args.seed, combine=args.combine, norm_factor=args.norm_factor,
                              norm_ceiling=args.norm_ceiling, norm_action=args.norm_action, dp_noise=args.dp_noise,
+                             server_step=args.server_step,
                              fv=args.fv or args.method == "fedface", **own, **fixed)
     refuse_unowned(args, ROUND_OWNED, settings)
     return settings
@@ -116,6 +118,10 @@ def add_round_options(p: argparse.ArgumentParser, validators: str) -> None:
     g.add_argument("--fraction", type=float, default=1.0, help="fraction of devices sampled per round (default 1)")
     g.add_argument("--round-timeout", type=float, default=ROUND_TIMEOUT_S,
                    help=f"seconds a round waits for updates (default {ROUND_TIMEOUT_S:g})")
+    g.add_argument("--server-step", type=float, default=FIXED_STEP,
+                   help="without a quality gate (no faces to choose on): how far the published model moves towards "
+                        f"the round's aggregate, 1 = all the way (default {FIXED_STEP:g}; with a gate the step is "
+                        "chosen on its faces)")
     g = p.add_argument_group("robust aggregation (every update is norm-bounded; the new model is checked)")
     g.add_argument("--combine", choices=COMBINERS, default="mean",
                    help="how updates are combined: the weighted mean (FedAvg), a coordinate-wise trimmed mean or "

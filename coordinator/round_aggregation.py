@@ -20,6 +20,7 @@ import numpy as np
 from coordinator.aggregation import RunningMean, Strategy, capped_weights
 from coordinator.robust import combine, l2_norm
 from coordinator.round_state import OpenRound
+from coordinator.server_step import fixed_step
 from coordinator.settings import RoundSettings
 from coordinator.store import Store
 from coordinator.update_filters import UpdateFilter
@@ -88,6 +89,8 @@ class RoundAggregator:
         if not problem and self.gate is not None:
             new_state, problem, gate_metrics = self.gate_and_step(current, global_state, global_sha, new_state,
                                                                   devices, bound, fresh_mean, server_state)
+        elif not problem:  # no faces to choose the step on: the fixed one
+            new_state, gate_metrics = fixed_step(global_state, new_state, self.settings.server_step)
         metrics = {**filter_metrics, **current.validation_metrics,
                    "aggregation_seconds": time.perf_counter() - started, "codec": self.settings.training.codec,
                    "fold_ms_per_update": 1000 * current.fold_seconds / max(1, len(devices)),

@@ -9,7 +9,7 @@ faces no device trains on), among the points the gate passes; ties go to the sma
 each hold a few people pull the aggregate towards those people; measured on held faces, part of the way is often
 better than all of it, and the whole way can overshoot the gate's bar where a quarter of it does not
 (`bench.honest_round`). The current model itself (alpha 0) is not a candidate: refusing a round is the gate's,
-with its reason.
+with its reason. A coordinator with no faces (no gate) cannot choose: it takes FIXED_STEP (`--server-step`).
 """
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ from models.maths.interpolation import choose_alpha, interpolate_arrays
 
 State = dict[str, np.ndarray]
 STEPS = (0.25, 0.5, 1.0)
+# without faces to choose on (no gate): the step that held faces chose in 3 of 4 honest CelebA rounds
+# (bench/results/federation_value_iid.md), and the one that kept a two-device `serve` run from degrading
+FIXED_STEP = 0.25
+
+
+def fixed_step(current: State, aggregate: State, alpha: float) -> tuple[State, dict]:
+    """(eq. 1 at `alpha`, the figure for the round's record): the coordinator's step when it holds no faces."""
+    stepped = aggregate if alpha == 1.0 else interpolate_arrays(current, aggregate, alpha)
+    return stepped, {"server_step": alpha}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from coordinator.robust import COMBINERS
+from coordinator.server_step import FIXED_STEP
 from models.typed_fields import check_types
 from protocol.messages import TrainingConfig
 
@@ -23,6 +24,7 @@ class RoundSettings:
     training: TrainingConfig = field(default_factory=TrainingConfig)  # the local round every device is sent;
                                    # its `algorithm` is also how the coordinator aggregates (coordinator.strategies)
     server_momentum: float = 0.9   # FedAvgM's server momentum
+    server_step: float = FIXED_STEP  # how far towards the round's aggregate, without a gate's faces to choose on
     max_update_bytes: int = 64 * 1024 * 1024
     max_inflight_bytes: int = 1024 * 1024 * 1024  # all half-received updates together
     seed: int = 0
@@ -54,6 +56,7 @@ class RoundSettings:
                   (self.norm_factor > 0 and self.norm_ceiling > 0, "--norm-factor and --norm-ceiling must be positive"),
                   (self.dp_noise >= 0, f"--dp-noise must not be negative (got {self.dp_noise:g})"),
                   (0 < self.dp_delta < 1, f"--dp-delta must be in (0, 1) (got {self.dp_delta:g})"),
+                  (0 < self.server_step <= 1, f"--server-step must be in (0, 1] (got {self.server_step:g})"),
                   (0 <= self.server_momentum < 1,
                    f"--server-momentum must be in [0, 1) (got {self.server_momentum:g})"),
                   (self.byzantine is None or self.byzantine >= 0, "--byzantine must not be negative"),

@@ -257,7 +257,8 @@ def test_eval_takes_a_face_embedder_file_and_refuses_files_it_cannot_use(tmp_pat
 
     data = ["--data", str(synthetic_dir), "--detector", "none", "--json"]
     assert main(["-q", "eval", "--model", str(SHIPPED_WEIGHTS), *data]) == 0  # the shipped embedder, as it is
-    assert 0.5 < json.loads(capsys.readouterr().out)["auc"] <= 1
+    shipped_auc = json.loads(capsys.readouterr().out)["auc"]
+    assert 0.5 < shipped_auc <= 1
     (tmp_path / "junk.onnx").write_text("not a model")
     (tmp_path / "junk.safetensors").write_bytes(bytes(64))
     for name, says in (("junk.onnx", "is not a usable ONNX model"),
@@ -267,6 +268,14 @@ def test_eval_takes_a_face_embedder_file_and_refuses_files_it_cannot_use(tmp_pat
         assert says in err and err.count("\n") == 1 and "unexpected" not in err, err
     assert main(["-q", "eval", "--model", str(SHIPPED_WEIGHTS), "--personalised", *data]) == 2
     assert "no personalised embedding" in capsys.readouterr().err
+    # a coordinator's released model (each key under `backbone.`) is the same embedder, and scores the same
+    from safetensors.numpy import save_file
+
+    from models.networks.face_weights import face_global_state
+
+    save_file(face_global_state(), str(tmp_path / "v00002.safetensors"))
+    assert main(["-q", "eval", "--model", str(tmp_path / "v00002.safetensors"), *data]) == 0
+    assert json.loads(capsys.readouterr().out)["auc"] == pytest.approx(shipped_auc)
 
 
 @pytest.mark.parametrize("command, option, value, says", [

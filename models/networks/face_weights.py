@@ -44,7 +44,9 @@ def shipped_weights(check: bool = True) -> Path:
 
 
 def read_embedder_numpy(path: Path | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Embedder state (float32 / int64 numpy, keys as in FaceEmbedder.state_dict()) and the file's metadata."""
+    """Embedder state (float32 / int64 numpy, keys as in FaceEmbedder.state_dict()) and the file's metadata. A
+    coordinator's released model (`coordinator/models/vNNNNN.safetensors`: the same tensors, each key under
+    `backbone.`) reads the same."""
     from safetensors import safe_open
     from safetensors.numpy import load_file
 
@@ -53,6 +55,8 @@ def read_embedder_numpy(path: Path | None = None) -> tuple[dict[str, np.ndarray]
         metadata = dict(fh.metadata() or {})
     state = {k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v)
              for k, v in load_file(str(path)).items()}
+    if state and all(k.startswith(SHAREABLE_PREFIX) for k in state):
+        state = {k.removeprefix(SHAREABLE_PREFIX): v for k, v in state.items()}
     return state, metadata
 
 
