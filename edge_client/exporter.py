@@ -12,8 +12,10 @@ from models.networks.face_model import FaceModel, load_shareable_state, shareabl
 
 def export_models(model: FaceModel, home: DeviceHome, device_id: str,
                   global_state: dict[str, torch.Tensor] | None = None, images: np.ndarray | None = None,
-                  labels: np.ndarray | None = None, negatives: np.ndarray | None = None) -> str | None:
-    """Export and seal both models (`global_state`: the generic model's backbone; None: the model's own); with the
+                  labels: np.ndarray | None = None, negatives: np.ndarray | None = None,
+                  personalised: FaceModel | None = None) -> str | None:
+    """Export and seal both models (`global_state`: the generic model's backbone; None: the model's own;
+    `personalised`: the model whose DFC embedding is exported as the personalised one, default `model`'s); with the
     device's faces (`images`, `labels`; `negatives`: public faces of nobody's people) choose which one verifies and
     recalibrate it. Returns the log line of that choice."""
     from edge_client.recognizer import seal_model
@@ -30,8 +32,9 @@ def export_models(model: FaceModel, home: DeviceHome, device_id: str,
     finally:
         load_shareable_state(model, local)
     seal_model(home, vault, home.generic_onnx)
-    if model.dfc is not None:
-        export_onnx(model, home.personalised_onnx, personalised=True, extra={"device": device_id})
+    personalised = personalised or model
+    if personalised.dfc is not None:
+        export_onnx(personalised, home.personalised_onnx, personalised=True, extra={"device": device_id})
         seal_model(home, vault, home.personalised_onnx)
     if images is None or labels is None:
         return None

@@ -7,6 +7,7 @@ reported. The local steps are `edge_client.local_algorithms`', the exports `edge
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -74,7 +75,7 @@ class RoundRunner:
         header, acked, sent, upload_seconds = self._upload(job, delta, n_samples, {**result.metrics, **timing})
         chosen = None
         if self.export_onnx and self.adopted:  # a model the device's check refused never verifies a face here
-            chosen = self._export(model, global_state)
+            chosen = self._export(model, global_state, job.config)
         self.home.log_round({"round_id": job.round_id, "base_version": job.model_version, "acked": acked,
                              "adopted": self.adopted, "bytes_sent": sent, **timing, "upload_seconds": upload_seconds,
                              "verifier": chosen,
@@ -88,12 +89,19 @@ class RoundRunner:
         if chosen:
             log.info("%s: round %d: %s", self.device_id, job.round_id, chosen)
 
-    def _export(self, model: FaceModel, global_state: dict[str, torch.Tensor]) -> str | None:
-        """The device's verifying models from this round (the global one and its personalised one), the better one
-        chosen and recalibrated on its faces."""
+    def _export(self, model: FaceModel, global_state: dict[str, torch.Tensor], config) -> str | None:
+        """The device's verifying models from this round: the global one, and its personalised one (the global
+        backbone with a DFC branch fitted on its features: measured on 10 CelebA devices, Dirichlet, own people
+        against strangers at FAR 1e-3, 0.754 against 0.692 for the local backbone with its branch,
+        `bench/results/federation_value_dirichlet.md`); the better one chosen and recalibrated on its faces."""
         crops = self._crops()
+        personal = None
+        if model.dfc is not None and config.dfc_steps > 0:
+            personal = copy.deepcopy(model)
+            load_shareable_state(personal, global_state)
+            fit_dfc_on(personal, crops, config, self.seed)
         return export_models(model, self.home, self.device_id, global_state, crops.images, crops.labels,
-                             self.public.negatives_for_adoption())
+                             self.public.negatives_for_adoption(), personal)
 
     def _train(self, job: RoundAnnouncement, model: FaceModel,
                global_state: dict[str, torch.Tensor]) -> tuple[LocalResult, dict | None]:
@@ -226,8 +234,7 @@ class RoundRunner:
 
     def adopt_release(self, release: ModelRelease) -> bool:
         """The federation's final model: fetched, checked like every global model, and (if it passes) what this
-        device verifies with from now on (its own DFC branch on top, fitted anew on the final model's features: the
-        branch from the last round was fitted on that round's local backbone). One log line says which; False if it
+        device verifies with from now on (its own DFC branch on top, `_export`). One log line says which; False if it
         could not be taken (the release is retained: the next connection tries again)."""
         try:
             global_state = self.fetch_global(release)
@@ -235,10 +242,7 @@ class RoundRunner:
             if self.adopted and self.export_onnx:
                 model = self.ensure_model(release)
                 load_shareable_state(model, global_state)
-                if model.dfc is not None and release.config.dfc_steps > 0:  # its branch was fitted on another backbone
-                    fit_dfc_on(model, self._crops(), release.config, self.seed)
-                    self.home.save_tensors(self.home.private_state, private_state(model))
-                chosen = self._export(model, global_state)
+                chosen = self._export(model, global_state, release.config)
             log.info("%s: final model v%d %s%s", self.device_id, release.model_version,
                      "adopted" if self.adopted else "refused by this device's check; keeping the last good model",
                      f"; {chosen}" if chosen else "")

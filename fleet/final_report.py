@@ -16,8 +16,9 @@ from fleet.config import SimConfig
 from fleet.data import TEST, TRAIN, FleetData, device_id
 from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model, tuned_model
 from models.evaluation.evaluate import unseen_people
+from models.faces.splits import relabel
 from models.networks.backbone import FaceEmbedder
-from models.networks.face_model import FaceModel
+from models.networks.face_model import FaceModel, ModelConfig
 
 
 def best_round(history: list[dict]) -> int | None:
@@ -130,11 +131,27 @@ class FinalEvaluation:
                      "local": lambda k: local(k, False)}
         if c.training.dfc:
             verifiers["local+dfc"] = lambda k: local(k, True)
+            verifiers["global+dfc"] = lambda k: self.global_personalised(global_model, k)
         if central_model is not None:
             verifiers["centralized"] = lambda k: shared["centralized"]
         if c.tune_steps > 0:
             verifiers["tuned"] = lambda k: self.tuned(global_model, k)
         return verifiers
+
+    def global_personalised(self, global_model: FaceEmbedder, client: int):
+        """What a device exports as its personalised model (`edge_client.round_runner`): the global backbone with a
+        DFC branch fitted on its features of the client's training images (None: held out)."""
+        if client in self.data.partition.heldout_clients:
+            return None
+        from edge_client.local_training import fit_dfc_on
+
+        c = self.config
+        model = FaceModel(ModelConfig(n_classes=len(self.data.partition.clients[client]), pretrained=False, dfc=True,
+                                      width_mult=c.training.width_mult))
+        model.backbone.load_state_dict(global_model.state_dict())
+        crops = self.data.union(TRAIN, [client])
+        fit_dfc_on(model, relabel(crops, np.unique(crops.labels)), c.training, c.seed + client)
+        return lambda idx: embed(model.eval(), self.data.crops.images[idx], True)
 
     def tuned(self, global_model: FaceEmbedder, client: int):
         """The global model tuned for `tune_steps` batches on the client's training images (None: held out)."""

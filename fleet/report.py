@@ -6,7 +6,7 @@ from pathlib import Path
 
 from protocol.json_file import read_json
 
-VERIFIERS = ("start", "global", "tuned", "local", "local+dfc", "centralized")
+VERIFIERS = ("start", "global", "tuned", "local", "local+dfc", "global+dfc", "centralized")
 
 
 def _f(value, digits: int = 3) -> str:

@@ -50,7 +50,7 @@ def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
     assert 0.0 <= summary["global"]["auc"] <= 1.0 and summary["global"]["n_impostor_pairs"] > 0
     assert summary["centralized"]["epochs"] == 2 and 0.0 <= summary["centralized"]["global"]["auc"] <= 1.0
     personalised = summary["personalized"]["training_clients"]
-    assert set(personalised) == {"start", "global", "local", "local+dfc", "centralized"}
+    assert set(personalised) == {"start", "global", "local", "local+dfc", "global+dfc", "centralized"}
     # the starting model is scored per device like the rest, against strangers (people on no device)
     assert summary["personalized"]["impostors"] == "people on no device"
     rows = summary["personalized"]["per_client"]
