@@ -24,6 +24,7 @@ from edge_client.home import DeviceHome
 from edge_client.link import CoordinatorLink
 from edge_client.local_training import LocalResult, fit_dfc_on, train_round
 from edge_client.public_set import DevicePublicSet
+from edge_client.verifier_choice import check_split
 from models.maths.state_norms import clip_to_norm, without_running_stats
 from models.networks.face_model import (
     FaceModel,
@@ -95,12 +96,14 @@ class RoundRunner:
         against strangers at FAR 1e-3, 0.754 against 0.692 for the local backbone with its branch,
         `bench/results/federation_value_dirichlet.md`); the better one chosen and recalibrated on its faces."""
         crops = self._crops()
+        check = check_split(crops.labels, self.seed)  # judged on images the branch was not fitted on
         personal = None
         if model.dfc is not None and config.dfc_steps > 0:
             personal = copy.deepcopy(model)
             load_shareable_state(personal, global_state)
-            fit_dfc_on(personal, crops, config, self.seed)
-        return export_models(model, self.home, self.device_id, global_state, crops.images, crops.labels,
+            fit_dfc_on(personal, crops if check is None else crops.select(~check), config, self.seed)
+        judged = crops if check is None else crops.select(check)
+        return export_models(model, self.home, self.device_id, global_state, judged.images, judged.labels,
                              self.public.negatives_for_adoption(), personal)
 
     def _train(self, job: RoundAnnouncement, model: FaceModel,

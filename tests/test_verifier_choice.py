@@ -108,3 +108,15 @@ def test_a_verifier_name_that_is_not_one_of_the_homes_models_is_never_opened(tmp
     settings.verifier = named
     settings.save(home, vault)
     assert current_model(home, vault) in (home.generic_onnx, home.personalised_onnx)
+
+
+def test_the_choice_is_made_on_images_the_personalised_branch_was_not_fitted_on():
+    from edge_client.verifier_choice import check_split
+
+    labels = np.repeat(np.arange(3), [4, 8, 21])
+    mask = check_split(labels, seed=1)
+    held = [int(mask[labels == k].sum()) for k in range(3)]
+    assert held == [2, 2, 5]  # a quarter of each person's, at least two (genuine pairs), the rest left to the fit
+    assert all((~mask[labels == k]).sum() >= 2 for k in range(3))
+    assert np.array_equal(mask, check_split(labels, seed=1)) and not np.array_equal(mask, check_split(labels, seed=2))
+    assert check_split(np.repeat(np.arange(3), [4, 3, 9])) is None  # a person with 3 images: nothing to spare
