@@ -7,9 +7,9 @@ also have learnt to let strangers in, so it is used only when, on the device's p
 does. Whichever is chosen is calibrated again on those same faces (`edge_client.recognizer.calibrate`, as
 `ffr device calibrate` sets a threshold), so the FAR the device promises holds across rounds: the threshold
 set for the last model is never carried over to the next. The choice is made on images the personalised branch was
-not fitted on (`check_split`: a quarter of each person's, where every person has four or more): judged on the
-images it was fitted on, a personalised model looks perfect (TAR 1.000 in a two-device run) and is always chosen.
-Where a device has too few images to spare, it is judged on all of them, and must beat the global model, not tie.
+not fitted on (`check_split`: a quarter of the images of each person with four or more): judged on the images it
+was fitted on, a personalised model looks perfect (TAR 1.000 in a two-device run) and is always chosen. Where a
+device has too few images to spare, it is judged on all of them, and must beat the global model, not tie.
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ CHECK_MIN_IMAGES = 4  # a person with fewer keeps them all for the fit (and the 
 
 
 def check_split(labels: np.ndarray, seed: int = 0) -> np.ndarray | None:
-    """A mask of the images the choice and calibration are made on (CHECK_SHARE of each person's, at least two, so
-    that genuine pairs exist), seeded; None when some person has fewer than CHECK_MIN_IMAGES."""
-    people = [np.flatnonzero(labels == k) for k in np.unique(labels)]
-    if not people or min(len(p) for p in people) < CHECK_MIN_IMAGES:
+    """A mask of the images the choice and calibration are made on: CHECK_SHARE of the images of each person with
+    CHECK_MIN_IMAGES or more (at least two, so that genuine pairs exist; a person with fewer is fitted on and not
+    judged), seeded; None when fewer than two people can spare any (the choice is then made on all images)."""
+    people = [rows for k in np.unique(labels) if len(rows := np.flatnonzero(labels == k)) >= CHECK_MIN_IMAGES]
+    if len(people) < 2:
         return None
     rng, mask = np.random.default_rng(seed), np.zeros(len(labels), bool)
     for rows in people:

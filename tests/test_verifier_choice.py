@@ -119,4 +119,6 @@ def test_the_choice_is_made_on_images_the_personalised_branch_was_not_fitted_on(
     assert held == [2, 2, 5]  # a quarter of each person's, at least two (genuine pairs), the rest left to the fit
     assert all((~mask[labels == k]).sum() >= 2 for k in range(3))
     assert np.array_equal(mask, check_split(labels, seed=1)) and not np.array_equal(mask, check_split(labels, seed=2))
-    assert check_split(np.repeat(np.arange(3), [4, 3, 9])) is None  # a person with 3 images: nothing to spare
+    small = check_split(np.repeat(np.arange(3), [4, 3, 9]))  # a person with 3 images is fitted on, not judged
+    assert [int(small[np.repeat(np.arange(3), [4, 3, 9]) == k].sum()) for k in range(3)] == [2, 0, 2]
+    assert check_split(np.repeat(np.arange(3), [4, 3, 2])) is None  # one person to judge on: no impostor among them

@@ -1,0 +1,123 @@
+"""The federation issue's first run, as a user runs it: `ffr coordinator serve` at its defaults and two `ffr edge run`
+devices with 8 CelebA people each, scored on 20 people no device holds.
+
+python -m bench.two_device_serve --out bench/results [--server-step 1]
+
+Every command is the real CLI in its own process (embedded mosquitto, ONNX export, the devices' adoption checks and
+verifier choice). Afterwards `ffr eval` scores the shipped model, each released global model and each device's two
+exported models on the unseen people (AUC and TAR@FAR with its pairs), and the devices' own log lines say which
+model each verifies with, at what TAR of its own people.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import face_set, write_results
+
+PEOPLE_PER_DEVICE, UNSEEN = 8, 20
+
+
+def _link_people(source: Path, names: list[str], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (out / name).symlink_to(source / name)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ffr(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ffr.cli", *args], capture_output=True, text=True, **kwargs)
+
+
+def _eval(model: Path, unseen: Path) -> dict:
+    done = _ffr("-q", "eval", "--model", str(model), "--data", str(unseen), "--json", "--threads", "2")
+    if done.returncode != 0:
+        return {"model": str(model), "error": done.stderr.strip().splitlines()[-1:]}
+    report = json.loads(done.stdout)
+    tar = report.get("tar_at_far", {})
+    return {"auc": report["auc"], "tar@1e-3": tar.get("0.001"), "tar@1e-2": tar.get("0.01"),
+            "genuine_pairs": report.get("n_genuine_pairs"), "impostor_pairs": report.get("n_impostor_pairs")}
+
+
+def run(data: Path, work: Path, rounds: int, extra: list[str]) -> dict:
+    people = sorted(p.name for p in data.iterdir() if p.is_dir())
+    devices = {f"dev{i + 1}": _link_people(data, people[i * PEOPLE_PER_DEVICE:(i + 1) * PEOPLE_PER_DEVICE],
+                                           work / f"dev{i + 1}") for i in range(2)}
+    unseen = _link_people(data, people[-UNSEEN:], work / "unseen")
+    state = work / "state"
+    serve = subprocess.Popen([sys.executable, "-m", "ffr.cli", "coordinator", "serve", "--state", str(state),
+                              "--rounds", str(rounds), "--min-clients", "2", "--http-port", str(_free_port()),
+                              "--exit-when-done", *extra], stdout=subprocess.DEVNULL,
+                             stderr=open(work / "serve.log", "w"))
+    deadline = time.monotonic() + 120
+    while not (state / "broker.json").exists() and time.monotonic() < deadline:  # written once the broker is up
+        time.sleep(1)
+    time.sleep(3)
+    runs = []
+    for name, folder in devices.items():
+        credential = work / f"{name}.credential"
+        admitted = _ffr("coordinator", "admit", "--state", str(state), "--device-id", name, "--out", str(credential))
+        if admitted.returncode != 0:
+            serve.kill()
+            raise RuntimeError(admitted.stderr)
+        runs.append(subprocess.Popen([sys.executable, "-m", "ffr.cli", "edge", "run", "--credential", str(credential),
+                                      "--data", str(folder), "--home", str(work / f"{name}_home"), "--exit-when-done"],
+                                     stdout=subprocess.DEVNULL, stderr=open(work / f"{name}.log", "w")))
+    for process in [*runs, serve]:
+        process.wait(timeout=3 * 3600)
+    scores = {"shipped": _eval(Path(__file__).parents[1] / "models" / "weights" / "face_embedder.safetensors", unseen)}
+    for version in sorted((state / "models").glob("v*.safetensors"))[1:]:
+        scores[f"global {version.stem}"] = _eval(version, unseen)
+    choices = {}
+    for name in devices:
+        home = work / f"{name}_home" / "models"
+        for kind in ("generic", "personalised"):
+            if (home / f"{kind}.onnx").exists():
+                scores[f"{name} {kind}.onnx"] = _eval(home / f"{kind}.onnx", unseen)
+        lines = [line for line in (work / f"{name}.log").read_text().splitlines() if "own people TAR" in line]
+        choices[name] = [re.sub(r"^.*?: ", "", line) for line in lines]
+    return {"scores": scores, "choices": choices, "people_per_device": PEOPLE_PER_DEVICE, "unseen_people": UNSEEN}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, help="labelled faces (default: $FFR_FACES_DIR/celeba_subset)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--name", default="two_device_serve")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--server-step", help="passed to `ffr coordinator serve` (default: its own)")
+    args = p.parse_args(argv)
+    data = face_set(args.data)
+    if data is None:
+        print("no labelled faces: set FFR_FACES_DIR or give --data", file=sys.stderr)
+        return 2
+    extra = ["--server-step", args.server_step] if args.server_step else []
+    with tempfile.TemporaryDirectory(prefix="ffr-serve-") as tmp:
+        result = run(data, Path(tmp), args.rounds, extra)
+    command = "python -m bench.two_device_serve " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = [{"model": name, **{k: v for k, v in s.items() if k != "error"}, "error": " ".join(s.get("error", []))}
+             for name, s in result["scores"].items()]
+    write_results(args.out, args.name, result, table,
+                  f"`ffr coordinator serve` at its defaults, two devices of {PEOPLE_PER_DEVICE} CelebA people; "
+                  f"{UNSEEN} people no device holds", command)
+    for name, lines in result["choices"].items():
+        print(f"{name}:", *lines, sep="\n  ")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
