@@ -135,6 +135,48 @@ def main_collapse(args, command: str) -> int:
     return 0
 
 
+def run_insider(args, data: Path, attack: str | None, attackers: int) -> dict:
+    """One `ffr fleet simulate` at its defaults (the coordinator's own people for its gate, the devices' defaults)
+    with `attackers` devices running `attack` (issue 48's insiders: drift, impersonate); None: the clean run."""
+    name = f"insider-{attack or 'clean'}-{attackers if attack else 0}"
+    malicious = attackers / args.clients if attack else 0.0
+    config = SimConfig(data=str(data), clients=args.clients, partition="iid", patience=0, workers=args.workers,
+                       centralized=False, mlflow=False, malicious=malicious, attack=attack or "scaled",
+                       eval_clients=1, server=RoundSettings(rounds=args.rounds))
+    done = args.runs / name / "summary.json"
+    print(f"== {name}", flush=True)
+    summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
+    outcome, history = round_outcomes(args.runs / name), summary["history"]
+    found = summary.get("attack") or {}
+    start, last = history[0].get("holdout_far@start"), history[-1].get("holdout_far@start")
+    return {"attack": attack or "none (clean)", "attackers": len(found.get("attackers", [])),
+            "held-out AUC start": history[0]["holdout_auc"], "held-out AUC last": history[-1]["holdout_auc"],
+            "FAR at start threshold": last, "x start": last / start if start else None,
+            "success on victim's device": found.get("success_rate", "-"),
+            "success, global model": found.get("success_rate_global", "-"),
+            "success, start model": found.get("success_rate_start", "-"),
+            "rounds completed": outcome["completed"], "rounds rolled back": outcome["rolled_back"],
+            "left out (device-rounds)": sum(len(r["metrics"].get("gate_excluded_devices", []))
+                                           for r in outcome["rounds"]),
+            "s/round": summary["round_seconds_mean"]}
+
+
+def main_insider(args, command: str) -> int:
+    data = face_set(args.data)
+    if data is None:
+        print("no face data (set FFR_FACES_DIR)", file=sys.stderr)
+        return 2
+    plan = [(None, 0)] + [(attack, n) for attack in args.insider_attacks for n in args.attackers]
+    rows: list[dict] = []
+    for attack, n in plan:
+        rows.append(run_insider(args, data, attack, n))
+        write_results(args.out, args.name, {"rounds": args.rounds, "clients": args.clients,
+                                            "complete": len(rows) == len(plan)}, rows,
+                      f"Insiders who know the defences, {args.clients} devices, {args.rounds} rounds, defaults",
+                      command)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -155,9 +197,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="DP-FedAvg clipping norm (default 2.0, about an honest update's norm here)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
-    parser.add_argument("--suite", choices=("rules", "collapse"), default="rules",
+    parser.add_argument("--suite", choices=("rules", "collapse", "insider"), default="rules",
                         help="rules: the boosting attacks against each rule (robust.md); collapse: the collapse attack "
-                             "against the rules, the quality gate and the devices' adoption check (robust_collapse.md)")
+                             "against the rules, the quality gate and the devices' adoption check "
+                             "(robust_collapse.md); insider: drift and impersonation at the defaults (--name, e.g. "
+                             "robust_insider)")
+    parser.add_argument("--insider-attacks", nargs="+", default=["impersonate", "drift"],
+                        help="insider suite: the attacks (default impersonate drift)")
+    parser.add_argument("--attackers", nargs="+", type=int, default=[1, 2],
+                        help="insider suite: runs with this many attacking devices each (default 1 2)")
     parser.add_argument("--sets", nargs="+", default=["celeba_subset", "orl"], help="collapse suite's data sets")
     parser.add_argument("--gate-far-ratio", type=float, default=GateSettings().far_ratio,
                         help="collapse suite: the quality gate's bar, as `ffr coordinator serve --gate-far-ratio` "
@@ -167,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.robust " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.suite == "collapse":
         return main_collapse(args, command)
+    if args.suite == "insider":
+        return main_insider(args, command)
     data = face_set(args.data)
     if data is None:
         return 2
