@@ -90,7 +90,39 @@ def run(data: Path, work: Path, rounds: int, extra: list[str]) -> dict:
                 scores[f"{name} {kind}.onnx"] = _eval(home / f"{kind}.onnx", unseen)
         lines = [line for line in (work / f"{name}.log").read_text().splitlines() if "own people TAR" in line]
         choices[name] = [re.sub(r"^.*?: ", "", line) for line in lines]
-    return {"scores": scores, "choices": choices, "people_per_device": PEOPLE_PER_DEVICE, "unseen_people": UNSEEN}
+    strangers = {name: strangers_let_in(work / f"{name}_home", devices[name], unseen) for name in devices}
+    return {"scores": scores, "choices": choices, "strangers": strangers, "people_per_device": PEOPLE_PER_DEVICE,
+            "unseen_people": UNSEEN}
+
+
+def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
+    """What the device's door does with strangers: the model it verifies with and its threshold (its sealed settings),
+    each of its people's template (the mean embedding of their images), and every photo of the people no device holds
+    scored against each template; `far`: the share of those scores above the threshold, against the FAR it promises,
+    and how many strangers' photos match someone."""
+    import numpy as np
+
+    from edge_client.home import DeviceHome
+    from edge_client.recognizer import Settings, current_model, normalise
+    from edge_client.vault import Vault
+    from models.faces.crops import CropConfig, crop_index
+    from models.faces.datasets import load_index
+    from models.runtime import OnnxEmbedder
+
+    home = DeviceHome(home_dir)
+    vault = Vault.open(home.root / "store")
+    settings, model = Settings.load(home, vault), current_model(home, vault)
+    embedder = OnnxEmbedder(model)
+    config = CropConfig(detector="auto", fallback_center=True)
+    own, others = (crop_index(load_index(folder), config, progress=False) for folder in (people, unseen))
+    mine = normalise(embedder.embed(own.images))
+    templates = normalise(np.stack([mine[own.labels == k].mean(0) for k in np.unique(own.labels)]))
+    scores = normalise(embedder.embed(others.images)) @ templates.T
+    cal = settings.calibration
+    above = scores > cal.threshold
+    return {"model": model.name, "threshold": cal.threshold, "far_promised": cal.far_target,
+            "far": float(above.mean()), "strangers_photos": int(len(others.images)),
+            "photos_matching_someone": int(above.any(axis=1).sum())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,11 +143,22 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.two_device_serve " + " ".join(argv if argv is not None else sys.argv[1:])
     table = [{"model": name, **{k: v for k, v in s.items() if k != "error"}, "error": " ".join(s.get("error", []))}
              for name, s in result["scores"].items()]
-    write_results(args.out, args.name, result, table,
-                  f"`ffr coordinator serve` at its defaults, two devices of {PEOPLE_PER_DEVICE} CelebA people; "
-                  f"{UNSEEN} people no device holds", command)
+    md = write_results(args.out, args.name, result, table,
+                       f"`ffr coordinator serve` at its defaults, two devices of {PEOPLE_PER_DEVICE} CelebA people; "
+                       f"{UNSEEN} people no device holds", command)
+    doors = ["", "Each device's door after the run: the model it verifies with, its threshold, and the photos of the "
+             "people no device holds scored against each of its people's templates.", "",
+             "| device | model | threshold | FAR promised | FAR on strangers | strangers' photos matching someone |",
+             "|---|---|---|---|---|---|"]
+    for name, s in result["strangers"].items():
+        doors.append(f"| {name} | {s['model']} | {s['threshold']:.3f} | {s['far_promised']:g} | {s['far']:.4f} | "
+                     f"{s['photos_matching_someone']} of {s['strangers_photos']} |")
+    doors += ["", "The devices' own log lines (own people: a quarter of each person's images, held out of the "
+              "personalised fit):", ""]
+    doors += [f"- {name}: {line}" for name, lines in result["choices"].items() for line in lines]
+    md.write_text(md.read_text() + "\n".join(doors) + "\n")
     for name, lines in result["choices"].items():
-        print(f"{name}:", *lines, sep="\n  ")
+        print(f"{name}:", *lines, f"strangers: {result['strangers'][name]}", sep="\n  ")
     return 0
 
 
