@@ -9,7 +9,9 @@ does. Whichever is chosen is calibrated again on those same faces (`edge_client.
 set for the last model is never carried over to the next. The choice is made on images the personalised branch was
 not fitted on (`check_split`: a quarter of the images of each person with four or more): judged on the images it
 was fitted on, a personalised model looks perfect (TAR 1.000 in a two-device run) and is always chosen. Where a
-device has too few images to spare, it is judged on all of them, and must beat the global model, not tie.
+device has too few images to spare, it is judged on all of them, and must beat the global model, not tie. Without
+public negatives (strangers' faces) the personalised model is never chosen: calibrated on the device's people
+alone, its threshold let strangers in.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class Choice:
     calibration: Calibration
     tar: dict[str, float]
     previous: Calibration | None
+    note: str = ""
 
     def line(self) -> str:
         """The device's log line: its people's TAR before and after, at the FAR it promises."""
@@ -61,7 +64,8 @@ class Choice:
         others = ", ".join(f"{name} {tar:.3f}" for name, tar in self.tar.items())
         return (f"own people TAR {was} -> {1 - cal.expected_frr:.3f} at FAR {cal.far_target:g} with the "
                 f"{self.model.stem} model ({others}); threshold {threshold}, recalibrated on "
-                f"{cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor scores")
+                f"{cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor scores"
+                + (f"; {self.note}" if self.note else ""))
 
 
 def people_embeddings(embedder: OnnxEmbedder, images: np.ndarray, labels: np.ndarray,
@@ -91,8 +95,15 @@ def choose(home: DeviceHome, vault: Vault, images: np.ndarray, labels: np.ndarra
     if not calibrations:
         return None
     tar = {path.stem: 1 - cal.expected_frr for path, cal in calibrations.items()}
+    # without strangers' faces the personalised model cannot be judged where it fails: it learnt to tell this
+    # device's people apart, and its threshold, set on them alone, let in 18% of strangers in a two-device run
+    # (bench/results/two_device_serve.md); the global model keeps the door until the device has a public set
+    strangers = negatives is not None and len(negatives) > 0
+    eligible = [p for p in calibrations if strangers or p == home.generic_onnx] or list(calibrations)
+    note = "" if strangers or len(eligible) == len(calibrations) else (
+        "the personalised model is not used without strangers' faces to calibrate it on (a public set)")
     # the personalised model must beat the global one outright; a tie keeps the model everyone shares
-    best = max(calibrations, key=lambda p: (tar[p.stem], p == home.generic_onnx))
+    best = max(eligible, key=lambda p: (tar[p.stem], p == home.generic_onnx))
     settings.verifier, settings.calibration = best.name, calibrations[best]
     settings.save(home, vault)
-    return Choice(best, calibrations[best], tar, previous)
+    return Choice(best, calibrations[best], tar, previous, note)

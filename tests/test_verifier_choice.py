@@ -90,6 +90,16 @@ def test_a_better_personalised_model_is_used_and_every_new_model_is_recalibrated
     assert Recognizer(home, vault).threshold_note == "calibrated for FAR 0.05"
 
 
+def test_without_strangers_faces_the_personalised_model_never_keeps_the_door(tmp_path, faces):
+    """The same better personalised model as above, but the device has no public set: nothing to tell how many
+    strangers its threshold lets in, so the global model verifies, and the log line says why."""
+    home, (images, labels, _) = _calibrated_home(tmp_path / "home"), faces
+    line = export_models(_model(_face_state()), home, "dev", _blind_state(), images, labels, None)
+    vault = Vault.open(home.root / "store")
+    assert current_model(home, vault) == home.generic_onnx
+    assert "not used without strangers' faces" in line and "with the generic model" in line
+
+
 def test_without_faces_to_judge_by_the_last_model_exported_decides(tmp_path):
     home = DeviceHome(tmp_path / "home")
     assert export_models(_model(_face_state()), home, "dev") is None
