@@ -65,6 +65,8 @@ class Choice:
         return (f"own people TAR {was} -> {1 - cal.expected_frr:.3f} at FAR {cal.far_target:g} with the "
                 f"{self.model.stem} model ({others}); threshold {threshold}, recalibrated on "
                 f"{cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor scores"
+                + ("" if cal.measurable else f" (too few to count a FAR of {cal.far_target:g}: estimated, and on "
+                                             "strangers it can be exceeded; a public set gives strangers' faces)")
                 + (f"; {self.note}" if self.note else ""))
 
 

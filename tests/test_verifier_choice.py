@@ -98,6 +98,11 @@ def test_without_strangers_faces_the_personalised_model_never_keeps_the_door(tmp
     vault = Vault.open(home.root / "store")
     assert current_model(home, vault) == home.generic_onnx
     assert "not used without strangers' faces" in line and "with the generic model" in line
+    from edge_client.verifier_choice import Choice
+
+    unmeasured = Choice(home.generic_onnx, Calibration(0.4, 1e-3, 0.05, False, 40, 240, "0" * 64), {"generic": 0.95},
+                        None)
+    assert "too few to count a FAR of 0.001" in unmeasured.line()  # 240 impostor scores cannot measure 1e-3
 
 
 def test_without_faces_to_judge_by_the_last_model_exported_decides(tmp_path):
