@@ -187,3 +187,22 @@ def test_the_coordinator_keeps_a_share_of_the_public_set_it_never_serves(tmp_pat
     build_public_set(flat, tmp_path / "flat.safetensors")
     served, held = hold_back(tmp_path / "flat.safetensors", tmp_path / "state")
     assert load_public_set(held).labels is None and len(load_public_set(held)) == 4  # by image: round(12 x 0.3)
+
+
+def test_without_faces_the_coordinator_takes_a_quarter_of_the_way_to_the_aggregate(tmp_path):
+    """No gate, nothing to choose a step on: the published model is eq. 1 at `--server-step` (0.25 by default), which
+    kept a two-device `serve` run from falling below the shipped model (bench/results/two_device_serve.md)."""
+    from test_trust import GLOBAL, Dev, Harness, honest_delta
+
+    from coordinator.server_step import FIXED_STEP
+
+    h = Harness(tmp_path, min_clients=2, server_step=FIXED_STEP)
+    devs = [Dev(h, f"dev{i}").join() for i in range(2)]
+    h.open_round()
+    for i, dev in enumerate(devs):
+        dev.upload(honest_delta(i))
+    h.engine.tick()
+    (row,) = h.engine.store.rounds()
+    assert row["status"] == "completed" and row["metrics"]["server_step"] == FIXED_STEP == 0.25
+    mean = (honest_delta(0)["backbone.w"] + honest_delta(1)["backbone.w"]) / 2
+    assert np.allclose(h.engine.global_state["backbone.w"], GLOBAL["backbone.w"] + FIXED_STEP * mean, atol=1e-6)

@@ -47,8 +47,9 @@ class Harness:
         self.sent: list[tuple[str, bytes]] = []
         self.signer = Signer.generate()
         self.tmp = tmp
+        # the whole step: these tests check the aggregation's arithmetic (the gateless quarter step has its own test)
         self.settings = RoundSettings(min_clients=min_clients, rounds=5, training=training or TrainingConfig(epochs=1),
-                                      **settings)
+                                      **{"server_step": 1.0, **settings})
         self.engine = self._engine()
 
     def _engine(self, strategy: str = "fedavg") -> Engine:
