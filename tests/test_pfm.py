@@ -53,7 +53,7 @@ def test_pfm_rounds_over_the_broker_send_the_momentum_and_devices_apply_it(tmp_p
     rc = main(["-q", "fleet", "simulate", "--clients", "2", "--rounds", "2", "--method", "pfm", "--lr", "0.01",
                "--synthetic-identities", "8", "--synthetic-images", "6", "--holdout-identities", "0.25",
                "--width-mult", "0.35", "--init", "none", "--batch-size", "8", "--broker", mosquitto.url,
-               "--no-centralised", "--out", str(out)])
+               "--no-centralised", "--server-step", "1", "--out", str(out)])  # PFM's arithmetic: the whole step
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds_completed"] == 2 and all(h["updates"] == 2 for h in summary["history"][1:])
