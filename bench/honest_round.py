@@ -27,7 +27,7 @@ import torch
 
 from bench.common import face_set, write_results
 from coordinator.aggregation import RunningMean, apply_delta
-from edge_client.local_training import fit_dfc_on, train_round
+from edge_client.local_training import personalised_global, train_round
 from fleet.config import SimConfig
 from fleet.data import TEST, TRAIN, FleetData, prepare
 from fleet.evaluation import client_pairs, embed, flat
@@ -39,7 +39,6 @@ from models.networks.face_model import (
     ModelConfig,
     global_embedder,
     initial_global_state,
-    load_shareable_state,
 )
 from protocol.messages import TrainingConfig
 
@@ -85,16 +84,6 @@ def _n(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def global_with_dfc(data: FleetData, state: dict, client: int, config: TrainingConfig, seed: int) -> FaceModel:
-    """The published global backbone with the device's DFC branch fitted anew on its features."""
-    crops = device_crops(data, client)
-    model = FaceModel(ModelConfig(n_classes=len(crops.identities), pretrained=False, dfc=True,
-                                  dfc_weight=config.dfc_weight))
-    load_shareable_state(model, {k: torch.from_numpy(v.copy()) for k, v in state.items()})
-    fit_dfc_on(model, crops, config, seed + client)
-    return model.eval()
-
-
 def score_round(data: FleetData, state: dict, locals_: dict[int, FaceModel], strangers: np.ndarray,
                 max_pairs: int, seed: int, config: TrainingConfig | None = None) -> dict:
     model = global_embedder(state)
@@ -110,7 +99,8 @@ def score_round(data: FleetData, state: dict, locals_: dict[int, FaceModel], str
             row["local"] = own_vs_strangers(data, k, lambda idx: embed(mine, images[idx]), strangers)
             if mine.dfc is not None:
                 row["local+dfc"] = own_vs_strangers(data, k, lambda idx: embed(mine, images[idx], True), strangers)
-                ours = global_with_dfc(data, state, k, config or TrainingConfig(), seed)
+                ours = personalised_global({k2: torch.from_numpy(v.copy()) for k2, v in state.items()},
+                                           device_crops(data, k), config or TrainingConfig(), seed + k)
                 row["global+dfc"] = own_vs_strangers(data, k, lambda idx: embed(ours, images[idx], True), strangers)
         table[k] = row
     per = {name: _mean([r[name]["tar@1e-3"] for r in table.values() if name in r])

@@ -42,6 +42,7 @@ class QualityGate:
     source: str = ""
     _current: tuple[str, Scores] | None = None
     _anchor: Scores | None = None
+    _last: tuple[dict, Scores, Judged] | None = None  # the last candidate judged (the whole step, judged again)
 
     def anchor_on(self, start_state: Callable[[], dict[str, np.ndarray] | None]) -> None:
         """Fix the anchor (loaded and scored once; nothing to anchor on when it cannot be loaded)."""
@@ -72,6 +73,8 @@ class QualityGate:
 
     def _judge(self, current: Scores, candidate_state: dict[str, np.ndarray]) -> Judged:
         """The bar against the current model, then the same bar against the anchor (the run's whole budget)."""
+        if self._last is not None and self._last[0] is candidate_state and self._last[1] is current:
+            return self._last[2]
         candidate = score(candidate_state, self.faces, self.settings.threads)
         verdict = self.settings.judge(current, candidate)
         metrics = {f"gate_{k}": v for k, v in verdict.metrics.items()}
@@ -83,7 +86,8 @@ class QualityGate:
                              ("far_candidate", "far_candidate"), ("far_limit", "far_limit"))})
             if not problem and not anchored.ok:
                 problem = f"quality gate, against the model the run started from: {anchored.reason}"
-        return Judged(candidate.auc, problem, metrics)
+        self._last = (candidate_state, current, Judged(candidate.auc, problem, metrics))
+        return self._last[2]
 
     @classmethod
     def from_path(cls, path: Path, settings: GateSettings | None = None) -> QualityGate:

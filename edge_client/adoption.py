@@ -96,17 +96,16 @@ class Adoption:
         if last is not None and last[0] == sha:
             return Verdict(True, "", {})
         verdict = Verdict(True, "", {})
-        if faces is not None:
-            candidate = None
-            for ref, against in ((last, ""), (anchor, "the first model this device adopted: ")):
-                if ref is None or (against and last is not None and ref[0] == last[0]):
-                    continue
-                candidate = candidate or score(state, faces)
-                judged = self.settings.judge(score(ref[1], faces), candidate)
-                if not judged.ok:
-                    return Verdict(False, f"against {against}{judged.reason}" if against else judged.reason,
-                                   judged.metrics)
-                verdict = verdict if verdict.metrics else judged
+        if faces is not None and last is not None:
+            candidate = score(state, faces)
+            verdict = self.settings.judge(score(last[1], faces), candidate)
+            if verdict.ok and anchor[0] != last[0]:  # the whole run's move, once it is more than one step
+                anchored = self.settings.judge(score(anchor[1], faces), candidate)
+                if not anchored.ok:
+                    return Verdict(False, f"against the first model this device adopted: {anchored.reason}",
+                                   anchored.metrics)
+            if not verdict.ok:
+                return verdict
         self._remember(ADOPTED_FILE, sha, payload)
         if anchor is None:
             self._remember(ANCHOR_FILE, sha, payload)

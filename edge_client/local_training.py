@@ -145,10 +145,19 @@ def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: TrainingC
     return negatives
 
 
-def fit_dfc_on(model: FaceModel, crops: FaceCrops, objective: TrainingConfig, seed: int = 0) -> float:
-    """The DFC branch fitted anew on `model`'s own backbone (e.g. a newly received global one): a device's
-    personalisation on top of the shared model rather than on its last local copy."""
-    return _fit_dfc(model, crops, objective, None, seed)
+def personalised_global(global_state: dict[str, torch.Tensor], crops: FaceCrops, objective: TrainingConfig,
+                        seed: int = 0) -> FaceModel:
+    """A device's personalised model: the global backbone (keys `backbone.*`) with a DFC branch fitted on its
+    features of the device's images, rather than its last local copy with the branch fitted there (measured:
+    `bench/results/federation_value_dirichlet.md`)."""
+    from models.networks.face_model import ModelConfig
+
+    model = FaceModel(ModelConfig(n_classes=len(crops.identities), embedding_dim=objective.embedding_dim,
+                                  width_mult=objective.width_mult, pretrained=False, dfc=True,
+                                  dfc_weight=objective.dfc_weight))
+    load_shareable_state(model, global_state)
+    _fit_dfc(model, crops, objective, None, seed)
+    return model.eval()
 
 
 def _fit_dfc(model: FaceModel, crops: FaceCrops, objective: TrainingConfig, negatives: HardNegatives | None,

@@ -7,7 +7,6 @@ reported. The local steps are `edge_client.local_algorithms`', the exports `edge
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import threading
@@ -22,7 +21,7 @@ from edge_client.error_feedback import ErrorFeedback
 from edge_client.exporter import export_models
 from edge_client.home import DeviceHome
 from edge_client.link import CoordinatorLink
-from edge_client.local_training import LocalResult, fit_dfc_on, train_round
+from edge_client.local_training import LocalResult, personalised_global, train_round
 from edge_client.public_set import DevicePublicSet
 from edge_client.verifier_choice import check_split
 from models.maths.state_norms import clip_to_norm, without_running_stats
@@ -99,9 +98,8 @@ class RoundRunner:
         check = check_split(crops.labels, self.seed)  # judged on images the branch was not fitted on
         personal = None
         if model.dfc is not None and config.dfc_steps > 0:
-            personal = copy.deepcopy(model)
-            load_shareable_state(personal, global_state)
-            fit_dfc_on(personal, crops if check is None else crops.select(~check), config, self.seed)
+            personal = personalised_global(global_state, crops if check is None else crops.select(~check), config,
+                                           self.seed)
         judged = crops if check is None else crops.select(check)
         return export_models(model, self.home, self.device_id, global_state, judged.images, judged.labels,
                              self.public.negatives_for_adoption(), personal)

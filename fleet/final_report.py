@@ -18,7 +18,7 @@ from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, fla
 from models.evaluation.evaluate import unseen_people
 from models.faces.splits import relabel
 from models.networks.backbone import FaceEmbedder
-from models.networks.face_model import FaceModel, ModelConfig
+from models.networks.face_model import FaceModel
 
 
 def best_round(history: list[dict]) -> int | None:
@@ -143,15 +143,13 @@ class FinalEvaluation:
         DFC branch fitted on its features of the client's training images (None: held out)."""
         if client in self.data.partition.heldout_clients:
             return None
-        from edge_client.local_training import fit_dfc_on
+        from edge_client.local_training import personalised_global
 
-        c = self.config
-        model = FaceModel(ModelConfig(n_classes=len(self.data.partition.clients[client]), pretrained=False, dfc=True,
-                                      width_mult=c.training.width_mult))
-        model.backbone.load_state_dict(global_model.state_dict())
         crops = self.data.union(TRAIN, [client])
-        fit_dfc_on(model, relabel(crops, np.unique(crops.labels)), c.training, c.seed + client)
-        return lambda idx: embed(model.eval(), self.data.crops.images[idx], True)
+        state = {f"backbone.{k}": v for k, v in global_model.state_dict().items()}
+        model = personalised_global(state, relabel(crops, np.unique(crops.labels)), self.config.training,
+                                    self.config.seed + client)
+        return lambda idx: embed(model, self.data.crops.images[idx], True)
 
     def tuned(self, global_model: FaceEmbedder, client: int):
         """The global model tuned for `tune_steps` batches on the client's training images (None: held out)."""
