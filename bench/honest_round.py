@@ -135,13 +135,29 @@ def publish(gate, state: dict, aggregate: dict, round_id: int, start: dict) -> t
     return chosen, {**figures, "rolled_back": problem}
 
 
+def screened_mean(deltas: dict[str, dict], weights: dict[str, float]) -> tuple[dict, dict]:
+    """The round's mean as the coordinator forms it at its defaults: the update screen (`coordinator.update_screen`)
+    admits and clips, then the sample-weighted mean; with what the screen did (every device here is honest, so any
+    update left out is a false exclusion)."""
+    from coordinator.settings import RoundSettings
+    from coordinator.update_screen import make_screen, sketch
+    from models.maths.state_norms import l2_norm
+
+    screen = make_screen(RoundSettings().screen)
+    screening = screen.screen({k: sketch(d) for k, d in deltas.items()}, {k: l2_norm(d) for k, d in deltas.items()})
+    mean = RunningMean()
+    for k in screening.admitted:
+        mean.add(deltas[k], weights[k], screening.scales.get(k, 1.0))
+    return mean.mean(), screening.metrics
+
+
 def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs: int, strangers: np.ndarray,
             start_scores: dict, gate=None) -> list[dict]:
     config = TrainingConfig(**{**BASE, **overrides})
     state = start = initial_global_state()
     rows = []
     for r in range(1, rounds + 1):
-        mean, locals_, started = RunningMean(), {}, time.perf_counter()
+        locals_, deltas, weights, started = {}, {}, {}, time.perf_counter()
         torch_state = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
         for k in data.training_clients:
             crops = device_crops(data, k)
@@ -150,9 +166,11 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
             result = train_round(model, crops, torch_state, config.epochs, config.batch_size, config.lr,
                                  config.prox_mu if config.algorithm == "fedprox" else 0.0, seed=seed * 1000 + k + r,
                                  objective=config)
-            mean.add(result.delta, result.n_samples)
+            deltas[str(k)], weights[str(k)] = result.delta, result.n_samples
             locals_[k] = model.eval()
-        state, published = publish(gate, state, apply_delta(state, mean.mean()), r, start)
+        mean, screened = screened_mean(deltas, weights)
+        state, published = publish(gate, state, apply_delta(state, mean), r, start)
+        published = {**published, **screened}
         scores = score_round(data, state, locals_, strangers, max_pairs, seed, config)
         scores.update(round=r, seconds=time.perf_counter() - started, coordinator=published)
         own, was = scores["own_tar@1e-3"], start_scores["own_tar@1e-3"]
@@ -161,7 +179,9 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
               f"TAR@1e-3 {_n(was['global'])} -> global {_n(own['global'])}, local {_n(own.get('local'))}, local+DFC "
               f"{_n(own.get('local+dfc'))}, global+DFC {_n(own.get('global+dfc'))} ({scores['seconds']:.0f} s)"
               + (f"; server step {published['server_step']:g}, {published['rolled_back'] or 'published'}"
-                 if published else ""), flush=True)
+                 if "server_step" in published else "")
+              + (f"; screen left out {published['screen_excluded']}, clipped {published['screen_clipped']}"
+                 if "screen_excluded" in published else ""), flush=True)
         rows.append(scores)
     return rows
 
@@ -186,9 +206,12 @@ def table(results: dict) -> list[dict]:
     def row(arm: str, settings: str, r: int, scores: dict) -> dict:
         own = scores["own_tar@1e-3"]
         published = scores.get("coordinator") or {}
-        step = "-" if not published else (f"{published['server_step']:g}" + (" rolled back" if published["rolled_back"]
-                                                                             else ""))
-        return {"arm": arm, "settings": settings, "round": r, "server step": step, "unseen AUC": scores["unseen_auc"],
+        step = "-" if "server_step" not in published else (
+            f"{published['server_step']:g}" + (" rolled back" if published["rolled_back"] else ""))
+        screened = "-" if "screen_excluded" not in published else (
+            f"{published['screen_excluded']} out, {published['screen_clipped']} clipped")
+        return {"arm": arm, "settings": settings, "round": r, "server step": step, "screen": screened,
+                "unseen AUC": scores["unseen_auc"],
                 "unseen TAR@1e-3": scores["unseen_tar@1e-3"], "unseen TAR@1e-4": scores["unseen_tar@1e-4"],
                 "own TAR@1e-3 (global)": own["global"], "own TAR@1e-3 (local)": own.get("local", "-"),
                 "own TAR@1e-3 (local+DFC)": own.get("local+dfc", "-"),
@@ -198,7 +221,8 @@ def table(results: dict) -> list[dict]:
     if results.get("centralised"):
         c = results["centralised"]
         rows.append({"arm": "centralised", "settings": f"{c['epochs']} epochs on the devices' images", "round": "-",
-                     "server step": "-", "unseen AUC": c["unseen_auc"], "unseen TAR@1e-3": c["unseen_tar@1e-3"],
+                     "server step": "-", "screen": "-", "unseen AUC": c["unseen_auc"],
+                     "unseen TAR@1e-3": c["unseen_tar@1e-3"],
                      "unseen TAR@1e-4": c["unseen_tar@1e-4"], "own TAR@1e-3 (global)": "-",
                      "own TAR@1e-3 (local)": "-", "own TAR@1e-3 (local+DFC)": "-"})
     for name, arm in results["arms"].items():

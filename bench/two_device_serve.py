@@ -1,7 +1,11 @@
 """The federation issue's first run, as a user runs it: `ffr coordinator serve` at its defaults and two `ffr edge run`
 devices with 8 CelebA people each, scored on 20 people no device holds.
 
-python -m bench.two_device_serve --out bench/results [--server-step 1]
+python -m bench.two_device_serve --out bench/results [--server-step 1] [--public-faces DIR --name NAME]
+
+With `--public-faces` (a folder of unlabelled faces of nobody's people) the coordinator is given a public set made
+from it by `ffr edge public-set`, as an operator would: it keeps a share to itself for the quality gate and serves the
+rest, which the devices then calibrate their doors on (strangers' faces).
 
 Every command is the real CLI in its own process (embedded mosquitto, ONNX export, the devices' adoption checks and
 verifier choice). Afterwards `ffr eval` scores the shipped model, each released global model and each device's two
@@ -125,6 +129,15 @@ def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
             "photos_matching_someone": int(above.any(axis=1).sum())}
 
 
+def _public_set(faces: Path, limit: int, work: Path) -> Path:
+    """The operator's public set file, made from `faces` by the real CLI."""
+    out = work / "public.safetensors"
+    made = _ffr("edge", "public-set", "--data", str(faces), "--out", str(out), "--limit", str(limit))
+    if made.returncode != 0:
+        raise RuntimeError(made.stderr)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, help="labelled faces (default: $FFR_FACES_DIR/celeba_subset)")
@@ -132,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="two_device_serve")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--server-step", help="passed to `ffr coordinator serve` (default: its own)")
+    p.add_argument("--public-faces", type=Path,
+                   help="unlabelled faces of nobody's people made into the coordinator's --public-set (default: none)")
+    p.add_argument("--public-limit", type=int, default=2000, help="at most this many of them (default 2000)")
     args = p.parse_args(argv)
     data = face_set(args.data)
     if data is None:
@@ -139,12 +155,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     extra = ["--server-step", args.server_step] if args.server_step else []
     with tempfile.TemporaryDirectory(prefix="ffr-serve-") as tmp:
+        if args.public_faces is not None:
+            extra += ["--public-set", str(_public_set(args.public_faces, args.public_limit, Path(tmp)))]
         result = run(data, Path(tmp), args.rounds, extra)
     command = "python -m bench.two_device_serve " + " ".join(argv if argv is not None else sys.argv[1:])
     table = [{"model": name, **{k: v for k, v in s.items() if k != "error"}, "error": " ".join(s.get("error", []))}
              for name, s in result["scores"].items()]
     md = write_results(args.out, args.name, result, table,
-                       f"`ffr coordinator serve` at its defaults, two devices of {PEOPLE_PER_DEVICE} CelebA people; "
+                       "`ffr coordinator serve` at its defaults"
+                       + (f" with a public set of {args.public_limit} faces" if args.public_faces else "")
+                       + f", two devices of {PEOPLE_PER_DEVICE} CelebA people; "
                        f"{UNSEEN} people no device holds", command)
     doors = ["", "Each device's door after the run: the model it verifies with, its threshold, and the photos of the "
              "people no device holds scored against each of its people's templates.", "",

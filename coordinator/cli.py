@@ -89,7 +89,7 @@ def round_settings(args, training, **fixed):
     settings = RoundSettings(rounds=args.rounds, fraction=args.fraction, round_timeout_s=args.round_timeout,
                              training=training, seed=args.seed, combine=args.combine, norm_factor=args.norm_factor,
                              norm_ceiling=args.norm_ceiling, norm_action=args.norm_action, dp_noise=args.dp_noise,
-                             server_step=args.server_step,
+                             server_step=args.server_step, screen=args.screen,
                              fv=args.fv or args.method == "fedface", **own, **fixed)
     refuse_unowned(args, ROUND_OWNED, settings)
     return settings
@@ -112,6 +112,7 @@ def add_round_options(p: argparse.ArgumentParser, validators: str) -> None:
     """What a run's rounds are (coordinator.settings.RoundSettings): their number and sampling, the combination
     rule and its bounds, DP-FedAvg and Federated Validation. `validators`: who validates, in this command."""
     from coordinator.robust import COMBINERS
+    from coordinator.update_screen import SCREENS
 
     g = p.add_argument_group("rounds")
     g.add_argument("--rounds", type=int, default=10, help="federated rounds (default 10)")
@@ -126,6 +127,11 @@ def add_round_options(p: argparse.ArgumentParser, validators: str) -> None:
     g.add_argument("--combine", choices=COMBINERS, default="mean",
                    help="how updates are combined: the weighted mean (FedAvg), a coordinate-wise trimmed mean or "
                         "median, or Multi-Krum (default mean)")
+    g.add_argument("--screen", choices=tuple(SCREENS),
+                   help="each update judged against the round's others before combining: flame (FLAME, USENIX "
+                        "Security 2022: updates outside the majority cluster of directions are left out, the rest "
+                        "clipped to their median norm; rounds of 4 or more updates) or none (default flame; none "
+                        "with --dp-clip)")
     g.add_argument("--trim", type=float, help="trimmed mean: fraction dropped at each end (default 0.2)")
     g.add_argument("--byzantine", type=int, help="Krum: devices assumed malicious (default (n - 3) / 2)")
     g.add_argument("--norm-factor", type=float, default=3.0,

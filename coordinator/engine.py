@@ -330,7 +330,7 @@ class Engine:
                       self.version)
             return
         bound = self.filter.bound()
-        self.filter.record([min(current.norms[d], bound) for d in sorted(current.done)])
+        self.filter.record([min(current.norms[d], bound) for d in outcome.kept])
         self.version += 1
         self.global_sha = self.store.save_model(self.version, outcome.state, current.round_id)
         self.global_state = outcome.state

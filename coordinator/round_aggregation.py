@@ -1,6 +1,7 @@
 """From a closed round's accepted updates to the next global model, or the reason there is none.
 
-The order is fixed: combine the clipped updates by the run's rule, let the update filter finish the mean (DP's
+The order is fixed: screen the updates against each other (`coordinator.update_screen`: who is admitted, clipped
+to what), combine the admitted, clipped updates by the run's rule, let the update filter finish the mean (DP's
 noise), step the strategy, check the result (finite, non-negative BatchNorm variances, a step within what the
 bound allows), then the quality gate; a gate refusal may still save the round without its worst updates
 (`leave_out`), else a shorter step of the whole; the model is then reached only as far as separates the gate's
@@ -24,6 +25,7 @@ from coordinator.server_step import fixed_step
 from coordinator.settings import RoundSettings
 from coordinator.store import Store
 from coordinator.update_filters import UpdateFilter
+from coordinator.update_screen import make_screen
 from protocol.codecs import decode_verified, payload_codec
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ class Outcome:
     state: State        # the new global model (the old one when `problem` is set)
     problem: str        # '' when the model may be published, else why the round rolls back
     metrics: dict
+    kept: list[str]     # the devices whose updates made it (what the norm bound learns from)
 
 
 class RoundAggregator:
@@ -46,30 +49,34 @@ class RoundAggregator:
                  strategy: Strategy, gate: QualityGate | None = None):
         self.settings, self.store, self.layout, self.filter = settings, store, layout, update_filter
         self.strategy, self.gate = strategy, gate
+        self.screen = make_screen(settings.screen)
 
     def load_delta(self, current: OpenRound, device_id: str) -> State:
         """A stored (already validated) update, decoded by the codec it was sent with, prepared for combining.
         The file is read once; its header, parsed here for the codec, is parsed again from protocol's cache."""
         data = self.store.update_path(current.round_id, device_id).read_bytes()
         delta, scale = self.filter.prepare(decode_verified(data, payload_codec(data), *self.layout))
-        return delta if scale == 1.0 else {k: (v * scale if v.dtype.kind == "f" else v) for k, v in delta.items()}
+        return _scaled(delta, scale)
 
     def combine(self, current: OpenRound, devices: list[str]) -> State:
         """The plain mean was folded in as updates arrived (memory O(model)); only the few updates whose weight
-        the round's median caps are read again. Robust rules need every update at once (O(n x model))."""
+        the round's median caps are read again, or all of them when the screen left some out or clipped some.
+        Robust rules need every update at once (O(n x model))."""
         raw = [current.weights[d] for d in devices]
         weights = capped_weights(raw, self.settings.weight_factor)
-        if self.settings.combine == "mean" and set(devices) != current.done:  # a subset: folded again from disk
+        scales = [current.scales.get(d, 1.0) for d in devices]
+        refold = set(devices) != current.done or any(s != 1.0 for s in scales)
+        if self.settings.combine == "mean" and refold:  # folded again from disk
             mean = RunningMean()
-            for device, weight in zip(devices, weights):
-                mean.add(self.load_delta(current, device), weight)
+            for device, weight, scale in zip(devices, weights, scales):
+                mean.add(self.load_delta(current, device), weight, scale)
             return mean.mean()
         if self.settings.combine == "mean":
             for device, old, new in zip(devices, raw, weights):
                 if new != old:
                     current.running.reweight(self.load_delta(current, device), old, new)
             return current.running.mean()
-        deltas = [self.load_delta(current, d) for d in devices]
+        deltas = [_scaled(self.load_delta(current, d), scale) for d, scale in zip(devices, scales)]
         return combine(deltas, weights, self.settings.combine, self.settings.trim, self.settings.byzantine)
 
     def run(self, current: OpenRound, global_state: State, global_sha: str, sampling_rate: float,
@@ -79,6 +86,14 @@ class RoundAggregator:
         bound = self.filter.bound()
         devices = sorted(current.done)
         fresh_mean = mean_delta is None
+        screen_metrics = {}
+        if fresh_mean:  # FV's blend was formed from every update already
+            screening = self.screen.screen({d: current.sketches[d] for d in devices if d in current.sketches},
+                                           current.norms)
+            devices, current.scales, screen_metrics = screening.admitted, screening.scales, screening.metrics
+            if screen_metrics.get("screen_excluded"):
+                log.warning("round %d: the update screen left out %s", current.round_id,
+                            ", ".join(screen_metrics["screen_excluded_devices"]))
         mean_delta = self.combine(current, devices) if mean_delta is None else mean_delta
         mean_delta, filter_metrics, noise_allowance = self.filter.on_mean(mean_delta, len(devices), sampling_rate)
         server_state = self.strategy.state
@@ -96,10 +111,12 @@ class RoundAggregator:
                    "fold_ms_per_update": 1000 * current.fold_seconds / max(1, len(devices)),
                    "bytes_received": current.bytes_received, "norm_bound": bound,
                    "clipped_updates": sum(current.norms[d] > bound for d in devices),
-                   "combine": self.settings.combine, **gate_metrics, **_mean_metrics(current.metrics)}
+                   "combine": self.settings.combine, **screen_metrics, **gate_metrics,
+                   **_mean_metrics(current.metrics)}
         if problem and self.strategy.stateful:
             self.strategy.state = server_state  # the server's momentum forgets the refused round too
-        return Outcome(global_state if problem else new_state, problem, metrics)
+        kept = [d for d in devices if d not in set(gate_metrics.get("gate_excluded_devices", []))]
+        return Outcome(global_state if problem else new_state, problem, metrics, kept)
 
     def gate_and_step(self, current: OpenRound, global_state: State, global_sha: str, aggregate: State,
                       devices: list[str], bound: float, fresh_mean: bool, server_state) -> tuple[State, str, dict]:
@@ -191,6 +208,10 @@ def publishable(gate: QualityGate, global_state: State, global_sha: str, aggrega
     if problem and passed is aggregate:
         metrics["gate_whole_step_refused"] = problem
     return stepped, "", metrics
+
+
+def _scaled(delta: State, scale: float) -> State:
+    return delta if scale == 1.0 else {k: (v * scale if v.dtype.kind == "f" else v) for k, v in delta.items()}
 
 
 def non_negative_variances(state: State) -> State:

@@ -44,6 +44,8 @@ class OpenRound:
     done: set[str] = field(default_factory=set)
     weights: dict[str, float] = field(default_factory=dict)
     norms: dict[str, float] = field(default_factory=dict)
+    sketches: dict[str, np.ndarray] = field(default_factory=dict)  # each update's direction (update_screen.sketch)
+    scales: dict[str, float] = field(default_factory=dict)  # the screen's clip of each admitted update (1 if absent)
     metrics: dict[str, dict] = field(default_factory=dict)
     bytes_received: int = 0
     refused_transfers: OrderedDict = field(default_factory=OrderedDict)

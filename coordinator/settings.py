@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 
 from coordinator.robust import COMBINERS
 from coordinator.server_step import FIXED_STEP
+from coordinator.update_screen import SCREENS
 from models.typed_fields import check_types
 from protocol.messages import TrainingConfig
 
@@ -31,6 +32,7 @@ class RoundSettings:
     combine: str = "mean"          # mean | trimmed-mean | median | krum (coordinator.robust)
     trim: float = 0.2              # trimmed mean: fraction dropped at each end
     byzantine: int | None = None   # Krum's f; default (n - 3) // 2
+    screen: str | None = None      # none | flame (coordinator.update_screen); default flame, none under DP-FedAvg
     norm_factor: float = 3.0       # an update may be at most this x the median recent update norm
     norm_ceiling: float = 0.1      # ... and never above this fraction of the global model's norm
     norm_action: str = "clip"      # clip | reject an update above the bound
@@ -48,6 +50,8 @@ class RoundSettings:
     def __post_init__(self):
         """Settings that cannot work are refused here, named as `ffr coordinator serve` spells them."""
         check_types(self)
+        if self.screen is None:  # DP's accounting covers a mean of n clipped updates, not a choice among them
+            self.screen = "none" if self.training.dp_clip is not None else "flame"
         checks = [(self.rounds >= 1, f"--rounds must be at least 1 (got {self.rounds})"),
                   (self.min_clients >= 1, f"--min-clients must be at least 1 (got {self.min_clients})"),
                   (0 < self.fraction <= 1, f"--fraction must be in (0, 1] (got {self.fraction:g})"),
@@ -70,6 +74,10 @@ class RoundSettings:
                                               f"choose one of {', '.join(COMBINERS)}"),
                   (not self.fv or self.combine == "mean",
                    "Federated Validation weighs a mean: use the mean combination rule with it"),
+                  (self.screen in SCREENS, f"unknown update screen {self.screen!r}; choose one of "
+                                           f"{', '.join(SCREENS)}"),
+                  (self.screen == "none" or self.training.dp_clip is None,
+                   "DP-FedAvg's accounting covers every clipped update: use --screen none with it"),
                   (self.model_dtype in ("fp16", "fp32"), "model_dtype must be fp16 or fp32"),
                   (self.norm_action in ("clip", "reject"), "norm_action must be clip or reject"),
                   (self.dp_noise == 0 or self.training.dp_clip is not None,

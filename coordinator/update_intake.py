@@ -18,6 +18,7 @@ from coordinator.round_state import OpenRound
 from coordinator.settings import RoundSettings
 from coordinator.store import Store
 from coordinator.update_filters import UpdateFilter
+from coordinator.update_screen import sketch
 from protocol.chunks import Reassembler, from_bytes
 from protocol.codecs import Staging, decode_verified
 from protocol.messages import Ack, MessageError, UpdateHeader
@@ -116,6 +117,7 @@ class UpdateIntake:
         current.headers[device_id] = header
         current.done.add(device_id)
         current.weights[device_id], current.norms[device_id] = weight, norm
+        current.sketches[device_id] = sketch(delta)  # now: `delta` lives in the staging buffer the next one reuses
         current.metrics[device_id] = header.metrics
         current.bytes_received += len(payload)
         if self.settings.combine == "mean":
@@ -142,6 +144,7 @@ class UpdateIntake:
             current.weights[device_id] = update["metrics"].get("weight", update["n_samples"])
             current.norms[device_id] = update["metrics"].get("update_norm", 0.0)
             current.metrics[device_id] = update["metrics"]
+            current.sketches[device_id] = sketch(load_delta(current, device_id))
             current.bytes_received += update["bytes"] or 0  # the round's cost counts the kept update too
             current.headers[device_id] = UpdateHeader(
                 round_id=current.round_id, base_version=current.base_version, n_samples=update["n_samples"],

@@ -73,28 +73,45 @@ class DevicePublicSet:
         self._set = None  # models.public_set.PublicSet, once read
         self._sha: str | None = None  # the hash of the coordinator's set held in self._set
 
+    def follow(self, cfg) -> None:
+        """Hold the set the round's (signed) configuration announces, whatever the round trains with: the device's
+        adoption check and its calibration need strangers' faces as much as FedFR's hard negatives do (without them
+        a door calibrated on 8 people let in 1.5% of strangers at a promised 0.1%). A failure is said; the device
+        goes on with what it held."""
+        from models.public_set import load_public_set
+
+        if self.path is not None or cfg.public_set_sha256 is None or self._sha == cfg.public_set_sha256:
+            return
+        try:
+            path = fetch_public_set(cfg.public_set_url, cfg.public_set_sha256, cfg.public_set_bytes, self.folder)
+            self._set, self._sha = load_public_set(path, cfg.public_set_sha256), cfg.public_set_sha256
+        except PublicSetError as exc:
+            log.warning("%s: no public set this round: %s", self.device_id, exc)
+
     def for_round(self, cfg):
         """D_g, only when the round samples hard negatives; None (and why, in the log) when there is none."""
         from models.public_set import load_public_set
 
         if not cfg.hard_negatives:
             return None
-        try:
-            if self.path is not None:
+        if self.path is not None:
+            try:
                 if self._set is None:
                     self._set = load_public_set(self.path)
                 return self._set
-            if cfg.public_set_sha256 is None:
-                log.warning("%s: the round asks for hard negatives but neither the coordinator nor --public-set "
-                            "gives this device a public set", self.device_id)
+            except PublicSetError as exc:
+                log.warning("%s: training without hard negatives this round: %s", self.device_id, exc)
                 return None
-            if self._sha != cfg.public_set_sha256:
-                path = fetch_public_set(cfg.public_set_url, cfg.public_set_sha256, cfg.public_set_bytes, self.folder)
-                self._set, self._sha = load_public_set(path, cfg.public_set_sha256), cfg.public_set_sha256
-            return self._set
-        except PublicSetError as exc:
-            log.warning("%s: training without hard negatives this round: %s", self.device_id, exc)
+        if cfg.public_set_sha256 is None:
+            log.warning("%s: the round asks for hard negatives but neither the coordinator nor --public-set "
+                        "gives this device a public set", self.device_id)
             return None
+        self.follow(cfg)
+        if self._sha != cfg.public_set_sha256:
+            log.warning("%s: training without hard negatives this round: the announced public set is not held",
+                        self.device_id)
+            return None
+        return self._set
 
     def negatives_for_adoption(self):
         """The public images the adoption check may use as impostors (the operator's file, or the last set the

@@ -63,6 +63,7 @@ class RoundRunner:
             raise RuntimeError("not registered with the coordinator")
         started = time.perf_counter()
         self.link.drop_stale_pending(job.round_id)
+        self.public.follow(job.config)  # strangers' faces for the adoption check and the calibration, too
         global_state = self.fetch_global(job)
         fetched = time.perf_counter()
         model = self.ensure_model(job)

@@ -146,3 +146,23 @@ def test_coordinator_serves_the_public_set_to_a_device_without_one(public_file, 
     assert "final model v2 adopted" in output and "stopping before" not in served, served[-2000:]
     rounds = json.loads((home / "rounds.json").read_text())
     assert [r["round_id"] for r in rounds] == [1, 2] and all(r["hn_fraction"] == 1.0 for r in rounds), rounds
+
+
+def test_a_device_holds_the_announced_public_set_for_its_checks_even_without_hard_negatives(public_file, tmp_path):
+    """At the defaults (fedprox) rounds sample no hard negatives, yet the device's adoption check and calibration
+    need strangers' faces: the announced set is fetched (once) all the same, and no round trains on it."""
+    from edge_client.public_set import DevicePublicSet
+    from protocol.messages import TrainingConfig
+
+    body = public_file.read_bytes()
+    server = _Files(body)
+    cfg = TrainingConfig(public_set_url=server.url, public_set_sha256=sha256_of(public_file),
+                         public_set_bytes=len(body))
+    public = DevicePublicSet(None, tmp_path / "public", "dev0")
+    assert public.negatives_for_adoption() is None
+    public.follow(cfg)
+    public.follow(cfg)
+    assert server.requests == 1
+    assert public.negatives_for_adoption() is not None and len(public.negatives_for_adoption()) == 20
+    assert public.for_round(cfg) is None, "fedprox's round does not train on it"
+    server.shutdown()

@@ -47,9 +47,12 @@ class Harness:
         self.sent: list[tuple[str, bytes]] = []
         self.signer = Signer.generate()
         self.tmp = tmp
-        # the whole step: these tests check the aggregation's arithmetic (the gateless quarter step has its own test)
-        self.settings = RoundSettings(min_clients=min_clients, rounds=5, training=training or TrainingConfig(epochs=1),
-                                      **{"server_step": 1.0, **settings})
+        # the whole step and no screen: these tests check the aggregation's arithmetic (the gateless quarter step
+        # and the screen have their own tests)
+        training = training or TrainingConfig(epochs=1)
+        screen = "none" if training.dp_clip is None else None
+        self.settings = RoundSettings(min_clients=min_clients, rounds=5, training=training,
+                                      **{"server_step": 1.0, "screen": screen, **settings})
         self.engine = self._engine()
 
     def _engine(self, strategy: str = "fedavg") -> Engine:
