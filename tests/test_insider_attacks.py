@@ -74,3 +74,36 @@ def test_an_impersonation_in_a_fleet_reports_its_success_rate_on_the_victims_dev
     for key in ("success_rate", "success_rate_global", "success_rate_start"):
         assert 0 <= attack[key] <= 1, key
     assert "Impersonation of" in (run / "summary.md").read_text()
+
+
+def _person_pulled_onto_another(pull: float):
+    """Scores of 12 labelled people, 10 faces each: the current model, and a candidate in which every pair of person 3
+    with person 7 scores `pull` (the rest unchanged)."""
+    from models.evaluation.separation import pair_scores
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(12, 64))
+    labels = np.repeat(np.arange(12), 10)
+    emb = centres[labels] + 0.9 * rng.normal(size=(120, 64))
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    current = pair_scores(emb, labels)
+    ids = current.impostor_ids
+    moved = current.impostor.copy()
+    moved[((ids[:, 0] == 3) & (ids[:, 1] == 7)) | ((ids[:, 0] == 7) & (ids[:, 1] == 3))] = pull
+    return current, type(current)(current.genuine, moved, ids)
+
+
+def test_the_gate_refuses_one_person_pulled_onto_another_when_the_average_holds():
+    """Worst case, not averages: person 3's 100 pairs with person 7 are 1.5% of the impostor pairs; all of them
+    crossing the threshold keeps the overall FAR under its 2x bar, the per-person count does not."""
+    from models.evaluation.separation import compare, worst_identity
+    from models.evaluation.thresholds import threshold_at_far
+
+    current, candidate = _person_pulled_onto_another(0.99)
+    verdict = compare(current, candidate, far=1e-2, far_ratio=3.0, auc_margin=0.05)
+    assert verdict.metrics["far_candidate"] <= verdict.metrics["far_limit"], "the average alone would pass it"
+    assert not verdict.ok and verdict.reason.startswith(("person 3", "person 7")), verdict.reason
+    threshold, _ = threshold_at_far(current.impostor, 1e-2)
+    assert worst_identity(current, current, threshold, 1e-2, 3.0) is None
+    same, untouched = _person_pulled_onto_another(-1.0)  # person 3 pushed away from 7: nobody let in
+    assert compare(same, untouched, far=1e-2, far_ratio=3.0, auc_margin=0.05).ok

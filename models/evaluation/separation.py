@@ -78,10 +78,12 @@ class FaceSet:
 
 @dataclass(frozen=True)
 class Scores:
-    """Genuine and impostor cosine scores of one model on one face set."""
+    """Genuine and impostor cosine scores of one model on one face set; for a labelled set, the two identities of
+    each impostor pair (`impostor_ids`, m x 2), which the per-identity check reads."""
 
     genuine: np.ndarray
     impostor: np.ndarray
+    impostor_ids: np.ndarray | None = None
 
     @property
     def auc(self) -> float:
@@ -135,7 +137,8 @@ def pair_scores(emb: np.ndarray, labels: np.ndarray | None, mirrored: np.ndarray
             raise ValueError("an unlabelled set needs its mirror images' embeddings for genuine pairs")
         return Scores(np.einsum("ij,ij->i", emb, mirrored), sim[upper])
     same = (labels[:, None] == labels[None, :])[upper]
-    return Scores(sim[upper][same], sim[upper][~same])
+    ids = np.stack([labels[upper[0]], labels[upper[1]]], axis=1)[~same]
+    return Scores(sim[upper][same], sim[upper][~same], ids)
 
 
 def score(state: dict[str, np.ndarray], faces: FaceSet, threads: int | None = 1) -> Scores:
@@ -200,6 +203,10 @@ def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: fl
             f"score {metrics['impostor_mean_current']:.3f} -> {metrics['impostor_mean_candidate']:.3f})",
             metrics,
         )
+    worst = worst_identity(current, candidate, threshold, far, far_ratio)
+    if worst is not None:
+        metrics.update(worst.metrics)
+        return Verdict(False, worst.reason, metrics)
     # one genuine pair (or impostor pair) moving past every pair of the other kind moves the AUC by 1/n: a margin
     # below that is noise a device with a few people cannot resolve
     margin = max(auc_margin, 1.0 / max(1, min(len(candidate.genuine), len(candidate.impostor))))
@@ -207,3 +214,44 @@ def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: fl
         return Verdict(False, f"the candidate's AUC {auc_new:.4f} is more than {margin:.3g} below the current "
                               f"{auc_now:.4f}", metrics)
     return Verdict(True, "", metrics)
+
+
+IDENTITY_SIGMAS = 4.0  # a person's count of crossing pairs may exceed its limit by this many Poisson deviations (+4)
+
+
+def worst_identity(current: Scores, candidate: Scores, threshold: float, far: float, far_ratio: float
+                   ) -> Verdict | None:
+    """The person the candidate lets in most beyond the bar, as a refusal; None when every person is within it.
+
+    An average hides one person pulled onto another (an impersonation, a collapse of two people): their pairs are a
+    small share of all impostor pairs. So each person's impostor pairs (a labelled set: `Scores.impostor_ids`) are
+    counted at the current threshold too: the candidate may cross at most `far_ratio` x what the current model
+    crosses for that person (never judged below `far` of its pairs), plus IDENTITY_SIGMAS Poisson deviations and 4,
+    so that a person with a few hundred pairs is not refused for the noise of a handful."""
+    if current.impostor_ids is None or candidate.impostor_ids is None or \
+            current.impostor_ids.shape != candidate.impostor_ids.shape:
+        return None
+    ids = current.impostor_ids
+    people, index = np.unique(ids, return_inverse=True)
+    index = index.reshape(ids.shape)
+
+    def crossing(scores: np.ndarray) -> np.ndarray:
+        above = scores > threshold
+        return np.bincount(index[above, 0], minlength=len(people)) + np.bincount(index[above, 1],
+                                                                                 minlength=len(people))
+
+    pairs = np.bincount(index[:, 0], minlength=len(people)) + np.bincount(index[:, 1], minlength=len(people))
+    now, new = crossing(current.impostor), crossing(candidate.impostor)
+    limit = far_ratio * np.maximum(now, far * pairs)
+    allowed = limit + IDENTITY_SIGMAS * np.sqrt(limit) + 4
+    excess = new - allowed
+    worst = int(np.argmax(excess))
+    metrics = {"identity_worst": int(people[worst]) if np.issubdtype(people.dtype, np.integer) else str(people[worst]),
+               "identity_worst_crossing": int(new[worst]), "identity_worst_allowed": float(allowed[worst]),
+               "identity_worst_pairs": int(pairs[worst])}
+    if excess[worst] <= 0:
+        return None
+    return Verdict(False, f"person {metrics['identity_worst']}: the candidate accepts {new[worst]} of their "
+                          f"{pairs[worst]} impostor pairs at the current threshold {threshold:.3f} (current model "
+                          f"{now[worst]}, at most {allowed[worst]:.0f}): one person pulled onto others, which the "
+                          "average hides", metrics)
