@@ -215,7 +215,8 @@ class Engine:
         self.store.record_rejection(sender.device_id, topic, reason)
         if self.sessions.may_explain(sender):
             self._tell(sender.device_id, Error(reason=reason, round_id=self.current.round_id if self.current else None,
-                                               resume_seq=sender.resume_seq))
+                                               resume_seq=sender.resume_seq,
+                                               code="admission" if sender.refused_admission else None))
 
     def _on_envelope(self, sender: Sender, leaf: str, payload: bytes) -> None:
         envelope, admitted = self.sessions.open(sender, payload)

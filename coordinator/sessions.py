@@ -28,6 +28,7 @@ class Sender:
     device_id: str
     authenticated: bool = False
     resume_seq: int | None = None  # after a refused sequence number: where the device should number from
+    refused_admission: bool = False  # its credential (token, key, device id) is refused: it is told, so it can stop
 
 
 class DeviceSessions:
@@ -58,6 +59,7 @@ class DeviceSessions:
             self._admit(envelope, sender)
             return envelope, True
         if key is None:
+            sender.refused_admission = True
             raise MessageError(f"unknown device {device_id!r}: it must be admitted (ffr coordinator admit) first")
         self._authenticate(envelope, key, sender)
         self.store.seen(device_id, envelope.seq)
@@ -87,6 +89,7 @@ class DeviceSessions:
         device_id = sender.device_id
         token = self.store.admission_token(device_id)
         if token is None or not proof_matches(token, device_id, hello.public_key, hello.token_proof):
+            sender.refused_admission = True
             raise MessageError(f"{device_id!r} is not admitted, or its admission token is wrong or already used")
         authenticate(envelope, hello.public_key)
         self.guard.last_seen.pop(device_id, None)  # a new key starts a new sequence
@@ -106,8 +109,10 @@ class DeviceSessions:
         return sorted(d for d in self.heard if self.states.get(d) != state)
 
     def may_explain(self, sender: Sender) -> bool:
-        """Only an authenticated sender hears why, at most `errors_per_minute` times: refusals never flood."""
-        if not sender.authenticated:
+        """Only an authenticated sender hears why, or one whose credential is refused (the broker's ACL lets only that
+        device's login read its inbox; it hears that it cannot join, and stops), at most `errors_per_minute` times:
+        refusals never flood."""
+        if not (sender.authenticated or sender.refused_admission):
             return False
         now = time.monotonic()
         recent = [t for t in self._error_times.get(sender.device_id, []) if now - t < 60.0]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import signal
+import sys
 import threading
 import time
 from functools import cached_property
@@ -176,12 +178,14 @@ class EdgeDevice:
 def run(credential: Path, data: Path, home: Path, until_finished: bool = False, **options) -> int:
     DeviceHome(home).lock()  # one daemon per home: two would replay each other's sequence numbers forever
     device = EdgeDevice(credential, data, home, **options)
+    if threading.current_thread() is threading.main_thread():  # a service manager's stop: the same clean end
+        signal.signal(signal.SIGTERM, lambda *_: device.stop_event.set())
     device.start()
     print(f"edge device {device.device_id}: {len(device.crops)} face images of {len(device.crops.identities)} people; "
           f"broker {device.link.address}; home {home}; coordinator key {device.link.coordinator_key[:16]}...",
           flush=True)
     try:
-        while not device.stop_event.is_set():
+        while not device.stop_event.is_set() and device.link.cannot_join is None:
             if until_finished and device.finished.wait(0.5):
                 break
             time.sleep(0.2)
@@ -189,4 +193,8 @@ def run(credential: Path, data: Path, home: Path, until_finished: bool = False, 
         pass
     finally:
         device.stop()
+    if device.link.cannot_join is not None:
+        print(f"edge device {device.device_id}: cannot join: {device.link.cannot_join}", file=sys.stderr, flush=True)
+        return 2
+    print(f"edge device {device.device_id}: stopped", flush=True)
     return 0

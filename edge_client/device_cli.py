@@ -21,9 +21,18 @@ import numpy as np
 
 from edge_client.capture import QualityGate, SourceError, check_face, device_detector, frames
 from edge_client.home import DeviceHome
-from edge_client.recognizer import Recognizer, calibrate, file_sha256, install_default_model, probe_scores, seal_model
+from edge_client.recognizer import (
+    DEFAULT_THRESHOLD,
+    Recognizer,
+    calibrate,
+    file_sha256,
+    install_default_model,
+    probe_scores,
+    seal_model,
+)
 from edge_client.vault import NAME_MAX, Vault, check_person_name
 from models.cli.common import add_detector_option, at_least
+from models.progress import bar_disable
 
 MATCH, NO_MATCH, ERROR = 0, 1, 2
 DEFAULT_HOME = Path(os.environ.get("FFR_DEVICE_HOME", Path.home() / ".local" / "share" / "ffr-edge" / "device"))
@@ -96,7 +105,8 @@ def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True) -> t
     detector = device_detector(args.detector, args.yunet_model)
     gate, accepted, refused, n = _gate(args), [], Counter(), 0
     quiet = args.json or getattr(args, "quiet", False)  # `ffr -q`: no progress bars
-    bar = tqdm(desc="reading frames", unit="frame", disable=not progress or quiet, file=sys.stderr, leave=False)
+    bar = tqdm(desc="reading frames", unit="frame", disable=bar_disable(progress and not quiet), file=sys.stderr,
+               leave=False)
     for frame in frames(args.camera, args.video, args.images, args.max_frames):
         n += 1
         bar.update(1)
@@ -163,22 +173,30 @@ def _probe(args, recognizer: Recognizer, viewer: Viewer) -> tuple[np.ndarray, li
     return np.stack(embeddings), latency, accepted, np.array([a.sharpness for a in accepted])
 
 
+def _threshold(args, recognizer: Recognizer) -> tuple[float, str]:
+    """The threshold this call decides at, and what it is: `--threshold` when given, else the device's."""
+    if getattr(args, "threshold", None) is not None:
+        return args.threshold, "given with --threshold"
+    return recognizer.threshold, recognizer.threshold_note
+
+
 def cmd_verify(args) -> int:
     home, vault, recognizer = _open(args)
     person = recognizer.person(args.name)  # unknown name: an error before any capture
+    threshold, note = _threshold(args, recognizer)
     viewer = Viewer(args.show)
     embeddings, latency, accepted, _ = _probe(args, recognizer, viewer)
     started = time.perf_counter()
     score = float(probe_scores(embeddings, person.template)[0])
     match_ms = (time.perf_counter() - started) * 1000
-    match = score > recognizer.threshold
+    match = score > threshold
     for box, frame in ((a.box, a.frame) for a in accepted[-1:]):
         viewer.show(frame.bgr, box, f"{args.name}: {'MATCH' if match else 'NO MATCH'} {score:.2f}", match)
-    data = {"name": args.name, "match": match, "score": score, "threshold": recognizer.threshold,
-            "threshold_note": recognizer.threshold_note, "faces_used": len(embeddings),
+    data = {"name": args.name, "match": match, "score": score, "threshold": threshold,
+            "threshold_note": note, "faces_used": len(embeddings),
             "latency_ms": float(np.median(latency)) + match_ms, "model": str(recognizer.model_path)}
     _out(args, f"{'MATCH' if match else 'NO MATCH'}: {args.name} score {score:.3f} vs threshold "
-               f"{recognizer.threshold:.3f} ({recognizer.threshold_note}); {len(embeddings)} face(s), "
+               f"{threshold:.3f} ({note}); {len(embeddings)} face(s), "
                f"{data['latency_ms']:.1f} ms per frame", data)
     return MATCH if match else NO_MATCH
 
@@ -197,23 +215,76 @@ def cmd_identify(args) -> int:
     people, damaged = _readable_people(args, recognizer)
     if not people:
         raise DeviceError("nobody is enrolled on this device; run `ffr device enroll` first")
+    threshold, note = _threshold(args, recognizer)
     viewer = Viewer(args.show)
     embeddings, latency, accepted, _ = _probe(args, recognizer, viewer)
     started = time.perf_counter()
     scores = probe_scores(embeddings, np.stack([p.template for p in people]))
     best = int(np.argmax(scores))
     match_ms = (time.perf_counter() - started) * 1000
-    known = bool(scores[best] > recognizer.threshold)
+    known = bool(scores[best] > threshold)
     name = people[best].name if known else "unknown"
     for box, frame in ((a.box, a.frame) for a in accepted[-1:]):
         viewer.show(frame.bgr, box, f"{name} {scores[best]:.2f}", known)
     data = {"identity": name, "known": known, "score": float(scores[best]), "closest": people[best].name,
-            "threshold": recognizer.threshold, "threshold_note": recognizer.threshold_note,
+            "threshold": threshold, "threshold_note": note,
             "scores": {p.name: float(s) for p, s in zip(people, scores)}, "faces_used": len(embeddings),
             "latency_ms": float(np.median(latency)) + match_ms, "damaged": damaged}
     _out(args, f"{name}: score {scores[best]:.3f} (closest: {people[best].name}) vs threshold "
-               f"{recognizer.threshold:.3f} ({recognizer.threshold_note}); {data['latency_ms']:.1f} ms per frame", data)
+               f"{threshold:.3f} ({note}); {data['latency_ms']:.1f} ms per frame", data)
     return MATCH if known else NO_MATCH
+
+
+def cmd_compare(args) -> int:
+    """1:1 on two image files, no home and no enrolment (DeepFace.verify's job): the largest face of each."""
+    import tempfile
+    from dataclasses import replace
+
+    from models.runtime import OnnxEmbedder
+
+    # a group photo is answered for its largest face, and says so
+    detector = device_detector(args.detector, args.yunet_model)
+    gate = replace(_gate(args), other_face_ratio=float("inf"))
+    faces = [_largest_face(path, detector, gate) for path in (args.image1, args.image2)]
+    with tempfile.TemporaryDirectory(prefix="ffr-compare-") as tmp:
+        if args.model is not None:
+            model, what = args.model, str(args.model)
+        else:
+            from models.networks.face_weights import write_default_onnx
+
+            model, what = write_default_onnx(Path(tmp) / "shipped.onnx"), "the shipped model"
+        embedder = OnnxEmbedder(model, args.threads)
+        emb = embedder.embed(np.stack([f["crop"] for f in faces]))
+    emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    score = float(emb[0] @ emb[1])
+    threshold = args.threshold if args.threshold is not None else DEFAULT_THRESHOLD
+    note = "given with --threshold" if args.threshold is not None else (
+        "uncalibrated default: give --threshold, e.g. the one `ffr device list` shows for a calibrated home")
+    same = score > threshold
+    about = "; ".join(f"{f['file']}: {f['faces_found']} face(s)" + (", the largest used" if f["faces_found"] > 1
+                                                                   else "") for f in faces)
+    data = {"same_person": same, "score": score, "threshold": threshold, "threshold_note": note, "model": what,
+            "images": [{k: v for k, v in f.items() if k != "crop"} for f in faces]}
+    _out(args, f"{'SAME PERSON' if same else 'DIFFERENT PEOPLE'}: score {score:.3f} vs threshold {threshold:.3f} "
+               f"({note}); {about}; model: {what}", data)
+    return MATCH if same else NO_MATCH
+
+
+def _largest_face(path: Path, detector, gate: QualityGate) -> dict:
+    """The largest face in one image file, checked for size and sharpness, with its box and the faces found."""
+    if not Path(path).is_file():
+        raise DeviceError(f"image file not found: {path}")
+    (frame,) = list(frames(images=Path(path), max_frames=1)) or [None]
+    if frame is None or frame.bgr is None:
+        raise DeviceError(f"{path}: {getattr(frame, 'problem', None) or 'not an image OpenCV can read'}")
+    import cv2
+
+    found = len(detector.detect(cv2.cvtColor(frame.bgr, cv2.COLOR_BGR2RGB)))
+    check = check_face(frame.bgr, detector, gate)
+    if check.crop is None:
+        raise DeviceError(f"{path}: {check.reason}")
+    return {"file": str(path), "crop": check.crop, "faces_found": found, "box": list(check.box),
+            "aligned": check.aligned}
 
 
 def cmd_list(args) -> int:
@@ -341,6 +412,21 @@ def _installed(args, home: DeviceHome, target: Path, kind: str) -> int:
     return MATCH
 
 
+def _cosine_threshold(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not -1.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a cosine threshold is a number in [-1, 1], not {text!r}")
+    return value
+
+
+def _threshold_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threshold", type=_cosine_threshold,
+                   help="decide at this cosine score for this call only (default: the device's calibrated threshold)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--home",
@@ -398,6 +484,7 @@ def add_commands(dsub) -> None:
     p = dsub.add_parser("verify", help="1:1: is this the enrolled person NAME? exit 0 if so, 1 if not",
                         description="Prints the decision, the score, the threshold and the latency per frame.")
     p.add_argument("--name", required=True, help="the enrolled person to check against")
+    _threshold_option(p)
     _common(p)
     _source(p, "usable faces to average the score over (default 3)")
     p.set_defaults(func=cmd_verify)
@@ -405,9 +492,26 @@ def add_commands(dsub) -> None:
     p = dsub.add_parser("identify", help="1:N: who is this? 'unknown' below the threshold; exit 0 if known, 1 if not",
                         description="Compares the face with every enrolled person's template and prints the best "
                                     "match and its score, or 'unknown' when no score reaches the threshold.")
+    _threshold_option(p)
     _common(p)
     _source(p, "usable faces to average the scores over (default 3)")
     p.set_defaults(func=cmd_identify)
+
+    p = dsub.add_parser("compare", help="1:1 on two image files: the same person? exit 0 if so, 1 if not; no home",
+                        description="Finds the largest face in each image, embeds both with the shipped model (or "
+                                    "--model) and prints the cosine score against the threshold. Needs no home and "
+                                    "no enrolment.",
+                        epilog="example: ffr device compare passport.jpg selfie.jpg --threshold 0.42 --json")
+    p.add_argument("image1", type=Path, help="an image file")
+    p.add_argument("image2", type=Path, help="another image file")
+    p.add_argument("--model", type=Path, help="an ONNX model (default: the shipped face-pretrained one)")
+    p.add_argument("--threshold", type=_cosine_threshold,
+                   help=f"cosine score above which the faces are one person (default {DEFAULT_THRESHOLD:g}, "
+                        "uncalibrated)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--threads", type=at_least(1), default=1, help="ONNX Runtime threads (default 1)")
+    _faces(p.add_argument_group("faces"))
+    p.set_defaults(func=cmd_compare)
 
     p = dsub.add_parser("list", help="the enrolled people, the model and the threshold",
                         description="Reads the home only (never creates one): the enrolled people with their crop "

@@ -40,6 +40,10 @@ def refuse_plaintext(address: BrokerAddress, credential: Credential, ca_file: st
                          "unencrypted (use the mqtts:// address)")
 
 
+LOGIN_REFUSED = ("Not authorized", "Bad user name or password")  # MQTT 5 reason codes 135, 134
+LOGIN_REFUSALS_TO_STOP = 3  # one refusal can be a broker restarting with its password file half written
+
+
 class CoordinatorLink:
     def __init__(self, credential: Credential, home: DeviceHome, on_body: Callable[[object], None],
                  hello_facts: Callable[[], dict], broker: str | None = None, ca_file: str | None = None):
@@ -54,6 +58,8 @@ class CoordinatorLink:
             self.registered.set()
         self.dropped_messages = 0
         self.last_error: str | None = None
+        self.cannot_join: str | None = None  # why this device can never take part (its daemon then stops)
+        self.login_refusals = 0  # the broker's consecutive refusals of this device's login
         self.stopping = False
         self.address = BrokerAddress.parse(broker or credential.broker, credential.broker_username,
                                            credential.broker_password)
@@ -136,7 +142,15 @@ class CoordinatorLink:
     def _on_connect(self, client: mqtt.Client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             log.error("%s: broker refused the connection: %s", self.device_id, reason_code)
+            if str(reason_code) in LOGIN_REFUSED:
+                self.login_refusals += 1
+                if self.login_refusals >= LOGIN_REFUSALS_TO_STOP:
+                    self.cannot_join = (f"the broker at {self.address} refused this device's login "
+                                        f"{self.login_refusals} times ({reason_code}): the credential's broker "
+                                        "password is wrong or was revoked; ask the operator for a new credential "
+                                        "(ffr coordinator admit)")
             return
+        self.login_refusals = 0
         if self.broker_failures:
             log.info("%s: connected to the broker at %s after %d failed tries", self.device_id, self.address,
                      self.broker_failures)
@@ -177,6 +191,10 @@ class CoordinatorLink:
                 self.registered.set()
                 log.info("%s: admitted by the coordinator", self.device_id)
                 self.resend_pending()
+        elif isinstance(body, Error) and body.code == "admission":  # the coordinator's signed word: no retry helps
+            self.cannot_join = (f"the coordinator refuses this device's credential: {body.reason}; ask the operator "
+                                "for a new one (ffr coordinator admit)")
+            log.error("%s: %s", self.device_id, self.cannot_join)
         elif isinstance(body, Error):
             self.last_error = body.reason
             log.warning("%s: coordinator refused a message: %s", self.device_id, body.reason)

@@ -39,6 +39,7 @@ from fleet.report import write_summary
 from models.evaluation.evaluate import unseen_people, verification
 from models.networks.backbone import FaceEmbedder
 from models.networks.face_model import global_embedder
+from models.progress import bar_disable
 from models.training.tracking import MlflowTracker, NullTracker, default_tracking_uri
 from protocol.json_file import json_object, read_json
 
@@ -252,7 +253,7 @@ class Simulation:
             self.service.admit(device_id(k), self.run_dir / "devices" / device_id(k) / "credential.json")
         turns = [self._turn(k, None) for k in new]
         for result in tqdm(pool.run(turns), total=len(turns), desc="registering devices", unit="device",
-                           disable=not (self.config.progress and turns)):
+                           disable=bar_disable(self.config.progress and turns)):
             if not result["ok"]:
                 raise RuntimeError(f"{result['device_id']} could not register: {result.get('error')}")
 
@@ -284,7 +285,7 @@ class Simulation:
         turns = [self._turn(k, round_id) for k in clients if not done.update_accepted(round_id, device_id(k))]
         number = self.service.engine.store.finished_rounds() + 1
         bar = tqdm(pool.run(turns), total=len(turns), desc=f"round {number}/{self.config.server.rounds}", unit="device",
-                   disable=not self.config.progress)
+                   disable=bar_disable(self.config.progress))
         for result in bar:
             if result["ok"]:
                 self.turn_seconds.setdefault(round_id, []).append(result["turn_seconds"])

@@ -210,6 +210,7 @@ class Error(_Body):
     reason: str = Field(max_length=512)
     round_id: int | None = Field(None, ge=0, le=MAX_INT)
     resume_seq: int | None = Field(None, ge=-1, le=MAX_SEQ)  # a refused counter: number from here
+    code: Literal["admission"] | None = None  # "admission": this device's credential is refused; it cannot join
 
 
 Body = Annotated[

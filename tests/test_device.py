@@ -401,3 +401,53 @@ def test_a_bad_capture_source_is_one_line_without_decoder_noise(tmp_path, home, 
     source = [{"FOLDER": str(tmp_path), "NOT_A_VIDEO": str(tmp_path / "clip.avi")}.get(a, a) for a in source]
     rc, out, err = ffr("-q", "device", "verify", "--home", str(home), "--name", "s1", *source)
     assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_compare_answers_for_two_image_files_without_a_home(tmp_path, faces_dir):
+    """`ffr device compare IMG1 IMG2`: no home, no enrolment, the shipped model; a group photo is answered for its
+    largest face and says how many it found; exit 0 the same person, 1 not, 2 an error."""
+    photos = {p: sorted((faces_dir / "orl" / p).iterdir()) for p in ("s1", "s2")}
+    a, b, other = tmp_path / "a.png", tmp_path / "b.png", tmp_path / "other.png"
+    cv2.imwrite(str(a), frame_from(photos["s1"][0]))
+    cv2.imwrite(str(b), frame_from(photos["s1"][1]))
+    group = frame_from(photos["s2"][0])
+    small = cv2.resize(cv2.imread(str(photos["s1"][2])), None, fx=1.5, fy=1.5)
+    group[10:10 + small.shape[0], 10:10 + small.shape[1]] = small  # a smaller second face in the corner
+    cv2.imwrite(str(other), group)
+    rc, out, err = ffr("device", "compare", str(a), str(b), "--json")
+    same = json.loads(out)
+    assert rc in (0, 1) and same["model"] == "the shipped model" and same["threshold_note"].startswith("uncalibrated")
+    assert [i["faces_found"] for i in same["images"]] == [1, 1] and all(len(i["box"]) == 4 for i in same["images"])
+    rc, out, err = ffr("device", "compare", str(a), str(other), "--json")
+    different = json.loads(out)
+    assert different["images"][1]["faces_found"] == 2, different
+    assert same["score"] > different["score"]
+    middle = f"{(same['score'] + different['score']) / 2:.4f}"
+    rc, out, err = ffr("device", "compare", str(a), str(b), "--threshold", middle)
+    assert rc == 0 and out.startswith("SAME PERSON: score") and "given with --threshold" in out, (out, err)
+    rc, out, err = ffr("device", "compare", str(a), str(other), "--threshold", middle)
+    assert rc == 1 and out.startswith("DIFFERENT PEOPLE") and "2 face(s), the largest used" in out, (out, err)
+    rc, out, err = ffr("device", "compare", str(a), str(tmp_path / "missing.png"))
+    assert rc == 2 and err == f"ffr device compare: error: image file not found: {tmp_path / 'missing.png'}\n"
+    assert not (tmp_path / "home").exists()
+
+
+def test_a_threshold_given_for_one_call_decides_that_call_only(home, videos):
+    rc, out, err = ffr("device", "verify", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][1]),
+                       "--threshold", "0.99", "--json")
+    result = json.loads(out)
+    assert rc == 1 and result["threshold"] == 0.99 and result["threshold_note"] == "given with --threshold", out
+    rc, out, err = ffr("device", "identify", "--home", str(home), "--video", str(videos["s4"][1]), "--threshold", "-1")
+    assert rc == 0 and "vs threshold -1.000 (given with --threshold)" in out, (out, err)
+    rc, out, err = ffr("device", "verify", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][1]))
+    assert rc == 0 and "calibrated for FAR 0.01" in out, "the device's own threshold is untouched"
+    rc, out, err = ffr("device", "verify", "--home", str(home), "--name", "s1", "--video", "x.avi", "--threshold", "2")
+    assert rc == 2 and "a cosine threshold is a number in [-1, 1]" in err
+
+
+def test_a_redirected_command_draws_no_progress_bar(home, videos):
+    """stderr is a pipe here, not a terminal: the one error line alone, no `reading frames` bar before it."""
+    rc, out, err = ffr("device", "identify", "--home", str(home), "--images", str(videos["s1"][1].parent / "none"))
+    assert rc == 2 and err.count("\n") == 1 and "reading frames" not in err, err
+    rc, out, err = ffr("device", "verify", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][1]))
+    assert rc == 0 and "\r" not in err and "reading frames" not in err, err

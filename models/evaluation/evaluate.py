@@ -9,12 +9,13 @@ from tqdm import tqdm
 from models.evaluation.lfw import pair_indices, read_pairs
 from models.evaluation.metrics import cosine_scores, kfold_accuracy, make_pairs, roc_report, tpir_at_fpir
 from models.faces.crops import FaceCrops
+from models.progress import bar_disable
 
 
 def embed_all(embedder, images: np.ndarray, batch_size: int = 64, progress: bool = False) -> np.ndarray:
     chunks = range(0, len(images), batch_size)
     out = [embedder.embed(images[i:i + batch_size], batch_size)
-           for i in tqdm(chunks, desc="embedding", unit="batch", disable=not progress, leave=False)]
+           for i in tqdm(chunks, desc="embedding", unit="batch", disable=bar_disable(progress), leave=False)]
     return np.concatenate(out)
 
 

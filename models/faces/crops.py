@@ -20,6 +20,7 @@ from tqdm import tqdm
 from models.faces.datasets import DatasetError, FaceIndex
 from models.faces.detect import FACE_SELECT, center_crop, face_crop, find_yunet_model, make_detector, select_face
 from models.faces.imageio import UnreadableImage, check_dimensions, read_rgb
+from models.progress import bar_disable
 
 log = logging.getLogger(__name__)
 _NO_FACE = b"no-face"
@@ -220,7 +221,7 @@ def crop_index(index: FaceIndex, config: CropConfig | None = None, cache_dir: Pa
     report = CropReport(n_files=len(index.samples))
     crops, names, paths = [], [], []
     for sample in tqdm(index.samples, desc=f"cropping faces ({config.detector})", unit="img",
-                       disable=not progress, leave=False):
+                       disable=bar_disable(progress), leave=False):
         key = cache.key(sample.path)
         crop = cache.get(key)
         if crop is None:

@@ -14,6 +14,7 @@ import cv2
 import numpy as np
 from tqdm import tqdm
 
+from models.progress import bar_disable
 from models.training.distill_data import list_images, load_crops
 
 PACK_SUFFIX = ".npz"
@@ -32,7 +33,7 @@ def pack_crops(dirs: list[Path], out: Path, size: int = 112, quality: int = 75, 
     encode = lambda rgb: cv2.imencode(".webp", rgb[..., ::-1], [cv2.IMWRITE_WEBP_QUALITY, quality])[1]  # noqa: E731
     with ThreadPoolExecutor(max(1, threads)) as pool:
         blobs = list(tqdm(pool.map(encode, images), total=len(images), desc="packing", unit="img",
-                          disable=not progress, leave=False))
+                          disable=bar_disable(progress), leave=False))
     offsets = np.cumsum([0] + [len(b) for b in blobs]).astype(np.int64)
     names = [str(f.relative_to(next(d for d in dirs if f.is_relative_to(d)))) for f in kept]
     out = Path(out)

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from models.faces.imageio import UnreadableImage, is_image_file, read_rgb
+from models.progress import bar_disable
 
 N_VIEWS = 2  # the image and its mirror image (the default; --views N adds N - 2 geometric jitters)
 VIEWS_SUFFIX = "-views"  # a cache of N != 2 views is named `targets_dir`'s name + "-viewsN"
@@ -56,7 +57,7 @@ def load_crops(files: list[Path], size: int = 112, threads: int = 2, progress: b
     """Aligned crops (N,size,size,3 RGB uint8); unreadable files are returned apart, never silently lost."""
     with ThreadPoolExecutor(max(1, threads)) as pool:
         crops = list(tqdm(pool.map(lambda p: _read(p, size), files), total=len(files), desc="reading faces",
-                          unit="img", disable=not progress, leave=False))
+                          unit="img", disable=bar_disable(progress), leave=False))
     ok = [i for i, c in enumerate(crops) if c is not None]
     bad = [files[i] for i, c in enumerate(crops) if c is None]
     images = np.stack([crops[i] for i in ok]) if ok else np.zeros((0, size, size, 3), np.uint8)
@@ -175,7 +176,7 @@ class TeacherTargets:
         complete)."""
         computed = 0
         todo = [(v, i) for v in range(self.done.shape[0]) for i in np.flatnonzero(self.done[v] == 0)]
-        bar = tqdm(total=len(todo), desc="teacher embeddings (cached)", unit="img", disable=not progress)
+        bar = tqdm(total=len(todo), desc="teacher embeddings (cached)", unit="img", disable=bar_disable(progress))
         for start in range(0, len(todo), batch_size):
             if between is not None:
                 between()

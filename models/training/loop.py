@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from models.progress import bar_disable
+
 
 @dataclass
 class Step:
@@ -96,8 +98,8 @@ def train_epoch(model: torch.nn.Module, loader: Iterable[Any], optimiser: torch.
         return Step(loss, len(y), {"train_acc": float((logits.argmax(1) == y).float().mean())})
 
     hooks = [] if after_step is None else [lambda _: after_step()]
-    means = optimise(tqdm(loader, desc=desc, unit="batch", disable=not progress, leave=False), loss_of, optimiser,
-                     after=hooks).result()
+    batches = tqdm(loader, desc=desc, unit="batch", disable=bar_disable(progress), leave=False)
+    means = optimise(batches, loss_of, optimiser, after=hooks).result()
     return {"train_loss": means.get("loss", 0.0), "train_acc": means.get("train_acc", 0.0)}
 
 

@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from tqdm import tqdm
 
 from models.networks.face_weights import save_embedder
+from models.progress import bar_disable
 from models.training.cpu_share import Yielder
 from models.training.distillation import distillation_loss
 from models.training.loop import Means, Step, optimise
@@ -130,7 +131,7 @@ class OnlineDistiller:
         """Train until the schedule ends or `stop_after_s` of this call passed; checkpoints on the way out."""
         started = self._last_save = time.time()
         bar = tqdm(desc="distilling online", unit="step", initial=self.step, total=self.total_steps,
-                   disable=not self.progress, dynamic_ncols=True)
+                   disable=bar_disable(self.progress), dynamic_ncols=True)
         self._window = Means()  # the training figures since the last learning-curve row
 
         def steps():

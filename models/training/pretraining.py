@@ -28,6 +28,7 @@ from tqdm import tqdm
 from models.faces.preprocess import INPUT_SIZE
 from models.networks.backbone import FaceEmbedder
 from models.networks.face_weights import save_embedder
+from models.progress import bar_disable
 from models.training.cpu_share import Yielder
 from models.training.distill_data import TeacherTargets, default_cache_root, list_images, load_crops, targets_dir, view
 from models.training.distillation import bank_distillation_loss, distillation_loss
@@ -297,7 +298,7 @@ class Pretrainer:
         data = CachedViews(self.images, self.targets.values, self.labels, self.config.seed)
         self._last_save, start = time.time(), time.time()
         bar = tqdm(total=self.total_steps, initial=self.step, desc="distilling", unit="step",
-                   disable=not self.progress, dynamic_ncols=True)
+                   disable=bar_disable(self.progress), dynamic_ncols=True)
         try:
             while not self.done():
                 epoch, skip = divmod(self.step, self.steps_per_epoch)
