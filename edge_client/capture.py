@@ -116,10 +116,31 @@ class FaceCheck:
     box: tuple[int, int, int, int] | None = None
     sharpness: float = 0.0
     aligned: bool = False          # warped onto the five-point template (YuNet), not a square crop (Haar)
+    landmarks: tuple[float, ...] | None = None  # YuNet's five (x, y) points in the frame
 
 
 def sharpness(rgb_crop: np.ndarray) -> float:
     return float(cv2.Laplacian(cv2.cvtColor(rgb_crop, cv2.COLOR_RGB2GRAY), cv2.CV_64F).var())
+
+
+def every_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> list[FaceCheck]:
+    """Each face in a photo, largest first, checked for size and sharpness on its own (a group photo answered per
+    face, as face_recognition does): accepted ones carry their crop, refused ones say why."""
+    rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    checks = []
+    for face in sorted(detector.detect(rgb), key=lambda b: -b.area):
+        box, side = (int(face.x), int(face.y), int(face.w), int(face.h)), max(face.w, face.h)
+        if side < gate.min_face_px:
+            checks.append(FaceCheck(None, f"face too small ({side:.0f} px, under {gate.min_face_px} px)", box))
+            continue
+        crop = face_crop(rgb, face, gate.size, 0.0 if detector.name == "none" else gate.margin)
+        sharp = sharpness(crop)
+        if sharp < gate.min_sharpness:
+            checks.append(FaceCheck(None, f"face too blurred (sharpness {sharp:.0f} < {gate.min_sharpness:.0f})",
+                                    box, sharp))
+            continue
+        checks.append(FaceCheck(crop, None, box, sharp, face.landmarks is not None, face.landmarks))
+    return checks
 
 
 def check_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> FaceCheck:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from edge_client.capture import QualityGate, SourceError, check_face, device_detector, frames
+from edge_client.capture import QualityGate, SourceError, check_face, device_detector, every_face, frames
 from edge_client.home import DeviceHome
 from edge_client.recognizer import (
     DEFAULT_THRESHOLD,
@@ -138,8 +138,29 @@ def _no_face_error(refused: Counter, n: int) -> DeviceError:
     return DeviceError(f"no usable face in {n} frame(s): {reasons}")
 
 
+ODD_SCORE = 0.3  # a kept face scoring below this against the others' template is someone else (or no face)
+
+
+def odd_faces(embeddings: np.ndarray) -> list[tuple[int, float]]:
+    """The faces (index, score) that do not look like the rest: each against the template of the others. A folder
+    of several people enrolled under one name gives a template nobody matches (issue 49: four people, one name)."""
+    if len(embeddings) < 3:
+        return []
+    unit = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
+    others = unit.sum(0, keepdims=True) - unit
+    scores = np.sum(unit * others, axis=1) / np.maximum(np.linalg.norm(others, axis=1), 1e-12)
+    return [(i, float(v)) for i, v in enumerate(scores) if v < ODD_SCORE]
+
+
 def cmd_enroll(args) -> int:
-    home, vault, recognizer = _open(args, writes=True)
+    if args.source_folders is not None:
+        return _enroll_each(args)
+    if args.name is None:
+        raise DeviceError("give --name NAME (or --from KNOWN_DIR, one folder per person)")
+    return _enroll_one(args, *_open(args, writes=True))
+
+
+def _enroll_one(args, home: DeviceHome, vault: Vault, recognizer: Recognizer) -> int:
     if args.name in vault.names() and not args.replace:
         raise DeviceError(f"{args.name!r} is already enrolled; use --replace to enrol again")
     viewer = Viewer(args.show)
@@ -150,6 +171,12 @@ def cmd_enroll(args) -> int:
     if not accepted:
         raise _no_face_error(refused, n)
     best = sorted(accepted, key=lambda a: -a.sharpness)[:args.best]
+    odd = odd_faces(recognizer.embed(np.stack([a.crop for a in best])))
+    if odd and not args.force:
+        named = ", ".join(f"{best[i].frame.name} ({score:.2f})" for i, score in odd)
+        raise DeviceError(f"{len(odd)} of the {len(best)} faces kept do not look like the others: {named}, under "
+                          f"{ODD_SCORE} against the rest; several people in one folder? Enrol each from their own "
+                          "(--from KNOWN_DIR takes one folder per person), or --force")
     person = recognizer.enrol(args.name, np.stack([a.crop for a in best]))
     data = {"name": args.name, "faces_kept": len(best), "faces_aligned": sum(a.aligned for a in best),
             "frames_read": n, "faces_accepted": len(accepted),
@@ -157,6 +184,30 @@ def cmd_enroll(args) -> int:
     warn = f" (fewer than the {args.best} asked for)" if len(best) < args.best else ""
     _out(args, f"enrolled {args.name}: kept the {len(best)} sharpest faces{warn} of {len(accepted)} accepted in {n} "
                f"frames; refused: {dict(refused) or 'none'}", data)
+    return MATCH
+
+
+def _enroll_each(args) -> int:
+    """`--from KNOWN_DIR`: each sub-folder enrolled as the person it is named after (face_recognition's KNOWN_DIR
+    layout), one line each; the others are still enrolled when one fails, and the exit status says so."""
+    from argparse import Namespace
+
+    root = args.source_folders
+    if not root.is_dir():
+        raise DeviceError(f"--from needs a folder of one sub-folder per person: {root} is not a folder")
+    folders = sorted(f for f in root.iterdir() if f.is_dir() and not f.name.startswith("."))
+    if not folders:
+        raise DeviceError(f"{root} holds no sub-folders: --from takes one folder of face photos per person")
+    opened, failed = _open(args, writes=True), []  # the home held once for everyone
+    for folder in folders:
+        try:
+            name = check_person_name(folder.name)
+            _enroll_one(Namespace(**{**vars(args), "source_folders": None, "name": name, "images": folder}), *opened)
+        except (DeviceError, ValueError, SourceError, OSError) as exc:
+            failed.append(folder.name)
+            print(f"ffr device enroll: {folder.name}: not enrolled: {exc}", file=sys.stderr, flush=True)
+    if failed:
+        raise DeviceError(f"{len(failed)} of {len(folders)} people not enrolled: {', '.join(failed)}")
     return MATCH
 
 
@@ -180,10 +231,100 @@ def _threshold(args, recognizer: Recognizer) -> tuple[float, str]:
     return recognizer.threshold, recognizer.threshold_note
 
 
+def per_face(args, recognizer: Recognizer, decide) -> tuple[list[dict], list[str]]:
+    """`--images FILE|DIR`: every face of every file answered on its own (`decide(embedding)` -> its answer), as
+    face_recognition's command answers a folder: (one record per file, one line per face or per file)."""
+    detector, gate = device_detector(args.detector, args.yunet_model), _gate(args)
+    records, lines = [], []
+    for frame in frames(images=args.images, max_frames=args.max_frames):
+        if frame.bgr is None:
+            records.append({"file": frame.name, "problem": frame.problem, "faces": []})
+            lines.append(f"{frame.name}: skipped: {frame.problem}")
+            continue
+        checks = every_face(frame.bgr, detector, gate)
+        usable = [c for c in checks if c.crop is not None]
+        answers = []
+        if usable:
+            embeddings = recognizer.embed(np.stack([c.crop for c in usable]))
+            answers = [decide(e) for e in embeddings]
+        record = {"file": frame.name, "faces": []}
+        for i, check in enumerate(checks):
+            face = {"box": list(check.box), "aligned": check.aligned,
+                    "landmarks": [round(float(v), 1) for v in check.landmarks] if check.landmarks else None}
+            if check.crop is None:
+                face["problem"] = check.reason
+            else:
+                face.update(answers.pop(0))
+            record["faces"].append(face)
+            where = f"face {i + 1} at {','.join(str(v) for v in check.box)}: " if len(checks) > 1 else ""
+            lines.append(f"{frame.name}: {where}" + (face["line"] if check.crop is not None else check.reason))
+        if not checks:
+            record["problem"] = "no face found"
+            lines.append(f"{frame.name}: no face found")
+        records.append(record)
+    for record in records:
+        for face in record["faces"]:
+            face.pop("line", None)
+    return records, lines
+
+
+def _per_face_exit(records: list[dict], key: str) -> int:
+    """0 when every face answered is `key` (a match, a known person), 1 when one is not, 2 when no file had a usable
+    face."""
+    answered = [f for r in records for f in r["faces"] if "problem" not in f]
+    if not answered:
+        raise DeviceError(f"no usable face in {len(records)} file(s): "
+                          + "; ".join(f"{r['file']}: {r.get('problem') or r['faces'][0]['problem']}"
+                                      for r in records[:5]))
+    return MATCH if all(f[key] for f in answered) else NO_MATCH
+
+
+def _verify_files(args, recognizer: Recognizer, person, threshold: float, note: str) -> int:
+    def decide(embedding: np.ndarray) -> dict:
+        score = float(probe_scores(embedding[None], person.template)[0])
+        match = score > threshold
+        return {"match": match, "score": score,
+                "line": f"{'MATCH' if match else 'NO MATCH'}: {args.name} score {score:.3f}"}
+
+    records, lines = per_face(args, recognizer, decide)
+    answered = [f for r in records for f in r["faces"] if "problem" not in f]
+    summary = (f"{sum(f['match'] for f in answered)} of {len(answered)} face(s) in {len(records)} file(s) match "
+               f"{args.name} at threshold {threshold:.3f} ({note})")
+    rc = _per_face_exit(records, "match")
+    _out(args, "\n".join([*lines, summary]), {"name": args.name, "threshold": threshold, "threshold_note": note,
+                                               "files": records, "model": str(recognizer.model_path)})
+    return rc
+
+
+def _identify_files(args, recognizer: Recognizer, people: list, threshold: float, note: str, damaged) -> int:
+    templates = np.stack([p.template for p in people])
+
+    def decide(embedding: np.ndarray) -> dict:
+        scores = probe_scores(embedding[None], templates)
+        best = int(np.argmax(scores))
+        known = bool(scores[best] > threshold)
+        name = people[best].name if known else "unknown"
+        return {"identity": name, "known": known, "score": float(scores[best]), "closest": people[best].name,
+                "line": f"{name} score {scores[best]:.3f}" + ("" if known else f" (closest: {people[best].name})")}
+
+    records, lines = per_face(args, recognizer, decide)
+    answered = [f for r in records for f in r["faces"] if "problem" not in f]
+    known = Counter(f["identity"] for f in answered if f["known"])
+    summary = (f"{len(answered)} face(s) in {len(records)} file(s): "
+               + (", ".join(f"{name} {n}" for name, n in known.most_common()) or "nobody known")
+               + f", unknown {sum(not f['known'] for f in answered)}; threshold {threshold:.3f} ({note})")
+    rc = _per_face_exit(records, "known")
+    _out(args, "\n".join([*lines, summary]), {"threshold": threshold, "threshold_note": note, "files": records,
+                                               "damaged": damaged})
+    return rc
+
+
 def cmd_verify(args) -> int:
     home, vault, recognizer = _open(args)
     person = recognizer.person(args.name)  # unknown name: an error before any capture
     threshold, note = _threshold(args, recognizer)
+    if args.images is not None:
+        return _verify_files(args, recognizer, person, threshold, note)
     viewer = Viewer(args.show)
     embeddings, latency, accepted, _ = _probe(args, recognizer, viewer)
     started = time.perf_counter()
@@ -216,6 +357,8 @@ def cmd_identify(args) -> int:
     if not people:
         raise DeviceError("nobody is enrolled on this device; run `ffr device enroll` first")
     threshold, note = _threshold(args, recognizer)
+    if args.images is not None:
+        return _identify_files(args, recognizer, people, threshold, note, damaged)
     viewer = Viewer(args.show)
     embeddings, latency, accepted, _ = _probe(args, recognizer, viewer)
     started = time.perf_counter()
@@ -448,11 +591,16 @@ def _faces(g) -> None:
                    help="smallest variance of the Laplacian of the face crop (default 15): blur below is refused")
 
 
-def _source(p: argparse.ArgumentParser, frames_help: str) -> None:
+def _source(p: argparse.ArgumentParser, frames_help: str, bulk: bool = False) -> None:
     g = p.add_argument_group("source (one of)")
     g.add_argument("--camera", type=at_least(0), metavar="INDEX", help="camera index, e.g. 0")
     g.add_argument("--video", type=Path, metavar="FILE", help="a video file")
-    g.add_argument("--images", "--image", type=Path, metavar="PATH", help="an image file or a folder of images")
+    g.add_argument("--images", "--image", type=Path, metavar="PATH",
+                   help="an image file or a folder of images" + ("" if bulk else
+                                                                 ": every face of every file answered on its own line"))
+    if bulk:
+        g.add_argument("--from", dest="source_folders", type=Path, metavar="KNOWN_DIR",
+                       help="enrol everyone at once: one sub-folder of photos per person, named as the person")
     g = p.add_argument_group("faces")
     g.add_argument("--max-frames", type=at_least(1), default=300, help="read at most this many frames (default 300)")
     _faces(g)
@@ -473,12 +621,14 @@ def add_commands(dsub) -> None:
                         description="Reads frames, refuses those with no face, several faces, a face too small or "
                                     "too blurred (saying why), keeps the sharpest --best crops, and stores them with "
                                     "the person's template, encrypted (AES-GCM).")
-    p.add_argument("--name", required=True, type=_person_name,
+    p.add_argument("--name", type=_person_name,
                    help=f"the person's name: 1-{NAME_MAX} letters (any script), digits, spaces, . _ - '")
     p.add_argument("--best", type=at_least(1), default=5, help="face crops to keep (default 5)")
     p.add_argument("--replace", action="store_true", help="enrol again a name that is already enrolled")
+    p.add_argument("--force", action="store_true",
+                   help=f"enrol even when some kept faces do not look like the others (below {ODD_SCORE})")
     _common(p)
-    _source(p, argparse.SUPPRESS)
+    _source(p, argparse.SUPPRESS, bulk=True)
     p.set_defaults(func=cmd_enroll)
 
     p = dsub.add_parser("verify", help="1:1: is this the enrolled person NAME? exit 0 if so, 1 if not",

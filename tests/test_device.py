@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -176,8 +177,8 @@ def test_bad_input_is_a_clear_error(case, tmp_path, home, videos, faces_dir):
         a, b = frame_from(sorted((faces_dir / "orl" / "s1").iterdir())[0], 2.0), \
             frame_from(sorted((faces_dir / "orl" / "s2").iterdir())[0], 2.0)
         both = np.concatenate([a[:, 160:480], b[:, 160:480]], axis=1)
-        cv2.imwrite(str(tmp_path / "two.png"), both)
-        source = ["--image", str(tmp_path / "two.png")]
+        # a door decides for one person in view (a photo file is answered per face instead: the per-file test)
+        source = ["--video", str(write_video(tmp_path / "two.avi", [both] * 3))]
     elif case == "unknown name":
         name = "nobody"
     elif case == "missing model":  # no model installed, and the shipped weights are gone too
@@ -451,3 +452,49 @@ def test_a_redirected_command_draws_no_progress_bar(home, videos):
     assert rc == 2 and err.count("\n") == 1 and "reading frames" not in err, err
     rc, out, err = ffr("device", "verify", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][1]))
     assert rc == 0 and "\r" not in err and "reading frames" not in err, err
+
+
+def test_a_folder_is_answered_per_file_and_per_face_and_a_mixed_folder_is_not_enrolled(tmp_path, home, faces_dir):
+    """face_recognition's `KNOWN_DIR UNKNOWN_DIR` as users expect it: one line per file (per face in a group photo),
+    a summary, and boxes in --json; enrolling a folder of several people under one name is refused, naming the
+    files, unless --force; `--from KNOWN_DIR` enrols one person per sub-folder."""
+    photos = {p: sorted((faces_dir / "orl" / p).iterdir()) for p in ("s1", "s2", "s3", "s4", "s5", "s6")}
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    for person in ("s1", "s2", "s4"):
+        cv2.imwrite(str(unknown / f"{person}.png"), frame_from(photos[person][7]))
+    (unknown / "notes.jpg").write_text("not an image")
+    rc, out, err = ffr("device", "identify", "--home", str(home), "--images", str(unknown))
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("notes.jpg: skipped") or any(line.startswith(f"{unknown / 'notes.jpg'}")
+                                                            for line in lines), out
+    assert any("s1.png: s1 score" in line for line in lines) and any("s2.png: s2 score" in line for line in lines)
+    assert any("s4.png: unknown score" in line for line in lines), out
+    assert lines[-1].startswith("3 face(s) in 4 file(s): ") and "unknown 1" in lines[-1]
+    assert rc == 1, "one face is nobody enrolled"
+    rc, out, err = ffr("device", "identify", "--home", str(home), "--images", str(unknown), "--json")
+    files = {Path(f["file"]).name: f for f in json.loads(out)["files"]}
+    assert files["s1.png"]["faces"][0]["identity"] == "s1" and len(files["s1.png"]["faces"][0]["box"]) == 4
+    assert files["s1.png"]["faces"][0]["landmarks"] is not None and "problem" in files["notes.jpg"]
+    a, b = frame_from(photos["s1"][8], 2.0), frame_from(photos["s4"][8], 2.0)
+    cv2.imwrite(str(tmp_path / "two.png"), np.concatenate([a[:, 160:480], b[:, 160:480]], axis=1))
+    rc, out, err = ffr("device", "identify", "--home", str(home), "--images", str(tmp_path / "two.png"))
+    faces = [line for line in out.splitlines() if "two.png: face " in line]
+    assert len(faces) == 2 and any("s1 score" in line for line in faces), (out, err)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for i, person in enumerate(("s4", "s5", "s6", "s4")):
+        cv2.imwrite(str(mixed / f"{i}.png"), frame_from(photos[person][i]))
+    copy = tmp_path / "home"
+    shutil.copytree(home, copy)
+    rc, out, err = ffr("device", "enroll", "--home", str(copy), "--name", "crowd", "--images", str(mixed))
+    assert rc == 2 and "do not look like the others" in err and "1.png" in err and "--force" in err, err
+    known = tmp_path / "known"
+    for person in ("s5", "s6"):
+        (known / person).mkdir(parents=True)
+        for i, photo in enumerate(photos[person][:4]):
+            cv2.imwrite(str(known / person / f"{i}.png"), frame_from(photo))
+    rc, out, err = ffr("device", "enroll", "--home", str(copy), "--from", str(known))
+    assert rc == 0 and out.count("\nenrolled ") + out.startswith("enrolled ") == 2, (out, err)
+    rc, out, err = ffr("device", "list", "--home", str(copy), "--json")
+    assert {"s5", "s6"} <= {p["name"] for p in json.loads(out)["people"]}, out
