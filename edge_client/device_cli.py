@@ -170,21 +170,58 @@ def _enroll_one(args, home: DeviceHome, vault: Vault, recognizer: Recognizer) ->
     accepted, refused, n = collect_faces(args, wanted, viewer)
     if not accepted:
         raise _no_face_error(refused, n)
-    best = sorted(accepted, key=lambda a: -a.sharpness)[:args.best]
-    odd = odd_faces(recognizer.embed(np.stack([a.crop for a in best])))
+    pool = sorted(accepted, key=lambda a: -a.sharpness)[:POOL]
+    embedded = recognizer.embed(np.stack([a.crop for a in pool]))
+    chosen = diverse_views(embedded, args.best)
+    best, rest = [pool[i] for i in chosen], np.delete(embedded, chosen, axis=0)
+    odd = odd_faces(embedded[chosen])
     if odd and not args.force:
         named = ", ".join(f"{best[i].frame.name} ({score:.2f})" for i, score in odd)
         raise DeviceError(f"{len(odd)} of the {len(best)} faces kept do not look like the others: {named}, under "
                           f"{ODD_SCORE} against the rest; several people in one folder? Enrol each from their own "
                           "(--from KNOWN_DIR takes one folder per person), or --force")
+    template = embedded[chosen].sum(0)
+    template /= max(float(np.linalg.norm(template)), 1e-12)
+    threshold = recognizer.threshold
+    matched = int(np.sum(rest @ template > threshold))
+    if len(rest) >= REST_TO_CHECK and matched < len(rest) / 2 and not args.force:
+        raise DeviceError(f"the template made from {len(best)} views matches only {matched} of the other {len(rest)} "
+                          f"faces of the same source at threshold {threshold:.3f}: too few or too alike views to "
+                          "recognise this person again; enrol from more varied views (turn the head, other photos), "
+                          "or --force")
     person = recognizer.enrol(args.name, np.stack([a.crop for a in best]))
     data = {"name": args.name, "faces_kept": len(best), "faces_aligned": sum(a.aligned for a in best),
-            "frames_read": n, "faces_accepted": len(accepted),
+            "frames_read": n, "faces_accepted": len(accepted), "kept": [a.frame.name for a in best],
+            "rest_matched": matched, "rest_checked": len(rest), "threshold": threshold,
             "refused": dict(refused), "model": str(recognizer.model_path), "model_sha256": person.model_sha256}
     warn = f" (fewer than the {args.best} asked for)" if len(best) < args.best else ""
-    _out(args, f"enrolled {args.name}: kept the {len(best)} sharpest faces{warn} of {len(accepted)} accepted in {n} "
-               f"frames; refused: {dict(refused) or 'none'}", data)
+    check = f"; the other {len(rest)} faces: {matched} match the new template" if len(rest) else ""
+    _out(args, f"enrolled {args.name}: kept {len(best)} varied views{warn} of {len(accepted)} faces accepted in {n} "
+               f"frames{check}; refused: {dict(refused) or 'none'}", data)
     return MATCH
+
+
+POOL = 60  # the sharpest faces of a source the views are chosen from
+DUPLICATE = 0.97  # two faces this alike (cosine) are one view: a webcam holding a pose gives dozens of them
+REST_TO_CHECK = 3  # faces of the source left out of the template, at least, for the template to be checked on them
+
+
+def diverse_views(embeddings: np.ndarray, k: int) -> list[int]:
+    """`k` views, sharpest first (rows come sharpest first), each no near-duplicate (cosine DUPLICATE or more) of
+    one already kept: issue 49's clip holding each pose for 5 frames gave the 5 sharpest near-identical frames and a
+    template matching 0 of 9 of the person's photos. Faces unlike the rest (`odd_faces`' bar against the pool's
+    template) are left for the odd-face check alone. (Taking the farthest views instead gave templates of extreme
+    poses that let a stranger in on ORL.)"""
+    unit = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
+    centre = unit.sum(0) / max(float(np.linalg.norm(unit.sum(0))), 1e-12)
+    plausible = unit @ centre >= ODD_SCORE
+    chosen = [0]
+    for i in range(1, len(unit)):
+        if len(chosen) >= k:
+            break
+        if plausible[i] and float(np.max(unit[chosen] @ unit[i])) < DUPLICATE:
+            chosen.append(i)
+    return chosen
 
 
 def _enroll_each(args) -> int:
