@@ -572,6 +572,8 @@ def cmd_install_model(args) -> int:
         return _installed(args, home, install_default_model(home, vault), "generic (shipped face-pretrained)")
     if not args.model.is_file():
         raise FileNotFoundError(f"model not found: {args.model}")
+    if args.model.suffix == ".safetensors":  # a coordinator's released global model (a backbone state dict)
+        return _installed(args, home, _released_onnx(args.model, home, vault), "generic (released global model)")
     try:
         kind = OnnxEmbedder(args.model).info.kind
     except Exception as exc:  # noqa: BLE001 - any failure to load means it cannot be installed
@@ -582,6 +584,23 @@ def cmd_install_model(args) -> int:
     tmp.replace(target)
     seal_model(home, vault, target)
     return _installed(args, home, target, kind)
+
+
+def _released_onnx(weights: Path, home: DeviceHome, vault: Vault) -> Path:
+    """The released weights built as the home's generic ONNX model (numpy and onnx: no torch), then sealed."""
+    from models.networks.face_weights import FaceWeightsError, write_default_onnx
+
+    building = home.generic_onnx.with_suffix(".building.onnx")
+    try:
+        path = write_default_onnx(building, weights)
+    except Exception as exc:  # noqa: BLE001 - any failure to read it (safetensors' own errors included) is one line
+        building.unlink(missing_ok=True)
+        reason = str(exc) if isinstance(exc, FaceWeightsError) else f"{type(exc).__name__}: {str(exc)[:160]}"
+        raise DeviceError(f"{weights} is not an ffr-edge face model (a coordinator's vNNNNN.safetensors or the "
+                          f"shipped weights): {reason}") from None
+    path.replace(home.generic_onnx)
+    seal_model(home, vault, home.generic_onnx)
+    return home.generic_onnx
 
 
 def _installed(args, home: DeviceHome, target: Path, kind: str) -> int:
@@ -731,10 +750,12 @@ def add_commands(dsub) -> None:
     _faces(p.add_argument_group("faces in --data"))
     p.set_defaults(func=cmd_calibrate)
 
-    p = dsub.add_parser("install-model", help="put an ONNX model (from `ffr export`, or the shipped one) into the home",
+    p = dsub.add_parser("install-model", help="put a model (ONNX from `ffr export`, a coordinator's released "
+                                              "vNNNNN.safetensors, or the shipped one) into the home",
                         description="Federated rounds replace it later; templates are recomputed for it at once. "
                                     "A home with no model gets the shipped face-pretrained one on first use.")
-    p.add_argument("--model", type=Path, help="MODEL.onnx")
+    p.add_argument("--model", type=Path, help="MODEL.onnx, or a coordinator's released model vNNNNN.safetensors "
+                                              "(built as ONNX here, no torch)")
     p.add_argument("--default", action="store_true",
                    help="the shipped face-pretrained embedder, built as ONNX on this device (no torch, no download)")
     _common(p)

@@ -55,7 +55,7 @@ def install_default_model(home: DeviceHome, vault: Vault) -> Path:
         raise FileNotFoundError(f"no model in {home.root} and the default one cannot be built ({exc}): install one "
                                 f"with `ffr device install-model --home {home.root} --model MODEL.onnx`") from None
     seal_model(home, vault, path)
-    log.info("installed the shipped face-pretrained model into %s", path)
+    log.debug("installed the shipped face-pretrained model into %s", path)  # the command says so itself
     return path
 
 

@@ -522,3 +522,24 @@ def test_a_clip_holding_one_pose_enrols_varied_views_that_recognise_the_person(t
     rc, out, err = ffr("device", "verify", "--home", str(copy), "--name", "s5", "--images", str(probe), "--threshold",
                        "0.3")
     assert rc == 0, (out, err)
+
+
+def test_a_coordinators_released_model_installs_on_a_device_from_its_file(tmp_path, videos):
+    """`ffr device install-model --model vNNNNN.safetensors`: the coordinator's store writes the backbone state dict
+    (keys `backbone.*`); the device builds it as ONNX without torch and verifies with it. A file that is not one is
+    a one-line refusal that leaves no half-made model."""
+    from coordinator.store import Store
+    from models.networks.face_weights import face_global_state
+
+    store = Store(tmp_path / "state")
+    store.save_model(2, face_global_state(), 2)
+    released = tmp_path / "state" / "models" / "v00002.safetensors"
+    home = tmp_path / "home"
+    rc, out, err = ffr("device", "install-model", "--home", str(home), "--model", str(released))
+    assert rc == 0 and "released global model" in out and out.count("\n") == 1 and "INFO" not in err, (out, err)
+    rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", "s1", "--video", str(videos["s1"][0]))
+    assert rc == 0, err
+    (tmp_path / "bad.safetensors").write_bytes(b"x" * 10)
+    rc, out, err = ffr("device", "install-model", "--home", str(home), "--model", str(tmp_path / "bad.safetensors"))
+    assert rc == 2 and "is not an ffr-edge face model" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in (home / "models").iterdir()) == ["generic.onnx"]

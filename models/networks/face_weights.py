@@ -116,13 +116,14 @@ def checked_embedder(path: Path):
     return model.eval()
 
 
-def write_default_onnx(out: Path) -> Path:
-    """The face embedder as a device-ready ONNX file, built from the weights with numpy and onnx (no torch)."""
+def write_default_onnx(out: Path, weights: Path | None = None) -> Path:
+    """The face embedder as a device-ready ONNX file, built from the weights with numpy and onnx (no torch):
+    the shipped ones, or `weights` (a coordinator's released model, `vNNNNN.safetensors`, is one)."""
     import onnx
 
     from models.networks.embedder_onnx import build_embedder_onnx
 
-    weights = shipped_weights()
+    weights = shipped_weights() if weights is None else Path(weights)
     state, metadata = read_embedder_numpy(weights)
     proto = build_embedder_onnx(state, {"source": "face-pretrained embedder", "weights": weights.name,
                                         "weights_sha256": file_sha256(weights), "teacher": metadata.get("teacher", "")})
