@@ -467,6 +467,86 @@ def _largest_face(path: Path, detector, gate: QualityGate) -> dict:
             "aligned": check.aligned}
 
 
+ARRIVE_FRAMES = 3  # frames in a row a person must be seen in before they are said to have arrived
+LEAVE_FRAMES = 8  # frames in a row without them before they are said to have left
+
+
+class Presence:
+    """Debounced comings and goings: who is in view, from each frame's answers (names, or "unknown")."""
+
+    def __init__(self, arrive: int = ARRIVE_FRAMES, leave: int = LEAVE_FRAMES):
+        self.arrive, self.leave = arrive, leave
+        self.seen: dict[str, int] = {}    # frames in a row each label was seen, before it counts as present
+        self.missing: dict[str, int] = {}  # frames in a row each present label was not seen
+        self.present: set[str] = set()
+
+    def update(self, labels: dict[str, float]) -> list[tuple[str, str, float]]:
+        """This frame's labels (with their best score) -> the events it completes: (label, arrived|left, score)."""
+        events = []
+        for label, score in labels.items():
+            self.missing.pop(label, None)
+            if label not in self.present:
+                self.seen[label] = self.seen.get(label, 0) + 1
+                if self.seen[label] >= self.arrive:
+                    self.present.add(label)
+                    self.seen.pop(label)
+                    events.append((label, "arrived", score))
+        for label in list(self.seen):
+            if label not in labels:
+                self.seen.pop(label)
+        for label in sorted(self.present - set(labels)):
+            self.missing[label] = self.missing.get(label, 0) + 1
+            if self.missing[label] >= self.leave:
+                self.present.discard(label)
+                self.missing.pop(label)
+                events.append((label, "left", float("nan")))
+        return events
+
+
+def cmd_watch(args) -> int:
+    """A live loop (DeepFace.stream's job, headless): every frame's faces identified, one line per arrival and
+    departure; a video ends with everyone still in view leaving; Ctrl-C ends it cleanly."""
+    home, vault, recognizer = _open(args)
+    people, damaged = _readable_people(args, recognizer)
+    if not people:
+        raise DeviceError("nobody is enrolled on this device; run `ffr device enroll` first")
+    threshold, note = _threshold(args, recognizer)
+    templates = np.stack([p.template for p in people])
+    detector, gate, viewer = device_detector(args.detector, args.yunet_model), _gate(args), Viewer(args.show)
+    presence, started, n = Presence(args.arrive, args.leave), time.monotonic(), 0
+    print(f"watching {'camera ' + str(args.camera) if args.camera is not None else args.video}: {len(people)} "
+          f"people enrolled, threshold {threshold:.3f} ({note}); Ctrl-C to stop", file=sys.stderr, flush=True)
+
+    def say(events: list[tuple[str, str, float]], frame_name: str) -> None:
+        for label, what, score in events:
+            record = {"person": label, "event": what, "frame": frame_name, "seconds": time.monotonic() - started}
+            if what == "arrived":
+                record["score"] = score
+            text = (f"{time.strftime('%H:%M:%S')} {label} {what}" + (f" (score {score:.3f})" if what == "arrived"
+                                                                      else "") + f" [{frame_name}]")
+            print(json.dumps(record) if args.json else text, flush=True)  # JSON lines: one event per line
+
+    name = "start"
+    try:
+        for frame in frames(args.camera, args.video, None, args.max_frames):
+            n, name = n + 1, frame.name
+            checks = [c for c in every_face(frame.bgr, detector, gate) if c.crop is not None]
+            labels: dict[str, float] = {}
+            if checks:
+                scores = probe_scores(recognizer.embed(np.stack([c.crop for c in checks])), templates)
+                for row in np.atleast_2d(scores):
+                    best = int(np.argmax(row))
+                    label = people[best].name if row[best] > threshold else "unknown"
+                    labels[label] = max(labels.get(label, -1.0), float(row[best]))
+            viewer.show(frame.bgr, checks[0].box if checks else None, ", ".join(labels) or "-", bool(labels))
+            say(presence.update(labels), frame.name)
+    except KeyboardInterrupt:
+        pass
+    say([(label, "left", float("nan")) for label in sorted(presence.present)], name)
+    print(f"stopped after {n} frame(s)", file=sys.stderr, flush=True)
+    return MATCH
+
+
 def cmd_list(args) -> int:
     home, vault, recognizer = _open(args)
     people, damaged = _readable_people(args, recognizer)
@@ -718,6 +798,27 @@ def add_commands(dsub) -> None:
     p.add_argument("--threads", type=at_least(1), default=1, help="ONNX Runtime threads (default 1)")
     _faces(p.add_argument_group("faces"))
     p.set_defaults(func=cmd_compare)
+
+    p = dsub.add_parser("watch", help="a live loop: who comes and goes, one line each (headless; Ctrl-C stops)",
+                        description="Reads a camera or a video, identifies every face in every frame and prints one "
+                                    "line when a person (or an unknown face) has been in view for --arrive frames "
+                                    "in a row, and one when they have been gone for --leave frames.",
+                        epilog="example: ffr device watch --camera 0 --json >> door.log")
+    _threshold_option(p)
+    p.add_argument("--arrive", type=at_least(1), default=ARRIVE_FRAMES,
+                   help=f"frames in a row a face must be seen before it arrives (default {ARRIVE_FRAMES})")
+    p.add_argument("--leave", type=at_least(1), default=LEAVE_FRAMES,
+                   help=f"frames in a row without it before it has left (default {LEAVE_FRAMES})")
+    _common(p)
+    g = p.add_argument_group("source (one of)")
+    g.add_argument("--camera", type=at_least(0), metavar="INDEX", help="camera index, e.g. 0")
+    g.add_argument("--video", type=Path, metavar="FILE", help="a video file")
+    g = p.add_argument_group("faces")
+    g.add_argument("--max-frames", type=at_least(1), default=10 ** 12, help="stop after this many frames (default: "
+                                                                             "never, or the video's end)")
+    _faces(g)
+    g.add_argument("--show", action="store_true", help="also show a window with the faces and who they are")
+    p.set_defaults(func=cmd_watch)
 
     p = dsub.add_parser("list", help="the enrolled people, the model and the threshold",
                         description="Reads the home only (never creates one): the enrolled people with their crop "
