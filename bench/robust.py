@@ -158,6 +158,11 @@ def run_insider(args, data: Path, attack: str | None, attackers: int) -> dict:
             "rounds completed": outcome["completed"], "rounds rolled back": outcome["rolled_back"],
             "left out (device-rounds)": sum(len(r["metrics"].get("gate_excluded_devices", []))
                                            for r in outcome["rounds"]),
+            "screened out (device-rounds)": sum(len(r["metrics"].get("screen_excluded_devices", []))
+                                                for r in outcome["rounds"]),
+            "attackers screened out (device-rounds)": sum(
+                len(set(r["metrics"].get("screen_excluded_devices", [])) & set(found.get("attackers", [])))
+                for r in outcome["rounds"]),
             "s/round": summary["round_seconds_mean"]}
 
 
