@@ -39,18 +39,36 @@ def build_parser(models_only: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-def _add_service_commands(sub) -> None:
-    from coordinator import cli as coordinator_cli
-    from edge_client import cli as edge_cli
-    from edge_client import device_cli
-    from fleet import cli as fleet_cli
+GROUPS = (  # (command, its module, help, the extra that installs what it imports)
+    ("coordinator", "coordinator.cli", "the federation coordinator service", "coordinator"),
+    ("edge", "edge_client.cli", "the edge device daemon", "edge,coordinator"),
+    ("fleet", "fleet.cli", "fleet simulation: partition, simulate, report", "train,coordinator"),
+    ("device", "edge_client.device_cli", "enrol, verify and identify people on this device (ONNX only)", "edge"),
+)
 
-    coordinator_cli.add_commands(command_group(sub, "coordinator", "the federation coordinator service"))
-    edge_cli.add_commands(command_group(sub, "edge", "the edge device daemon"))
-    fleet_cli.add_commands(command_group(sub, "fleet", "fleet simulation: partition, simulate, report"))
-    device_cli.add_commands(
-        command_group(sub, "device", "enrol, verify and identify people on this device (ONNX only)")
-    )
+
+def _add_service_commands(sub) -> None:
+    """Each group from its own package; a group whose libraries this install lacks (a device with only the `edge`
+    extra has no pydantic, paho or torch) is still listed, and says which extra brings it instead of failing every
+    other command."""
+    import importlib
+
+    for name, module, help, extra in GROUPS:
+        try:
+            add_commands = importlib.import_module(module).add_commands
+        except ModuleNotFoundError as exc:
+            _missing_group(sub, name, help, extra, exc.name or str(exc))
+            continue
+        add_commands(command_group(sub, name, help))
+
+
+def _missing_group(sub, name: str, help: str, extra: str, missing: str) -> None:
+    def fail(args) -> int:
+        raise ValueError(f"`ffr {name}` needs {missing}, which this install lacks: pip install 'ffr-edge[{extra}]'")
+
+    group = sub.add_parser(name, help=f"{help} (not installed: needs the {extra} extra)", add_help=True)
+    group.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    group.set_defaults(func=fail)
 
 
 def main(argv: list[str] | None = None, models_only: bool = False) -> int:

@@ -558,3 +558,40 @@ def test_watch_says_who_comes_and_goes_from_a_video(tmp_path, home, faces_dir):
     events = [(e["person"], e["event"]) for e in map(json.loads, out.strip().splitlines())]
     assert events == [("s1", "arrived"), ("s1", "left"), ("unknown", "arrived"), ("unknown", "left")], events
     assert err.strip().splitlines()[-1] == f"stopped after {len(clip)} frame(s)"
+
+
+EDGE_ONLY = ("torch", "torchvision", "pydantic", "fastapi", "uvicorn", "paho", "sklearn", "mlflow", "matplotlib",
+             "ray", "prometheus_client", "dp_accounting")
+
+
+def edge_only_ffr(*args: str) -> tuple[int, str, str]:
+    """The CLI as the `edge` extra alone installs it: every library outside that extra made unimportable in the
+    subprocess (a stand-in for a fresh edge-only venv, which would need PyPI from the test; README's install lines
+    are the real thing)."""
+    code = (f"import sys\nfor m in {EDGE_ONLY!r}: sys.modules[m] = None\n"
+            "from ffr.cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code, *args], capture_output=True,
+                          text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_every_device_command_runs_with_the_edge_extra_alone(tmp_path, videos, faces_dir):
+    home = str(tmp_path / "home")
+    rc, out, err = edge_only_ffr("--help")
+    assert rc == 0 and "not installed: needs the coordinator extra" in " ".join(out.split()), (out, err)
+    for args in (["install-model", "--home", home, "--default"],
+                 ["enroll", "--home", home, "--name", "s1", "--video", str(videos["s1"][0])],
+                 ["enroll", "--home", home, "--name", "s2", "--video", str(videos["s2"][0])],
+                 ["calibrate", "--home", home],
+                 ["verify", "--home", home, "--name", "s1", "--video", str(videos["s1"][1])],
+                 ["identify", "--home", home, "--video", str(videos["s2"][1])],
+                 ["watch", "--home", home, "--video", str(videos["s1"][1])],
+                 ["list", "--home", home], ["remove", "--home", home, "--name", "s2"]):
+        rc, out, err = edge_only_ffr("device", *args)
+        assert rc == 0 and "Traceback" not in err and "Warning" not in err, (args, out, err)
+    photo = str(sorted((faces_dir / "orl" / "s1").iterdir())[0])
+    rc, out, err = edge_only_ffr("device", "compare", photo, photo, "--detector", "none")
+    assert rc == 0 and out.startswith("SAME PERSON"), (out, err)
+    rc, out, err = edge_only_ffr("coordinator", "serve")
+    assert rc == 2 and err == ("ffr coordinator: error: `ffr coordinator` needs pydantic, which this install lacks: "
+                               "pip install 'ffr-edge[coordinator]'\n"), err
