@@ -231,6 +231,25 @@ def table(results: dict) -> list[dict]:
     return rows
 
 
+def fleet_data(args) -> tuple[FleetData, np.ndarray, SimConfig, Path] | None:
+    """The devices' faces as `ffr fleet simulate` partitions them (`args`: data, clients, partition, seed,
+    gate_identities, out, name) and the strangers' images each device is tried on; None without face data."""
+    data_dir = face_set(args.data)
+    if data_dir is None:
+        return None
+    torch.manual_seed(args.seed)
+    sim = SimConfig(data=str(data_dir), clients=args.clients, partition=args.partition, holdout_identities=0.2,
+                    gate_identities=args.gate_identities, progress=False, mlflow=False)
+    sim.server.seed = args.seed
+    run_dir = args.out / f".{args.name}_data"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = prepare(sim, run_dir)
+    rng = np.random.default_rng(args.seed)
+    holdout = np.flatnonzero(data.holdout_mask())
+    strangers = np.sort(rng.choice(holdout, min(args.strangers, len(holdout)), replace=False))
+    return data, strangers, sim, run_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     import sys
 
@@ -252,19 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="share of the people on no device the coordinator keeps for its server step and gate, as "
                         "`ffr fleet simulate` does (0: publish every aggregate)")
     args = p.parse_args(argv)
-    data_dir = face_set(args.data)
-    if data_dir is None:
+    fleet = fleet_data(args)
+    if fleet is None:
         return 2
-    torch.manual_seed(args.seed)
-    sim = SimConfig(data=str(data_dir), clients=args.clients, partition=args.partition, holdout_identities=0.2,
-                    gate_identities=args.gate_identities, progress=False, mlflow=False)
-    sim.server.seed = args.seed
-    run_dir = args.out / f".{args.name}_data"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    data = prepare(sim, run_dir)
-    rng = np.random.default_rng(args.seed)
-    holdout = np.flatnonzero(data.holdout_mask())
-    strangers = np.sort(rng.choice(holdout, min(args.strangers, len(holdout)), replace=False))
+    data, strangers, sim, run_dir = fleet
     start = score_round(data, initial_global_state(), {}, strangers, args.max_pairs, args.seed)
     print(f"start: unseen AUC {_n(start['unseen_auc'], 4)}, TAR@1e-3 {_n(start['unseen_tar@1e-3'])}; own people "
           f"TAR@1e-3 {_n(start['own_tar@1e-3']['global'])}", flush=True)

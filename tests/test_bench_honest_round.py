@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.honest_round import main
 
 
@@ -20,9 +22,29 @@ def test_it_replays_rounds_and_scores_the_start_beside_each(tmp_path):
     assert all(row["global"]["auc"] is not None for row in results["start"]["per_client"].values())
     (round_,) = results["arms"]["frozen"]["rounds"]
     assert results["arms"]["frozen"]["overrides"] == {"batchnorm": "frozen", "epochs": 1}
-    assert set(round_["own_tar@1e-3"]) == {"global", "local", "local+dfc", "global+dfc"} and round_["coordinator"] == {}
+    assert set(round_["own_tar@1e-3"]) == {"global", "local", "local+dfc", "global+dfc"}
+    # no gate here, and two updates are too few to screen: the coordinator's mean of both
+    assert round_["coordinator"] == {"screen": "flame", "screen_skipped": 2}
     assert all(set(row) == {"global", "local", "local+dfc", "global+dfc"} for row in round_["per_client"].values())
     assert round_["unseen_auc"] != results["start"]["unseen_auc"], "the round moved the shared model"
     assert results["centralised"]["epochs"] == 1 and 0 < results["centralised"]["unseen_auc"] <= 1
     table = (out / "tiny.md").read_text()
     assert "| start | shipped model | 0 |" in table and "| frozen | batchnorm=frozen, epochs=1 | 1 |" in table
+
+
+def test_the_personalisation_bench_scores_each_arm_against_the_start(tmp_path):
+    from bench.personalisation import main as personalisation
+    from models.faces.synthetic import write_dataset
+
+    faces = write_dataset(tmp_path / "faces", n_identities=10, n_images=12, seed=2)
+    out = tmp_path / "results"
+    assert personalisation(["--data", str(faces), "--out", str(out), "--name", "tiny", "--clients", "2",
+                            "--partition", "iid", "--strangers", "12", "--gate-identities", "0",
+                            "--arm", "few:dfc_steps=5", "--arm", "none:dfc_steps=0"]) == 0
+    results = json.loads((out / "tiny.json").read_text())
+    assert set(results["arms"]) == {"few", "none"} and results["arms"]["few"]["overrides"] == {"dfc_steps": 5}
+    assert set(results["arms"]["few"]["per_client"]) == {"0", "1"}
+    # no fit leaves the identity transform: the personalised model scores as the starting one, device by device
+    for k, row in results["start"]["per_client"].items():
+        assert results["arms"]["none"]["per_client"][k]["auc"] == pytest.approx(row["auc"], abs=1e-6)
+    assert "| few | dfc_steps=5 |" in (out / "tiny.md").read_text()
