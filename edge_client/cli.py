@@ -27,12 +27,17 @@ def cmd_edge_public_set(args) -> int:
 def add_commands(esub) -> None:
     """The `ffr edge` subcommands, added to its subparsers."""
     p = esub.add_parser("run", help="join the federation: train locally each round, send only backbone deltas",
-                        description="Joins with its credential file, trains on the people enrolled in --data (one "
-                                    "folder each) every round it is picked for, sends only the backbone delta, and "
-                                    "exports its personalised ONNX model into --home.")
+                        description="Joins with its credential file, trains on the people enrolled on this device "
+                                    "(`ffr device enroll --home`; or --data, one folder each) every round it is "
+                                    "picked for, sends only the backbone delta, and exports its models into --home.",
+                        epilog="example: ffr device enroll --home ~/.ffr-device --from known_people/ && "
+                               "ffr edge run --credential kitchen-pi.credential --home ~/.ffr-device")
     p.add_argument("--credential", required=True, type=Path,
                    help="the credential file from `ffr coordinator admit` (device id, coordinator key, broker)")
-    p.add_argument("--data", required=True, type=Path, help="the device's enrolled people, one folder each")
+    p.add_argument("--data", type=Path,
+                   help="train on this folder (one sub-folder of photos per person: simulations, bulk import) "
+                        "instead of the people enrolled in --home (default: the enrolled people, decrypted in memory "
+                        "for each round, whoever was enrolled or removed since included)")
     p.add_argument("--home", required=True, type=Path, help="the device's private state folder")
     p.add_argument("--broker", help="override the broker URL in the credential")
     p.add_argument("--ca-file", help="CA certificate for mqtts:// brokers (default: the one in the credential)")

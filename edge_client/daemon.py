@@ -35,17 +35,18 @@ log = logging.getLogger("edge_client")
 
 
 class EdgeDevice:
-    def __init__(self, credential: Credential | Path | str, data: Path, home: Path, detector: str | None = None,
+    def __init__(self, credential: Credential | Path | str, data: Path | None, home: Path, detector: str | None = None,
                  broker: str | None = None, ca_file: str | None = None, export_onnx: bool = True, seed: int = 0,
                  crop_cache: Path | None = None, public_set: Path | None = None,
                  validation: Path | FaceCrops | None = None):
         """`public_set`: FedFR's D_g (models.public_set), read when a round asks for hard negatives.
         `validation`: this device's private validation images (a folder, or crops): it then scores FedFace's
-        candidate models (Federated Validation) and sends only the score. No image is read here: the faces
+        candidate models (Federated Validation) and sends only the score. `data` None: the people enrolled in the
+        home's store (`edge_client.enrolled_faces`), read again for every round. No image is read here: the faces
         are decoded on first use (`prepare`, or `start`)."""
         self.credential = load_credential(credential)
         self.device_id, self.home = self.credential.device_id, DeviceHome(home)
-        self._data, self._detector, self._validation = Path(data), detector, validation
+        self._data, self._detector, self._validation = None if data is None else Path(data), detector, validation
         self._crop_cache = crop_cache or self.home.root / "crops"
         self.last_config = TrainingConfig()
         self.jobs: queue.Queue[RoundAnnouncement | ModelRelease | None] = queue.Queue()
@@ -70,15 +71,27 @@ class EdgeDevice:
     def _index(self):
         return load_index(self._data)
 
-    @cached_property
+    @property
     def crops(self) -> FaceCrops:
+        """The faces a round trains on: the `--data` folder's (decoded once), or the enrolled people's as they are
+        now (decrypted in memory for each use)."""
+        if self._data is None:
+            from edge_client.enrolled_faces import enrolled_crops
+
+            return enrolled_crops(self.home)
+        return self._folder_crops
+
+    @cached_property
+    def _folder_crops(self) -> FaceCrops:
         return decoded_crops(self._index, self._crop_config, self._crop_cache, self.home.root / "crops")
 
     @cached_property
     def validation_crops(self) -> FaceCrops | None:
         if self._validation is None or isinstance(self._validation, FaceCrops):
             return self._validation
-        return decoded_crops(load_index(self._validation), self._crop_config, self._crop_cache,
+        config = self._crop_config if self._data is not None else CropConfig(detector=resolve_detector(
+            self._detector, load_index(self._validation)), fallback_center=True)
+        return decoded_crops(load_index(self._validation), config, self._crop_cache,
                              self.home.root / "validation", min_images=2)
 
     def prepare(self) -> None:
@@ -175,13 +188,15 @@ class EdgeDevice:
             self.released = None
 
 
-def run(credential: Path, data: Path, home: Path, until_finished: bool = False, **options) -> int:
+def run(credential: Path, data: Path | None, home: Path, until_finished: bool = False, **options) -> int:
     DeviceHome(home).lock()  # one daemon per home: two would replay each other's sequence numbers forever
     device = EdgeDevice(credential, data, home, **options)
     if threading.current_thread() is threading.main_thread():  # a service manager's stop: the same clean end
         signal.signal(signal.SIGTERM, lambda *_: device.stop_event.set())
     device.start()
-    print(f"edge device {device.device_id}: {len(device.crops)} face images of {len(device.crops.identities)} people; "
+    faces = device.crops
+    source = "enrolled" if data is None else f"in {data}"
+    print(f"edge device {device.device_id}: {len(faces)} face images of {len(faces.identities)} people {source}; "
           f"broker {device.link.address}; home {home}; coordinator key {device.link.coordinator_key[:16]}...",
           flush=True)
     try:
