@@ -189,7 +189,7 @@ class EdgeDevice:
 
 
 def run(credential: Path, data: Path | None, home: Path, until_finished: bool = False, **options) -> int:
-    DeviceHome(home).lock()  # one daemon per home: two would replay each other's sequence numbers forever
+    DeviceHome(home).hold_daemon()  # one daemon per home: two would replay each other's sequence numbers forever
     device = EdgeDevice(credential, data, home, **options)
     if threading.current_thread() is threading.main_thread():  # a service manager's stop: the same clean end
         signal.signal(signal.SIGTERM, lambda *_: device.stop_event.set())

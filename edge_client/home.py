@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from protocol.folder_lock import FolderHeld, hold
+from protocol.folder_lock import FolderHeld, hold, let_go
 from protocol.json_file import read_json
+
+# an `ffr device` command waits this long for the daemon to finish writing a round's models ($FFR_HOME_WAIT_S)
+WRITER_WAIT_S = float(os.environ.get("FFR_HOME_WAIT_S", 30.0))
+DAEMON_WAIT_S = 600.0  # the daemon waits this long for a command (an enrolment from a camera takes a while)
 
 
 class HomeInUse(ValueError):
@@ -31,14 +37,37 @@ class DeviceHome:
         os.chmod(self.root, 0o700)
         self._lock_fd: int | None = None
 
-    def lock(self) -> DeviceHome:
-        """Hold the home for this process (released when it exits); refused, naming the holder, while another has it."""
+    def lock(self, wait_s: float | None = None) -> DeviceHome:
+        """Hold the home's files for this process (released when it exits): one writer at a time. Another holder
+        is waited for up to `wait_s` (a running `ffr edge run` holds them only while it writes a round's models), then
+        refused, naming it."""
         try:
-            self._lock_fd = hold(self.root / "home.lock")
+            self._lock_fd = hold(self.root / "home.lock", WRITER_WAIT_S if wait_s is None else wait_s)
         except FolderHeld as held:
-            raise HomeInUse(f"home {self.root} is in use by process {held.holder} (an `ffr edge run` or `ffr device` "
-                            "command); stop it first, or give another --home") from None
+            raise HomeInUse(f"home {self.root} is in use by process {held.holder} (an `ffr device` command, or "
+                            "`ffr edge run` writing its models); try again when it is done, or give another --home"
+                            ) from None
         return self
+
+    def hold_daemon(self) -> DeviceHome:
+        """One `ffr edge run` per home, for its whole life (released when it exits). It takes the home's files only
+        while it writes (`writing`), so `ffr device enroll`, `remove` and `calibrate` work while it runs."""
+        try:
+            self._daemon_fd = hold(self.root / "daemon.lock")
+        except FolderHeld as held:
+            raise HomeInUse(f"home {self.root} is in use by process {held.holder} (an `ffr edge run`); stop it "
+                            "first, or give another --home") from None
+        return self
+
+    @contextmanager
+    def writing(self, wait_s: float = DAEMON_WAIT_S) -> Iterator[None]:
+        """The home's files held for one write of the daemon's (a round's models, its calibration, the references
+        it adopted), waiting for an `ffr device` command that holds them."""
+        fd = hold(self.root / "home.lock", wait_s)
+        try:
+            yield
+        finally:
+            let_go(fd)
 
     @property
     def signing_key(self) -> Path:

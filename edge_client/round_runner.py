@@ -102,8 +102,9 @@ class RoundRunner:
             personal = personalised_global(global_state, crops if check is None else crops.select(~check), config,
                                            self.seed)
         judged = crops if check is None else crops.select(check)
-        return export_models(model, self.home, self.device_id, global_state, judged.images, judged.labels,
-                             self.public.negatives_for_adoption(), personal)
+        with self.home.writing():  # `ffr device` commands wait meanwhile (one enrolment for verifying and federating)
+            return export_models(model, self.home, self.device_id, global_state, judged.images, judged.labels,
+                                 self.public.negatives_for_adoption(), personal)
 
     def _train(self, job: RoundAnnouncement, model: FaceModel,
                global_state: dict[str, torch.Tensor]) -> tuple[LocalResult, dict | None]:
@@ -180,14 +181,15 @@ class RoundRunner:
 
         crops = self._crops()
         faces = check_faces(crops.images, crops.labels, self.public.negatives_for_adoption(), seed=self.seed)
-        vault = Vault.open(self.home.root / "store")
-        settings = Settings.load(self.home, vault)
-        adoption = Adoption(self.home.root / "models", sealed=settings.models)
-        verdict = adoption.judge(job.model_sha256, payload, state, faces)
-        seals = adoption.seals()  # the references the next model is judged against
-        if verdict.ok and any(settings.models.get(name) != sha for name, sha in seals.items()):
-            settings.models.update(seals)
-            settings.save(self.home, vault)
+        with self.home.writing():  # the sealed settings are shared with `ffr device` commands
+            vault = Vault.open(self.home.root / "store")
+            settings = Settings.load(self.home, vault)
+            adoption = Adoption(self.home.root / "models", sealed=settings.models)
+            verdict = adoption.judge(job.model_sha256, payload, state, faces)
+            seals = adoption.seals()  # the references the next model is judged against
+            if verdict.ok and any(settings.models.get(name) != sha for name, sha in seals.items()):
+                settings.models.update(seals)
+                settings.save(self.home, vault)
         if not verdict.ok:
             log.warning("%s: keeping the last good model, not v%d: %s", self.device_id, job.model_version,
                         verdict.reason)

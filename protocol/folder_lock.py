@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 
 
@@ -19,15 +20,27 @@ class FolderHeld(ValueError):
         super().__init__(f"held by process {holder}")
 
 
-def hold(lock_file: Path) -> int:
-    """The lock's descriptor (keep it open while holding); FolderHeld at once if another process has it."""
+def hold(lock_file: Path, wait_s: float = 0.0) -> int:
+    """The lock's descriptor (keep it open while holding); FolderHeld if another process has it, at once or after
+    waiting up to `wait_s` seconds for it to let go."""
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise FolderHeld(holder) from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise FolderHeld(holder) from None
     os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def let_go(fd: int) -> None:
+    """Release a lock taken with `hold` (closing its descriptor)."""
+    os.close(fd)

@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -19,10 +20,10 @@ import pytest
 from models.faces.imageio import write_image
 
 
-def ffr(*args: str) -> tuple[int, str, str]:
+def ffr(*args: str, env: dict | None = None) -> tuple[int, str, str]:
     code = "import sys; sys.modules['torch'] = None; from ffr.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -176,26 +177,53 @@ def test_read_only_commands_never_create_a_home(tmp_path):
         assert not typo.exists()
 
 
-def test_a_home_is_held_by_one_process(home, people):
+def _holder(home: Path, what: str) -> subprocess.Popen:
+    """Another process holding the home as `what` says: `hold_daemon` (a running `ffr edge run`) or `lock` (an
+    `ffr device` command writing)."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from edge_client.home import DeviceHome; "
-                               f"DeviceHome({str(home)!r}).lock(); print('held', flush=True); time.sleep(60)"],
+                               f"DeviceHome({str(home)!r}).{what}(); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_enrolment_works_while_the_daemon_runs_and_a_second_daemon_is_refused(home, people):
+    """One enrolment (issue 49): a running `ffr edge run` holds the home's files only while it writes, so a person
+    is enrolled and removed beside it; a second daemon on the same home is refused, naming the first."""
+    daemon = _holder(home, "hold_daemon")
     try:
-        assert holder.stdout.readline().strip() == "held"
         rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", "late", "--images",
-                           str(people["person0"]), "--detector", "haar", "--min-face", "1", "--min-sharpness", "0")
-        assert rc == 2 and f"is in use by process {holder.pid}" in err and err.count("\n") == 1
-        rc, out, err = _verify(home, people, "person0", "person0")
-        assert rc in (0, 1), err  # reading needs no lock
+                           str(people["person0"]), "--detector", "haar", "--min-face", "1", "--min-sharpness", "0",
+                           "--force")
+        assert rc == 0, err
+        rc, out, err = ffr("device", "remove", "--home", str(home), "--name", "late")
+        assert rc == 0, err
         proc = subprocess.run([sys.executable, "-m", "ffr.cli", "edge", "run", "--credential", str(home / "none.json"),
                                "--data", str(people["person0"]), "--home", str(home)], capture_output=True, text=True,
                               timeout=120)  # a second daemon on the same home
-        assert proc.returncode == 2 and f"is in use by process {holder.pid}" in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and f"is in use by process {daemon.pid} (an `ffr edge run`)" in proc.stderr, \
+            proc.stderr
     finally:
-        holder.kill()
-        holder.wait()
+        daemon.kill()
+        daemon.wait()
+
+
+def test_a_writer_waits_for_another_then_is_refused_naming_it(home, people):
+    writer = _holder(home, "lock")
+    try:
+        started = time.monotonic()
+        rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", "late", "--images",
+                           str(people["person0"]), "--detector", "haar", "--min-face", "1", "--min-sharpness", "0",
+                           env={"FFR_HOME_WAIT_S": "2"})
+        assert rc == 2 and f"is in use by process {writer.pid}" in err and err.count("\n") == 1
+        assert time.monotonic() - started >= 2, "it waited for the writer first"
+        rc, out, err = _verify(home, people, "person0", "person0")
+        assert rc in (0, 1), err  # reading needs no lock
+    finally:
+        writer.kill()
+        writer.wait()
     rc, out, err = ffr("device", "enroll", "--home", str(home), "--name", "late", "--images", str(people["person0"]),
-                       "--detector", "haar", "--min-face", "1", "--min-sharpness", "0")
+                       "--detector", "haar", "--min-face", "1", "--min-sharpness", "0", "--force")
     assert rc == 0, err  # released with its process
 
 
