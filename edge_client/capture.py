@@ -131,19 +131,21 @@ def every_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> li
     for face in sorted(detector.detect(rgb), key=lambda b: -b.area):
         box, side = (int(face.x), int(face.y), int(face.w), int(face.h)), max(face.w, face.h)
         if side < gate.min_face_px:
-            checks.append(FaceCheck(None, f"face too small ({side:.0f} px, under {gate.min_face_px} px)", box))
+            checks.append(FaceCheck(None, f"face too small ({int(side)} px, under {gate.min_face_px} px)", box))
             continue
         crop = face_crop(rgb, face, gate.size, 0.0 if detector.name == "none" else gate.margin)
         sharp = sharpness(crop)
         if sharp < gate.min_sharpness:
-            checks.append(FaceCheck(None, f"face too blurred (sharpness {sharp:.0f} < {gate.min_sharpness:.0f})",
+            checks.append(FaceCheck(None, f"face too blurred (sharpness {sharp:.1f} < {gate.min_sharpness:g})",
                                     box, sharp))
             continue
         checks.append(FaceCheck(crop, None, box, sharp, face.landmarks is not None, face.landmarks))
     return checks
 
 
-def check_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> FaceCheck:
+def check_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate, live: bool = True) -> FaceCheck:
+    """The one face of a frame, or why it is refused; `live`: a camera, so the refusal says what the person in front
+    of it can do (a photo file cannot come closer)."""
     rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
     boxes = sorted(detector.detect(rgb), key=lambda b: -b.area)
     if not boxes:
@@ -155,12 +157,14 @@ def check_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> Fa
     if others:
         return FaceCheck(None, f"{len(others) + 1} faces in the frame; only one person may be in view", box)
     if side < gate.min_face_px:
-        return FaceCheck(None, f"face too small ({side:.0f} px < {gate.min_face_px} px); come closer", box)
+        return FaceCheck(None, f"face too small ({int(side)} px, under {gate.min_face_px} px)"
+                               + ("; come closer" if live else ""), box)
     margin = 0.0 if detector.name == "none" else gate.margin  # an aligned crop is taken whole
     crop = face_crop(rgb, face, gate.size, margin)  # aligned on the five landmarks when YuNet found it
     sharp = sharpness(crop)
     if sharp < gate.min_sharpness:
-        return FaceCheck(None, f"face too blurred (sharpness {sharp:.0f} < {gate.min_sharpness:.0f}); hold still",
+        return FaceCheck(None, f"face too blurred (sharpness {sharp:.1f} < {gate.min_sharpness:g})"
+                               + ("; hold still" if live else ""),
                          box, sharp)
     return FaceCheck(crop, None, box, sharp, face.landmarks is not None)
 

@@ -116,7 +116,7 @@ def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True) -> t
                 tqdm.write(f"  {frame.name}: skipped: {frame.problem}", file=sys.stderr)
             continue
         started = time.perf_counter()
-        check = check_face(frame.bgr, detector, gate)
+        check = check_face(frame.bgr, detector, gate, live=args.camera is not None)
         detect_ms = (time.perf_counter() - started) * 1000
         if check.crop is None:
             refused[check.reason.split(" (")[0].split(";")[0]] += 1
@@ -460,7 +460,7 @@ def _largest_face(path: Path, detector, gate: QualityGate) -> dict:
     import cv2
 
     found = len(detector.detect(cv2.cvtColor(frame.bgr, cv2.COLOR_BGR2RGB)))
-    check = check_face(frame.bgr, detector, gate)
+    check = check_face(frame.bgr, detector, gate, live=False)
     if check.crop is None:
         raise DeviceError(f"{path}: {check.reason}")
     return {"file": str(path), "crop": check.crop, "faces_found": found, "box": list(check.box),
@@ -634,7 +634,7 @@ def _folder_embeddings(args, recognizer: Recognizer) -> list[tuple[str, np.ndarr
         for frame in frames(images=folder, max_frames=10_000):
             if frame.bgr is None:
                 print(f"  {frame.name}: skipped: {frame.problem}", file=sys.stderr)
-            elif (check := check_face(frame.bgr, detector, gate)).crop is not None:
+            elif (check := check_face(frame.bgr, detector, gate, live=False)).crop is not None:
                 crops.append(check.crop)
         if crops:
             out.append((folder.name, recognizer.embed(np.stack(crops))))

@@ -595,3 +595,14 @@ def test_every_device_command_runs_with_the_edge_extra_alone(tmp_path, videos, f
     rc, out, err = edge_only_ffr("coordinator", "serve")
     assert rc == 2 and err == ("ffr coordinator: error: `ffr coordinator` needs pydantic, which this install lacks: "
                                "pip install 'ffr-edge[coordinator]'\n"), err
+
+
+def test_a_50_megapixel_phone_photo_is_decoded_at_a_reduced_scale_not_refused(tmp_path, home, faces_dir):
+    photo = sorted((faces_dir / "orl" / "s1").iterdir())[8]
+    big = np.full((6150, 8200, 3), 96, np.uint8)  # 50.4 MP, above the 40 MP a PNG may declare
+    face = cv2.resize(cv2.imread(str(photo)), None, fx=20, fy=20, interpolation=cv2.INTER_LINEAR)
+    big[500:500 + face.shape[0], 3000:3000 + face.shape[1]] = face
+    cv2.imwrite(str(tmp_path / "phone.jpg"), big, [cv2.IMWRITE_JPEG_QUALITY, 80])
+    del big
+    rc, out, err = ffr("device", "identify", "--home", str(home), "--images", str(tmp_path / "phone.jpg"))
+    assert rc == 0 and "phone.jpg: s1 score" in out, (out, err)

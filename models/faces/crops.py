@@ -136,7 +136,8 @@ class _CropCache:
         if data.tobytes() == _NO_FACE:
             return _NO_FACE
         try:  # a cache file is read back from disk: its header is checked like any image's before decoding
-            check_dimensions(data[:65536].tobytes(), str(cached))
+            if check_dimensions(data[:65536].tobytes(), str(cached)) != 1:
+                return None  # a crop is small: a large one is not ours
         except UnreadableImage:
             return None
         bgr = cv2.imdecode(data, cv2.IMREAD_COLOR)

@@ -77,12 +77,22 @@ def _jpeg_size(data: bytes) -> tuple[int, int]:
     return (0, 0)
 
 
-def check_dimensions(data: bytes, name: str) -> None:
-    """Refuse an image whose header declares more than MAX_PIXELS, before it is decoded."""
+REDUCED_JPEG = {2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4, 8: cv2.IMREAD_REDUCED_COLOR_8}
+
+
+def check_dimensions(data: bytes, name: str) -> int:
+    """Refuse an image whose header declares more than MAX_PIXELS, before it is decoded; except a JPEG, which
+    libjpeg decodes straight at 1/2, 1/4 or 1/8 scale (a 50 MP phone photo is a face photo too): returns the
+    scale to decode at (1: as it is)."""
     size = header_size(data)
-    if size is not None and size[0] * size[1] > MAX_PIXELS:
-        raise UnreadableImage(f"{name}: {size[0]} x {size[1]} pixels declared, above the limit of {MAX_PIXELS:,} "
-                              "(refused before decoding)")
+    if size is None or size[0] * size[1] <= MAX_PIXELS:
+        return 1
+    if data[:2] == b"\xff\xd8":
+        for factor in REDUCED_JPEG:
+            if (size[0] // factor) * (size[1] // factor) <= MAX_PIXELS:
+                return factor
+    raise UnreadableImage(f"{name}: {size[0]} x {size[1]} pixels declared, above the limit of {MAX_PIXELS:,} "
+                          "(refused before decoding)")
 
 
 def read_rgb(path: str | Path) -> np.ndarray:
@@ -92,10 +102,10 @@ def read_rgb(path: str | Path) -> np.ndarray:
         data = np.fromfile(path, dtype=np.uint8)  # fromfile + imdecode copes with non-ASCII paths
     except OSError as exc:
         raise UnreadableImage(f"{path}: {exc.strerror or exc}") from exc
-    check_dimensions(data[:65536].tobytes(), str(path))
+    scale = check_dimensions(data[:65536].tobytes(), str(path))
     if is_truncated_jpeg(data):  # libjpeg would decode the top and grey out the rest, with one anonymous warning
         raise UnreadableImage(f"{path}: truncated JPEG (the file ends before its end-of-image marker)")
-    image = cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
+    image = cv2.imdecode(data, REDUCED_JPEG.get(scale, cv2.IMREAD_COLOR)) if data.size else None
     if image is None and path.suffix.lower() == ".gif":
         image = _first_gif_frame(path)
     if image is None:
