@@ -166,7 +166,7 @@ def check_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate, live:
         return FaceCheck(None, f"face too blurred (sharpness {sharp:.1f} < {gate.min_sharpness:g})"
                                + ("; hold still" if live else ""),
                          box, sharp)
-    return FaceCheck(crop, None, box, sharp, face.landmarks is not None)
+    return FaceCheck(crop, None, box, sharp, face.landmarks is not None, face.landmarks)
 
 
 class AlignedCrops:

@@ -98,8 +98,10 @@ class Accepted(NamedTuple):
     aligned: bool
 
 
-def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True) -> tuple[list[Accepted], Counter, int]:
-    """Accepted faces until `wanted` or the source ends; refusal reasons; frames read."""
+def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True,
+                  liveness=None) -> tuple[list[Accepted], Counter, int]:
+    """Accepted faces until `wanted` (and, with `liveness`, until its challenge passed or failed) or the source
+    ends; refusal reasons; frames read."""
     from tqdm import tqdm
 
     detector = device_detector(args.detector, args.yunet_model)
@@ -124,10 +126,13 @@ def collect_faces(args, wanted: int, viewer: Viewer, progress: bool = True) -> t
                 tqdm.write(f"  {frame.name}: {check.reason}", file=sys.stderr)  # on its own line, above the bar
             viewer.show(frame.bgr, check.box, check.reason, None)
         else:
-            accepted.append(Accepted(check.crop, check.sharpness, check.box, frame, detect_ms, check.aligned))
+            if len(accepted) < wanted or liveness is None:
+                accepted.append(Accepted(check.crop, check.sharpness, check.box, frame, detect_ms, check.aligned))
             viewer.show(frame.bgr, check.box, "face", None)
+        if liveness is not None:
+            liveness.see(check.landmarks)
         bar.set_postfix(accepted=len(accepted), refused=sum(refused.values()))
-        if len(accepted) >= wanted:
+        if len(accepted) >= wanted and (liveness is None or liveness.passed or liveness.failed):
             break
     bar.close()
     return accepted, refused, n
@@ -248,9 +253,27 @@ def _enroll_each(args) -> int:
     return MATCH
 
 
+def _liveness(args):
+    """`--liveness`: a random challenge of head turns (`edge_client.liveness`), told to the person; None without."""
+    if not getattr(args, "liveness", False):
+        return None
+    import random
+
+    from edge_client.liveness import Liveness, instruction, new_challenge
+
+    if args.camera is None and args.video is None:
+        raise DeviceError("--liveness needs a camera or a video (--camera N or --video FILE): a photo cannot turn")
+    if args.detector in ("haar", "none"):
+        raise DeviceError("--liveness needs YuNet's five landmarks (--detector auto or yunet)")
+    challenge = new_challenge(random.Random(args.liveness_seed), args.liveness_moves)
+    print(f"liveness: {instruction(challenge)}", file=sys.stderr, flush=True)
+    return Liveness(challenge)
+
+
 def _probe(args, recognizer: Recognizer, viewer: Viewer) -> tuple[np.ndarray, list[float], list, np.ndarray]:
     """Embeddings of up to --frames usable faces, with the per-frame pipeline latency (ms)."""
-    accepted, refused, n = collect_faces(args, args.frames, viewer, progress=args.camera is None)
+    accepted, refused, n = collect_faces(args, args.frames, viewer, progress=args.camera is None,
+                                         liveness=args.live_check)
     if not accepted:
         raise _no_face_error(refused, n)
     embeddings, latency = [], []
@@ -360,6 +383,7 @@ def cmd_verify(args) -> int:
     home, vault, recognizer = _open(args)
     person = recognizer.person(args.name)  # unknown name: an error before any capture
     threshold, note = _threshold(args, recognizer)
+    args.live_check = _liveness(args)
     if args.images is not None:
         return _verify_files(args, recognizer, person, threshold, note)
     viewer = Viewer(args.show)
@@ -367,16 +391,25 @@ def cmd_verify(args) -> int:
     started = time.perf_counter()
     score = float(probe_scores(embeddings, person.template)[0])
     match_ms = (time.perf_counter() - started) * 1000
-    match = score > threshold
+    live = args.live_check
+    match = score > threshold and (live is None or live.passed)
     for box, frame in ((a.box, a.frame) for a in accepted[-1:]):
         viewer.show(frame.bgr, box, f"{args.name}: {'MATCH' if match else 'NO MATCH'} {score:.2f}", match)
     data = {"name": args.name, "match": match, "score": score, "threshold": threshold,
             "threshold_note": note, "faces_used": len(embeddings),
-            "latency_ms": float(np.median(latency)) + match_ms, "model": str(recognizer.model_path)}
+            "latency_ms": float(np.median(latency)) + match_ms, "model": str(recognizer.model_path),
+            **_liveness_fields(live)}
     _out(args, f"{'MATCH' if match else 'NO MATCH'}: {args.name} score {score:.3f} vs threshold "
                f"{threshold:.3f} ({note}); {len(embeddings)} face(s), "
-               f"{data['latency_ms']:.1f} ms per frame", data)
+               f"{data['latency_ms']:.1f} ms per frame" + (f"; {live.reason()}" if live is not None else ""), data)
     return MATCH if match else NO_MATCH
+
+
+def _liveness_fields(live) -> dict:
+    if live is None:
+        return {}
+    return {"live": live.passed, "liveness": {"challenge": live.challenge, "turns_done": live.done,
+                                              "reason": live.reason()}}
 
 
 def _readable_people(args, recognizer: Recognizer) -> tuple[list, list[str]]:
@@ -394,6 +427,7 @@ def cmd_identify(args) -> int:
     if not people:
         raise DeviceError("nobody is enrolled on this device; run `ffr device enroll` first")
     threshold, note = _threshold(args, recognizer)
+    args.live_check = _liveness(args)
     if args.images is not None:
         return _identify_files(args, recognizer, people, threshold, note, damaged)
     viewer = Viewer(args.show)
@@ -402,16 +436,18 @@ def cmd_identify(args) -> int:
     scores = probe_scores(embeddings, np.stack([p.template for p in people]))
     best = int(np.argmax(scores))
     match_ms = (time.perf_counter() - started) * 1000
-    known = bool(scores[best] > threshold)
+    live = args.live_check
+    known = bool(scores[best] > threshold) and (live is None or live.passed)
     name = people[best].name if known else "unknown"
     for box, frame in ((a.box, a.frame) for a in accepted[-1:]):
         viewer.show(frame.bgr, box, f"{name} {scores[best]:.2f}", known)
     data = {"identity": name, "known": known, "score": float(scores[best]), "closest": people[best].name,
             "threshold": threshold, "threshold_note": note,
             "scores": {p.name: float(s) for p, s in zip(people, scores)}, "faces_used": len(embeddings),
-            "latency_ms": float(np.median(latency)) + match_ms, "damaged": damaged}
+            "latency_ms": float(np.median(latency)) + match_ms, "damaged": damaged, **_liveness_fields(live)}
     _out(args, f"{name}: score {scores[best]:.3f} (closest: {people[best].name}) vs threshold "
-               f"{threshold:.3f} ({note}); {data['latency_ms']:.1f} ms per frame", data)
+               f"{threshold:.3f} ({note}); {data['latency_ms']:.1f} ms per frame"
+               + (f"; {live.reason()}" if live is not None else ""), data)
     return MATCH if known else NO_MATCH
 
 
@@ -706,6 +742,15 @@ def _threshold_option(p: argparse.ArgumentParser) -> None:
                    help="decide at this cosine score for this call only (default: the device's calibrated threshold)")
 
 
+def _liveness_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("liveness (camera or video)")
+    g.add_argument("--liveness", action="store_true",
+                   help="ask for a random sequence of head turns and refuse a face that does not follow it (a photo "
+                        "or a screen held up to the camera); needs YuNet's landmarks")
+    g.add_argument("--liveness-moves", type=at_least(1), default=2, help="turns asked for (default 2)")
+    g.add_argument("--liveness-seed", type=int, help="seed of the challenge (default: random; for tests and demos)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--home",
@@ -771,6 +816,7 @@ def add_commands(dsub) -> None:
                         description="Prints the decision, the score, the threshold and the latency per frame.")
     p.add_argument("--name", required=True, help="the enrolled person to check against")
     _threshold_option(p)
+    _liveness_options(p)
     _common(p)
     _source(p, "usable faces to average the score over (default 3)")
     p.set_defaults(func=cmd_verify)
@@ -779,6 +825,7 @@ def add_commands(dsub) -> None:
                         description="Compares the face with every enrolled person's template and prints the best "
                                     "match and its score, or 'unknown' when no score reaches the threshold.")
     _threshold_option(p)
+    _liveness_options(p)
     _common(p)
     _source(p, "usable faces to average the scores over (default 3)")
     p.set_defaults(func=cmd_identify)

@@ -606,3 +606,38 @@ def test_a_50_megapixel_phone_photo_is_decoded_at_a_reduced_scale_not_refused(tm
     del big
     rc, out, err = ffr("device", "identify", "--home", str(home), "--images", str(tmp_path / "phone.jpg"))
     assert rc == 0 and "phone.jpg: s1 score" in out, (out, err)
+
+
+def test_liveness_refuses_a_printed_photo_and_accepts_a_face_that_turns_as_asked(tmp_path, home, faces_dir):
+    """`--liveness`: a seeded challenge of two head turns. The live clip is s4's most frontal photo, then their most
+    turned photo on the asked side (or its mirror image: a real head's turn the other way); the attack is that
+    frontal photo as a print moved, turned and tilted in front of the camera (`bench.liveness` measures both)."""
+    import random
+
+    from bench.liveness import person_poses, printed, turned
+    from edge_client.capture import device_detector
+    from edge_client.liveness import new_challenge
+
+    photos = sorted((faces_dir / "orl" / "s4").iterdir())
+    copy = tmp_path / "home"
+    shutil.copytree(home, copy)
+    rc, out, err = ffr("device", "enroll", "--home", str(copy), "--name", "s4", "--images",
+                       str(faces_dir / "orl" / "s4"), "--force")
+    assert rc == 0, err
+    challenge = new_challenge(random.Random(7))
+    poses = person_poses(device_detector("auto"), photos)
+    frontal = min(poses, key=lambda p: abs(p[0]))[1]
+    live = [frontal] * 5 + [f for side in challenge for f in [turned(poses, side)] * 3 + [frontal] * 3]
+    still = [printed(frontal, i / 59, 0.7, 40) for i in range(60)]
+    for name, clip in (("live", live), ("still", still)):
+        write_video(tmp_path / f"{name}.avi", clip)
+    base = ["device", "verify", "--home", str(copy), "--name", "s4", "--liveness", "--liveness-seed", "7",
+            "--threshold", "0.2"]
+    rc, out, err = ffr(*base, "--video", str(tmp_path / "live.avi"), "--json")
+    result = json.loads(out)
+    assert rc == 0 and result["live"] is True and result["liveness"]["challenge"] == challenge, (out, err)
+    assert f"liveness: turn your head to the {challenge[0]}, then to the {challenge[1]}" in err
+    rc, out, err = ffr(*base, "--video", str(tmp_path / "still.avi"))
+    assert rc == 1 and out.startswith("NO MATCH") and "not live" in out, (out, err)
+    rc, out, err = ffr(*base, "--images", str(photos[0]))
+    assert rc == 2 and "--liveness needs a camera or a video" in err
