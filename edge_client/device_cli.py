@@ -25,6 +25,7 @@ from edge_client.recognizer import (
     DEFAULT_THRESHOLD,
     Recognizer,
     calibrate,
+    face_scores,
     file_sha256,
     install_default_model,
     probe_scores,
@@ -452,55 +453,22 @@ def cmd_identify(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    """1:1 on two image files, no home and no enrolment (DeepFace.verify's job): the largest face of each."""
-    import tempfile
-    from dataclasses import replace
+    """1:1 on two image files, no home and no enrolment (`edge_client.api.compare`)."""
+    from edge_client.api import compare
 
-    from models.runtime import OnnxEmbedder
-
-    # a group photo is answered for its largest face, and says so
-    detector = device_detector(args.detector, args.yunet_model)
-    gate = replace(_gate(args), other_face_ratio=float("inf"))
-    faces = [_largest_face(path, detector, gate) for path in (args.image1, args.image2)]
-    with tempfile.TemporaryDirectory(prefix="ffr-compare-") as tmp:
-        if args.model is not None:
-            model, what = args.model, str(args.model)
-        else:
-            from models.networks.face_weights import write_default_onnx
-
-            model, what = write_default_onnx(Path(tmp) / "shipped.onnx"), "the shipped model"
-        embedder = OnnxEmbedder(model, args.threads)
-        emb = embedder.embed(np.stack([f["crop"] for f in faces]))
-    emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
-    score = float(emb[0] @ emb[1])
     threshold = args.threshold if args.threshold is not None else DEFAULT_THRESHOLD
+    result = compare(args.image1, args.image2, threshold, args.model, args.detector, _gate(args), args.threads)
+    what = str(args.model) if args.model is not None else "the shipped model"
     note = "given with --threshold" if args.threshold is not None else (
         "uncalibrated default: give --threshold, e.g. the one `ffr device list` shows for a calibrated home")
-    same = score > threshold
+    faces = [{"file": str(path), **face} for path, face in zip((args.image1, args.image2), result.faces)]
     about = "; ".join(f"{f['file']}: {f['faces_found']} face(s)" + (", the largest used" if f["faces_found"] > 1
                                                                    else "") for f in faces)
-    data = {"same_person": same, "score": score, "threshold": threshold, "threshold_note": note, "model": what,
-            "images": [{k: v for k, v in f.items() if k != "crop"} for f in faces]}
-    _out(args, f"{'SAME PERSON' if same else 'DIFFERENT PEOPLE'}: score {score:.3f} vs threshold {threshold:.3f} "
-               f"({note}); {about}; model: {what}", data)
-    return MATCH if same else NO_MATCH
-
-
-def _largest_face(path: Path, detector, gate: QualityGate) -> dict:
-    """The largest face in one image file, checked for size and sharpness, with its box and the faces found."""
-    if not Path(path).is_file():
-        raise DeviceError(f"image file not found: {path}")
-    (frame,) = list(frames(images=Path(path), max_frames=1)) or [None]
-    if frame is None or frame.bgr is None:
-        raise DeviceError(f"{path}: {getattr(frame, 'problem', None) or 'not an image OpenCV can read'}")
-    import cv2
-
-    found = len(detector.detect(cv2.cvtColor(frame.bgr, cv2.COLOR_BGR2RGB)))
-    check = check_face(frame.bgr, detector, gate, live=False)
-    if check.crop is None:
-        raise DeviceError(f"{path}: {check.reason}")
-    return {"file": str(path), "crop": check.crop, "faces_found": found, "box": list(check.box),
-            "aligned": check.aligned}
+    data = {"same_person": result.same_person, "score": result.score, "threshold": threshold,
+            "threshold_note": note, "model": what, "images": faces}
+    _out(args, f"{'SAME PERSON' if result.same_person else 'DIFFERENT PEOPLE'}: score {result.score:.3f} vs threshold "
+               f"{threshold:.3f} ({note}); {about}; model: {what}", data)
+    return MATCH if result.same_person else NO_MATCH
 
 
 ARRIVE_FRAMES = 3  # frames in a row a person must be seen in before they are said to have arrived
@@ -569,8 +537,8 @@ def cmd_watch(args) -> int:
             checks = [c for c in every_face(frame.bgr, detector, gate) if c.crop is not None]
             labels: dict[str, float] = {}
             if checks:
-                scores = probe_scores(recognizer.embed(np.stack([c.crop for c in checks])), templates)
-                for row in np.atleast_2d(scores):
+                scores = face_scores(recognizer.embed(np.stack([c.crop for c in checks])), templates)
+                for row in scores:
                     best = int(np.argmax(row))
                     label = people[best].name if row[best] > threshold else "unknown"
                     labels[label] = max(labels.get(label, -1.0), float(row[best]))

@@ -82,6 +82,11 @@ def template_of(faces: np.ndarray) -> np.ndarray:
     return normalise(faces.mean(0))
 
 
+def face_scores(faces: np.ndarray, templates: np.ndarray) -> np.ndarray:
+    """Each face's cosine to each template (faces x templates): a photo of several people answered face by face."""
+    return faces @ np.atleast_2d(templates).T
+
+
 def probe_scores(faces: np.ndarray, templates: np.ndarray) -> np.ndarray:
     """A probe's score against each template (the rows of `templates`, or one template): the mean over its faces
     of their cosine to it. `verify` and `identify` decide on it, and calibration is set on its single-face case."""

@@ -641,3 +641,35 @@ def test_liveness_refuses_a_printed_photo_and_accepts_a_face_that_turns_as_asked
     assert rc == 1 and out.startswith("NO MATCH") and "not live" in out, (out, err)
     rc, out, err = ffr(*base, "--images", str(photos[0]))
     assert rc == 2 and "--liveness needs a camera or a video" in err
+
+
+def test_the_python_api_enrols_identifies_verifies_and_compares(tmp_path, faces_dir):
+    """`edge_client.api` as the README shows it: a new home, two people enrolled from files, a group photo answered
+    per face, a 1:1 check and a compare; the same home then answers `ffr device list`."""
+    from edge_client.api import Device, FaceError, compare
+
+    photos = {p: sorted((faces_dir / "orl" / p).iterdir()) for p in ("s1", "s2", "s4")}
+    frames = {}
+    for person, files in photos.items():
+        for i, photo in enumerate(files):
+            frames[person, i] = tmp_path / f"{person}_{i}.png"
+            cv2.imwrite(str(frames[person, i]), frame_from(photo))
+    door = Device(tmp_path / "home")
+    assert door.enrol("s1", [frames["s1", i] for i in range(5)]) == 5
+    assert door.enrol("s2", [frames["s2", i] for i in range(5)]) == 5
+    assert door.people() == ["s1", "s2"]
+    a, b = frame_from(photos["s1"][8], 2.0), frame_from(photos["s4"][8], 2.0)
+    group = np.concatenate([a[:, 160:480], b[:, 160:480]], axis=1)
+    faces = sorted(door.identify(group, threshold=-1.0), key=lambda f: f.box[0])  # everyone named: the closest
+    assert len(faces) == 2 and faces[0].name == "s1", faces  # s1 on the left, s4 (nobody enrolled) on the right
+    assert all(len(f.box) == 4 and f.landmarks is not None for f in faces)
+    strict = sorted(door.identify(group, threshold=faces[1].score), key=lambda f: f.box[0])
+    assert [f.name for f in strict] == ["s1", None] and faces[0].score > faces[1].score
+    assert door.verify("s2", frames["s2", 9], threshold=0.3).match
+    assert not door.verify("s2", frames["s4", 9], threshold=0.3).match
+    same, other = compare(frames["s1", 6], frames["s1", 7]), compare(frames["s1", 6], frames["s4", 7])
+    assert same.score > other.score and same.faces[0]["faces_found"] == 1
+    with pytest.raises(FaceError, match="image file not found"):
+        door.identify(tmp_path / "missing.png")
+    rc, out, err = ffr("device", "list", "--home", str(tmp_path / "home"), "--json")
+    assert rc == 0 and [p["name"] for p in json.loads(out)["people"]] == ["s1", "s2"], (out, err)

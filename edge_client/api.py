@@ -1,0 +1,175 @@
+"""The device from Python: enrol, verify, identify, compare and watch, as `ffr device` does them (onnxruntime, OpenCV,
+numpy; no torch). Images are file paths or BGR arrays (as OpenCV reads them).
+
+    from edge_client.api import Device, compare
+
+    door = Device("~/.ffr-device")
+    door.enrol("alice", ["alice1.jpg", "alice2.jpg", "alice3.jpg"])
+    for face in door.identify("group.jpg"):
+        print(face.name, face.score, face.box)
+    print(door.verify("alice", "selfie.jpg").match)
+    print(compare("passport.jpg", "selfie.jpg").score)
+
+Every answer carries its score, the threshold it was decided at and the face's box; the same checks as the CLI
+refuse a face too small or too blurred (`FaceError`). The same seals guard the home (a swapped model or an edited
+threshold raises `VaultError`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.capture import QualityGate, device_detector, every_face, frames
+from edge_client.home import DeviceHome
+from edge_client.recognizer import DEFAULT_THRESHOLD, Recognizer, face_scores, install_default_model, probe_scores
+from edge_client.vault import Vault, check_person_name
+
+Image = str | Path | np.ndarray
+
+
+class FaceError(ValueError):
+    """No usable face where one was needed (none found, too small, too blurred)."""
+
+
+@dataclass(frozen=True)
+class Face:
+    """One face's answer: who (or None: nobody enrolled reaches the threshold), its score, and where it is."""
+
+    name: str | None
+    score: float
+    threshold: float
+    box: tuple[int, int, int, int]
+    landmarks: tuple[float, ...] | None
+
+    @property
+    def match(self) -> bool:
+        return self.name is not None
+
+
+def _bgr(image: Image) -> np.ndarray:
+    if isinstance(image, np.ndarray):
+        return image
+    if not Path(image).expanduser().is_file():
+        raise FaceError(f"image file not found: {image}")
+    (frame,) = list(frames(images=Path(image).expanduser(), max_frames=1)) or [None]
+    if frame is None or frame.bgr is None:
+        raise FaceError(f"{image}: {getattr(frame, 'problem', None) or 'not an image OpenCV can read'}")
+    return frame.bgr
+
+
+class Device:
+    """A device's home (created on first enrolment, with the shipped model when it has none)."""
+
+    def __init__(self, home: str | Path, detector: str = "auto", min_face: int = 48, min_sharpness: float = 15.0):
+        self.home = DeviceHome(Path(home).expanduser())
+        self.vault = Vault.open(self.home.root / "store")
+        self.detector = device_detector(detector)
+        self.gate = QualityGate(min_face_px=min_face, min_sharpness=min_sharpness)
+
+    @property
+    def recognizer(self) -> Recognizer:
+        """Read afresh each call: a round of `ffr edge run` may have installed a new model meanwhile."""
+        if not self.home.generic_onnx.exists() and not self.home.personalised_onnx.exists():
+            install_default_model(self.home, self.vault)
+        return Recognizer(self.home, self.vault)
+
+    def faces(self, image: Image) -> list[tuple[np.ndarray, tuple, tuple | None]]:
+        """(crop, box, landmarks) of every usable face, largest first."""
+        return [(c.crop, c.box, c.landmarks) for c in every_face(_bgr(image), self.detector, self.gate)
+                if c.crop is not None]
+
+    def enrol(self, name: str, images: Iterable[Image]) -> int:
+        """Enrol (or replace) `name` from the largest face of each image; the number of faces kept."""
+        crops = [found[0][0] for image in images if (found := self.faces(image))]
+        if not crops:
+            raise FaceError(f"no usable face in the images given for {name!r}")
+        with self.home.writing(wait_s=30.0):
+            self.recognizer.enrol(check_person_name(name), np.stack(crops))
+        return len(crops)
+
+    def people(self) -> list[str]:
+        return sorted(self.vault.names())
+
+    def remove(self, name: str) -> None:
+        with self.home.writing(wait_s=30.0):
+            self.vault.remove(name)
+
+    def identify(self, image: Image, threshold: float | None = None) -> list[Face]:
+        """Every face in the image, each identified (name None: unknown)."""
+        recognizer = self.recognizer
+        people = recognizer.people()
+        if not people:
+            raise ValueError("nobody is enrolled on this device")
+        threshold = recognizer.threshold if threshold is None else threshold
+        found = self.faces(image)
+        if not found:
+            return []
+        scores = face_scores(recognizer.embed(np.stack([f[0] for f in found])), np.stack([p.template for p in people]))
+        answers = []
+        for (_, box, marks), row in zip(found, scores):
+            best = int(np.argmax(row))
+            answers.append(Face(people[best].name if row[best] > threshold else None, float(row[best]), threshold,
+                                box, marks))
+        return answers
+
+    def verify(self, name: str, image: Image, threshold: float | None = None) -> Face:
+        """Is the largest face in the image `name`?"""
+        recognizer = self.recognizer
+        person = recognizer.person(name)
+        threshold = recognizer.threshold if threshold is None else threshold
+        found = self.faces(image)
+        if not found:
+            raise FaceError(f"no usable face in {image if not isinstance(image, np.ndarray) else 'the image'}")
+        crop, box, marks = found[0]
+        score = float(probe_scores(recognizer.embed(crop[None]), person.template)[0])
+        return Face(name if score > threshold else None, score, threshold, box, marks)
+
+    def watch(self, camera: int | None = None, video: str | Path | None = None,
+              threshold: float | None = None) -> Iterator[list[Face]]:
+        """Every frame's faces, identified, as they come (`ffr device watch` debounces them into comings and goings)."""
+        for frame in frames(camera, None if video is None else Path(video), None, 10 ** 12):
+            yield self.identify(frame.bgr, threshold) if frame.bgr is not None else []
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The two faces' cosine score and the threshold; `faces`: each image's largest face (box, aligned) and how many
+    faces it held."""
+
+    score: float
+    threshold: float
+    faces: tuple[dict, dict]
+
+    @property
+    def same_person(self) -> bool:
+        return self.score > self.threshold
+
+
+def compare(image1: Image, image2: Image, threshold: float = DEFAULT_THRESHOLD, model: str | Path | None = None,
+            detector: str = "auto", gate: QualityGate | None = None, threads: int | None = None) -> Comparison:
+    """1:1 on two images without a home (DeepFace.verify's job): the largest face of each (a group photo is answered
+    for it), the shipped model or `model` (an ONNX file)."""
+    import tempfile
+    from dataclasses import replace
+
+    from models.networks.face_weights import write_default_onnx
+    from models.runtime import OnnxEmbedder
+
+    finder, crops, faces = device_detector(detector), [], []
+    gate = replace(gate or QualityGate(), other_face_ratio=float("inf"))
+    for image in (image1, image2):
+        checks = every_face(_bgr(image), finder, gate)
+        usable = [c for c in checks if c.crop is not None]
+        if not usable:
+            what = image if not isinstance(image, np.ndarray) else "an image"
+            raise FaceError(f"{what}: {checks[0].reason if checks else 'no face found'}")
+        crops.append(usable[0].crop)
+        faces.append({"faces_found": len(checks), "box": list(usable[0].box), "aligned": usable[0].aligned})
+    with tempfile.TemporaryDirectory(prefix="ffr-compare-") as tmp:
+        path = Path(model) if model is not None else write_default_onnx(Path(tmp) / "shipped.onnx")
+        emb = OnnxEmbedder(path, threads).embed(np.stack(crops))
+    emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    return Comparison(float(emb[0] @ emb[1]), threshold, (faces[0], faces[1]))
