@@ -231,6 +231,21 @@ def table(results: dict) -> list[dict]:
     return rows
 
 
+def add_fleet_options(p: argparse.ArgumentParser, name: str, partition: str) -> None:
+    """The options `fleet_data` reads, and the arms (`parse_arm`), for this bench and `bench.personalisation`."""
+    p.add_argument("--data", type=Path, help="labelled faces (default: $FFR_FACES_DIR/celeba_subset)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--name", default=name)
+    p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--partition", default=partition, help=f"how people are spread over devices (default {partition})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strangers", type=int, default=300, help="images of people of no device each device is tried on")
+    p.add_argument("--gate-identities", type=float, default=0.3,
+                   help="share of the people on no device the coordinator keeps for its server step and gate, as "
+                        "`ffr fleet simulate` does (0: publish every aggregate)")
+    p.add_argument("--arm", action="append", default=[], help="NAME:field=value,... (TrainingConfig fields)")
+
+
 def fleet_data(args) -> tuple[FleetData, np.ndarray, SimConfig, Path] | None:
     """The devices' faces as `ffr fleet simulate` partitions them (`args`: data, clients, partition, seed,
     gate_identities, out, name) and the strangers' images each device is tried on; None without face data."""
@@ -254,22 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, help="labelled faces (default: $FFR_FACES_DIR/celeba_subset)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--name", default="honest_round")
-    p.add_argument("--clients", type=int, default=10)
-    p.add_argument("--partition", default="iid")
+    add_fleet_options(p, "honest_round", "iid")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--strangers", type=int, default=300, help="images of people of no device each device is tried on")
     p.add_argument("--max-pairs", type=int, default=100_000)
-    p.add_argument("--arm", action="append", default=[], help="NAME:field=value,... (TrainingConfig fields)")
     p.add_argument("--centralised", action="store_true",
                    help="also train the centralised bound on the union of the devices' training images (same budget "
                         "in epochs as the rounds, `fleet.centralized`) and score it on the unseen people")
-    p.add_argument("--gate-identities", type=float, default=0.3,
-                   help="share of the people on no device the coordinator keeps for its server step and gate, as "
-                        "`ffr fleet simulate` does (0: publish every aggregate)")
     args = p.parse_args(argv)
     fleet = fleet_data(args)
     if fleet is None:

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.common import write_results
-from bench.honest_round import BASE, _mean, _n, device_crops, fleet_data, own_vs_strangers, parse_arm
+from bench.honest_round import BASE, _mean, _n, add_fleet_options, device_crops, fleet_data, own_vs_strangers, parse_arm
 from edge_client.local_training import personalised_global
 from fleet.evaluation import embed
 from models.networks.face_model import global_embedder, initial_global_state
@@ -44,15 +43,7 @@ def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, help="labelled faces (default: $FFR_FACES_DIR/celeba_subset)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--name", default="personalisation")
-    p.add_argument("--clients", type=int, default=10)
-    p.add_argument("--partition", default="dirichlet")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--strangers", type=int, default=300, help="images of people of no device each device is tried on")
-    p.add_argument("--gate-identities", type=float, default=0.3, help="as bench.honest_round (the same partition)")
-    p.add_argument("--arm", action="append", default=[], help="NAME:field=value,... (TrainingConfig's DFC fields)")
+    add_fleet_options(p, "personalisation", "dirichlet")
     args = p.parse_args(argv)
     fleet = fleet_data(args)
     if fleet is None:

@@ -92,3 +92,22 @@ def device_datasets(root: Path, n_devices: int, ids_per_device: int, images: int
         (data / SYNTHETIC_MARKER).write_text((full / SYNTHETIC_MARKER).read_text())
         out.append(data)
     return out
+
+
+def serving_coordinator(*args: str, env: dict | None = None):
+    """`ffr coordinator serve ARGS` in its own process, returned once its embedded broker is up (admission needs
+    it): (the process, the list its output lines keep arriving in)."""
+    import subprocess
+    import sys
+    import threading
+
+    process = subprocess.Popen([sys.executable, "-m", "ffr", "coordinator", "serve", *args], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env or {**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("coordinator: broker"):
+            break
+    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+    return process, lines

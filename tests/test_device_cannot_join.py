@@ -10,12 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, device_datasets
+from conftest import REPO, device_datasets, serving_coordinator
 
 from coordinator.broker import free_port
 
@@ -27,15 +26,8 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 def coordinator(tmp_path):
     """A coordinator waiting for two devices (so no round starts while the tests run)."""
     state = tmp_path / "state"
-    process = subprocess.Popen(CLI + ["coordinator", "serve", "--rounds", "1", "--min-clients", "2", "--state",
-                                      str(state), "--http-port", str(free_port())],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if line.startswith("coordinator: broker"):
-            break
-    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+    process, _ = serving_coordinator("--rounds", "1", "--min-clients", "2", "--state", str(state), "--http-port",
+                                     str(free_port()))
     yield state
     process.terminate()
     process.wait(30)

@@ -9,9 +9,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
-from conftest import REPO, device_datasets
+from conftest import REPO, device_datasets, serving_coordinator
 
 from coordinator.broker import free_port
 
@@ -28,16 +27,8 @@ def test_a_device_federates_on_the_people_enrolled_in_its_store_without_data(tmp
                                   cwd=REPO, capture_output=True, text=True, env=ENV)
         assert enrolled.returncode == 0, enrolled.stderr
     state = tmp_path / "state"
-    coordinator = subprocess.Popen(CLI + ["coordinator", "serve", "--rounds", "1", "--min-clients", "1", "--state",
-                                          str(state), "--http-port", str(free_port()), "--batch-size", "8",
-                                          "--exit-when-done"],
-                                   cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    served = []
-    for line in coordinator.stdout:
-        served.append(line)
-        if line.startswith("coordinator: broker"):
-            break
-    threading.Thread(target=lambda: served.extend(coordinator.stdout), daemon=True).start()
+    coordinator, _ = serving_coordinator("--rounds", "1", "--min-clients", "1", "--state", str(state), "--http-port",
+                                         str(free_port()), "--batch-size", "8", "--exit-when-done")
     try:
         credential = tmp_path / "dev0.credential"
         subprocess.run(CLI + ["coordinator", "admit", "--state", str(state), "--device-id", "dev0", "--out",

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, device_datasets
+from conftest import REPO, device_datasets, serving_coordinator
 
 from coordinator.broker import free_port
 from edge_client.public_set import cached_path, fetch_public_set
@@ -109,17 +109,10 @@ def test_coordinator_serves_the_public_set_to_a_device_without_one(public_file, 
     port, state, home = free_port(), tmp_path / "state", tmp_path / "home"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cli = [sys.executable, "-m", "ffr"]
-    coordinator = subprocess.Popen(
-        cli + ["coordinator", "serve", "--rounds", "2", "--min-clients", "1", "--state", str(state), "--http-port",
-               str(port), "--batch-size", "8", "--method", "fedfr", "--public-set", str(public_file), "--t-hn", "-1",
-               "--dfc-steps", "20", "--exit-when-done"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    served = []
-    for line in coordinator.stdout:  # admission needs the running coordinator's broker
-        served.append(line)
-        if line.startswith("coordinator: broker"):
-            break
-    threading.Thread(target=lambda: served.extend(coordinator.stdout), daemon=True).start()
+    coordinator, served = serving_coordinator(
+        "--rounds", "2", "--min-clients", "1", "--state", str(state), "--http-port", str(port), "--batch-size", "8",
+        "--method", "fedfr", "--public-set", str(public_file), "--t-hn", "-1", "--dfc-steps", "20",
+        "--exit-when-done", env=env)
     try:
         credential = tmp_path / "dev0.credential"
         subprocess.run(cli + ["coordinator", "admit", "--state", str(state), "--device-id", "dev0", "--out",
