@@ -61,7 +61,7 @@ def _bgr(image: Image) -> np.ndarray:
 
 
 class Device:
-    """A device's home (created on first enrolment, with the shipped model when it has none)."""
+    """A device's home (created when missing; the shipped model installed on first use when it has none)."""
 
     def __init__(self, home: str | Path, detector: str = "auto", min_face: int = 48, min_sharpness: float = 15.0):
         self.home = DeviceHome(Path(home).expanduser())
