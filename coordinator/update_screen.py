@@ -30,7 +30,7 @@ import numpy as np
 from models.maths.state_norms import RUNNING_STATS, State, float_names
 
 REACH_MADS = 3.0  # how far below the majority's typical alignment an update may still be admitted ...
-REACH_SHARE = 2 / 3  # ... or how large a share of it it must keep, whichever admits more
+REACH_SHARE = 1 / 3  # ... or how large a share of it it must keep, whichever admits more (measured below)
 SKETCH_SIZE = 4096  # cosine through the sketch is off by about 1/sqrt(size) = 0.016: far below honest vs attack gaps
 
 
@@ -133,7 +133,9 @@ def majority_cluster(rows: np.ndarray) -> Majority:
 def within_reach(rows: np.ndarray, members: np.ndarray) -> Majority:
     """The members, and every other row whose alignment with the members' mean direction (each member's with the
     mean of the others) is within REACH_MADS robust deviations (1.4826 x MAD, over all rows: a majority is honest)
-    of the median alignment, or at least REACH_SHARE of it (a MAD over five updates is no measure of spread).
+    of the median alignment, or at least REACH_SHARE of it (a MAD over five updates is no measure of spread). On 10
+    CelebA devices honest updates' alignments were 0.07-0.17 and an impersonator's 0.01 and -0.02; late rounds of
+    the SYNTHETIC demo had honest ones at 0.06-0.12 (2/3 of the median left two of five honest devices out).
     HDBSCAN alone cuts a continuous spread of equally alike updates (honest devices on
     different people): on 10 and 30 such updates it left out 10-35%; the rows it cut are as aligned as its
     members, an attack's are not."""
