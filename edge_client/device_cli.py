@@ -532,7 +532,7 @@ def cmd_watch(args) -> int:
 
     name = "start"
     try:
-        for frame in frames(args.camera, args.video, None, args.max_frames):
+        for frame in frames(args.camera, args.video, None, args.stop_after or 10 ** 12):
             n, name = n + 1, frame.name
             checks = [c for c in every_face(frame.bgr, detector, gate) if c.crop is not None]
             labels: dict[str, float] = {}
@@ -829,8 +829,8 @@ def add_commands(dsub) -> None:
     g.add_argument("--camera", type=at_least(0), metavar="INDEX", help="camera index, e.g. 0")
     g.add_argument("--video", type=Path, metavar="FILE", help="a video file")
     g = p.add_argument_group("faces")
-    g.add_argument("--max-frames", type=at_least(1), default=10 ** 12, help="stop after this many frames (default: "
-                                                                             "never, or the video's end)")
+    g.add_argument("--stop-after", type=at_least(1), metavar="FRAMES",
+                   help="stop after this many frames (default: never, or at the video's end)")
     _faces(g)
     g.add_argument("--show", action="store_true", help="also show a window with the faces and who they are")
     p.set_defaults(func=cmd_watch)
