@@ -59,7 +59,7 @@ class DeviceSessions:
             self._admit(envelope, sender)
             return envelope, True
         if key is None:
-            sender.refused_admission = True
+            sender.refused_admission = self._operator_admitted(device_id)
             raise MessageError(f"unknown device {device_id!r}: it must be admitted (ffr coordinator admit) first")
         self._authenticate(envelope, key, sender)
         self.store.seen(device_id, envelope.seq)
@@ -89,7 +89,7 @@ class DeviceSessions:
         device_id = sender.device_id
         token = self.store.admission_token(device_id)
         if token is None or not proof_matches(token, device_id, hello.public_key, hello.token_proof):
-            sender.refused_admission = True
+            sender.refused_admission = self._operator_admitted(device_id)
             raise MessageError(f"{device_id!r} is not admitted, or its admission token is wrong or already used")
         authenticate(envelope, hello.public_key)
         self.guard.last_seen.pop(device_id, None)  # a new key starts a new sequence
@@ -108,10 +108,15 @@ class DeviceSessions:
         """Devices heard from by this process whose last heartbeat is not `state`."""
         return sorted(d for d in self.heard if self.states.get(d) != state)
 
+    def _operator_admitted(self, device_id: str) -> bool:
+        """Whether the operator admitted this id (its token unused, or a key registered under it): only such a
+        device is told that its credential is refused, never a stranger flooding made-up ids."""
+        return device_id in self.keys or self.store.admission_token(device_id) is not None
+
     def may_explain(self, sender: Sender) -> bool:
-        """Only an authenticated sender hears why, or one whose credential is refused (the broker's ACL lets only that
-        device's login read its inbox; it hears that it cannot join, and stops), at most `errors_per_minute` times:
-        refusals never flood."""
+        """Only an authenticated sender hears why, or a device the operator admitted whose credential is refused (the
+        broker's ACL lets only that device's login read its inbox; it hears that it cannot join, and stops), at most
+        `errors_per_minute` times: refusals never flood, and made-up ids hear nothing."""
         if not (sender.authenticated or sender.refused_admission):
             return False
         now = time.monotonic()

@@ -131,7 +131,10 @@ def test_hellos_without_a_valid_admission_create_nothing_and_get_no_reply(tmp_pa
     forged.token = "cd" * 32  # the wrong token
     forged.send("hello", forged.hello())
     assert h.engine.store.devices() == [] and h.engine.keys == {}
-    assert h.sent == [t for t in h.sent if "/inbox" not in t[0]], "nobody unauthenticated is answered"
+    # no stranger is answered; a device the operator admitted hears (signed) that its credential is refused, and stops
+    told = [t for t in h.sent if "/inbox" in t[0]]
+    assert sorted(t[0] for t in told) == [topics.device("dev1", "inbox"), topics.device("dev2", "inbox")], told
+    assert all(open_envelope(payload, h.signer.public_hex).body.code == "admission" for _, payload in told)
     reasons = [r["reason"] for r in h.engine.store.rejections()]
     assert len(reasons) == 302 and all("not admitted" in r or "unknown device" in r for r in reasons), reasons[:5]
 
