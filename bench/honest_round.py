@@ -140,11 +140,12 @@ def screened_mean(deltas: dict[str, dict], weights: dict[str, float]) -> tuple[d
     admits and clips, then the sample-weighted mean; with what the screen did (every device here is honest, so any
     update left out is a false exclusion)."""
     from coordinator.settings import RoundSettings
-    from coordinator.update_screen import make_screen, sketch
+    from coordinator.update_screen import make_screen
     from models.maths.state_norms import l2_norm
 
     screen = make_screen(RoundSettings().screen)
-    screening = screen.screen({k: sketch(d) for k, d in deltas.items()}, {k: l2_norm(d) for k, d in deltas.items()})
+    screening = screen.screen(list(deltas), {k: screen.observe(d) for k, d in deltas.items()},
+                              {k: l2_norm(d) for k, d in deltas.items()})
     mean = RunningMean()
     for k in screening.admitted:
         mean.add(deltas[k], weights[k], screening.scales.get(k, 1.0))

@@ -89,7 +89,8 @@ class Engine:
                                     settings.dp_delta, self._past_sampling_rates)
         model_layout = layout(self.global_state)  # fixed for the run: what every update must match
         self.aggregator = RoundAggregator(settings, store, model_layout, self.filter, strategy, gate)
-        self.intake = UpdateIntake(settings, store, model_layout, self.filter, self._tell, self.images)
+        self.intake = UpdateIntake(settings, store, model_layout, self.filter, self._tell, self.images,
+                                   self.aggregator.screen.observe)
         self.broadcast = ModelBroadcast(publish, settings.model_dtype, settings.training.chunk_bytes)
         self.fv = FederatedValidation(settings.fv_candidates, settings.fv_phi, settings.fv_epsilon, settings.seed,
                                       dict(robust.get("fv_factors", {})))

@@ -88,8 +88,7 @@ class RoundAggregator:
         fresh_mean = mean_delta is None
         screen_metrics = {}
         if fresh_mean:  # FV's blend was formed from every update already
-            screening = self.screen.screen({d: current.sketches[d] for d in devices if d in current.sketches},
-                                           current.norms)
+            screening = self.screen.screen(devices, current.sketches, current.norms)
             devices, current.scales, screen_metrics = screening.admitted, screening.scales, screening.metrics
             if screen_metrics.get("screen_excluded"):
                 log.warning("round %d: the update screen left out %s", current.round_id,

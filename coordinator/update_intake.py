@@ -18,7 +18,6 @@ from coordinator.round_state import OpenRound
 from coordinator.settings import RoundSettings
 from coordinator.store import Store
 from coordinator.update_filters import UpdateFilter
-from coordinator.update_screen import sketch
 from protocol.chunks import Reassembler, from_bytes
 from protocol.codecs import Staging, decode_verified
 from protocol.messages import Ack, MessageError, UpdateHeader
@@ -30,10 +29,12 @@ REFUSED_TRANSFERS_KEPT = 1024
 
 class UpdateIntake:
     def __init__(self, settings: RoundSettings, store: Store, layout: tuple, update_filter: UpdateFilter,
-                 tell: Callable[[str, object], None], images: dict[str, int]):
-        """`images`: each device's registered image count (the engine's dict, kept current on admission)."""
+                 tell: Callable[[str, object], None], images: dict[str, int],
+                 observe: Callable[[dict], np.ndarray | None] = lambda delta: None):
+        """`images`: each device's registered image count (the engine's dict, kept current on admission);
+        `observe`: what the round's update screen keeps of each update (`coordinator.update_screen`)."""
         self.settings, self.store, self.layout, self.filter = settings, store, layout, update_filter
-        self.tell, self.images = tell, images
+        self.tell, self.images, self.observe = tell, images, observe
         self.staging = Staging(*layout, settings.training.codec)  # every accepted update is decoded into it
 
     def on_header(self, current: OpenRound | None, device_id: str, header: UpdateHeader) -> None:
@@ -117,7 +118,7 @@ class UpdateIntake:
         current.headers[device_id] = header
         current.done.add(device_id)
         current.weights[device_id], current.norms[device_id] = weight, norm
-        current.sketches[device_id] = sketch(delta)  # now: `delta` lives in the staging buffer the next one reuses
+        self._keep_sketch(current, device_id, delta)  # now: `delta` lives in the staging buffer the next one reuses
         current.metrics[device_id] = header.metrics
         current.bytes_received += len(payload)
         if self.settings.combine == "mean":
@@ -129,6 +130,11 @@ class UpdateIntake:
         self.tell(device_id, Ack(of="update", round_id=current.round_id))
         log.info("round %d: update from %s (%d samples, weight %.0f, norm %.3g, %d bytes), %d/%d", current.round_id,
                  device_id, header.n_samples, weight, norm, len(payload), len(current.done), len(current.participants))
+
+    def _keep_sketch(self, current: OpenRound, device_id: str, delta: dict) -> None:
+        kept = self.observe(delta)
+        if kept is not None:
+            current.sketches[device_id] = kept
 
     def weight(self, device_id: str, n_samples: int) -> float:
         """The update's weight as the filter sets it, from its claim and what the device registered."""
@@ -144,10 +150,11 @@ class UpdateIntake:
             current.weights[device_id] = update["metrics"].get("weight", update["n_samples"])
             current.norms[device_id] = update["metrics"].get("update_norm", 0.0)
             current.metrics[device_id] = update["metrics"]
-            current.sketches[device_id] = sketch(load_delta(current, device_id))
+            delta = load_delta(current, device_id)  # read once for the screen and the running mean
+            self._keep_sketch(current, device_id, delta)
             current.bytes_received += update["bytes"] or 0  # the round's cost counts the kept update too
             current.headers[device_id] = UpdateHeader(
                 round_id=current.round_id, base_version=current.base_version, n_samples=update["n_samples"],
                 transfer_id="restored", payload_sha256="0" * 64, payload_bytes=max(1, update["bytes"] or 1))
             if self.settings.combine == "mean":
-                current.running.add(load_delta(current, device_id), current.weights[device_id])
+                current.running.add(delta, current.weights[device_id])

@@ -34,7 +34,7 @@ REACH_SHARE = 1 / 3  # ... or how large a share of it it must keep, whichever ad
 SKETCH_SIZE = 4096  # cosine through the sketch is off by about 1/sqrt(size) = 0.016: far below honest vs attack gaps
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=4096)  # one entry per tensor of the run's layout: a model has ~300, computed once each
 def _hashes(name: str, size: int, buckets: int) -> tuple[np.ndarray, np.ndarray]:
     """Each coordinate's bucket and sign, fixed per tensor name and size (the same for every update of a run)."""
     seed = int.from_bytes(name.encode()[-8:].rjust(8, b"\0"), "little") ^ size
@@ -69,8 +69,12 @@ class NoScreen:
 
     name = "none"
 
-    def screen(self, sketches: dict[str, np.ndarray], norms: dict[str, float]) -> Screening:
-        return Screening(sorted(sketches))
+    def observe(self, delta: State) -> None:
+        """What it keeps of an arriving update: nothing (no sketch is computed on the intake's path)."""
+        return None
+
+    def screen(self, devices: list[str], sketches: dict[str, np.ndarray], norms: dict[str, float]) -> Screening:
+        return Screening(sorted(devices))
 
 
 @dataclass
@@ -80,8 +84,13 @@ class Flame:
     min_updates: int = 4
     name: str = "flame"
 
-    def screen(self, sketches: dict[str, np.ndarray], norms: dict[str, float]) -> Screening:
-        devices = sorted(sketches)
+    def observe(self, delta: State) -> np.ndarray:
+        """What it keeps of an arriving update: its direction's count sketch."""
+        return sketch(delta)
+
+    def screen(self, devices: list[str], sketches: dict[str, np.ndarray], norms: dict[str, float]) -> Screening:
+        """`devices`: the round's updates; `sketches`: what `observe` kept of each (one for every device)."""
+        devices = sorted(devices)
         if len(devices) < self.min_updates:
             return Screening(devices, metrics={"screen": self.name, "screen_skipped": len(devices)})
         majority = majority_cluster(np.stack([sketches[d] for d in devices]))

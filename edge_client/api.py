@@ -24,7 +24,7 @@ import numpy as np
 
 from edge_client.capture import QualityGate, device_detector, every_face, frames
 from edge_client.home import DeviceHome
-from edge_client.recognizer import DEFAULT_THRESHOLD, Recognizer, face_scores, install_default_model, probe_scores
+from edge_client.recognizer import DEFAULT_THRESHOLD, Recognizer, closest, install_default_model, probe_scores
 from edge_client.vault import Vault, check_person_name
 
 Image = str | Path | np.ndarray
@@ -107,13 +107,8 @@ class Device:
         found = self.faces(image)
         if not found:
             return []
-        scores = face_scores(recognizer.embed(np.stack([f[0] for f in found])), np.stack([p.template for p in people]))
-        answers = []
-        for (_, box, marks), row in zip(found, scores):
-            best = int(np.argmax(row))
-            answers.append(Face(people[best].name if row[best] > threshold else None, float(row[best]), threshold,
-                                box, marks))
-        return answers
+        answers = closest(recognizer.embed(np.stack([f[0] for f in found])), people, threshold)
+        return [Face(name, score, threshold, box, marks) for (_, box, marks), (name, score, _) in zip(found, answers)]
 
     def verify(self, name: str, image: Image, threshold: float | None = None) -> Face:
         """Is the largest face in the image `name`?"""

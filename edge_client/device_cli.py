@@ -25,7 +25,7 @@ from edge_client.recognizer import (
     DEFAULT_THRESHOLD,
     Recognizer,
     calibrate,
-    face_scores,
+    closest,
     file_sha256,
     install_default_model,
     probe_scores,
@@ -358,15 +358,10 @@ def _verify_files(args, recognizer: Recognizer, person, threshold: float, note: 
 
 
 def _identify_files(args, recognizer: Recognizer, people: list, threshold: float, note: str, damaged) -> int:
-    templates = np.stack([p.template for p in people])
-
     def decide(embedding: np.ndarray) -> dict:
-        scores = probe_scores(embedding[None], templates)
-        best = int(np.argmax(scores))
-        known = bool(scores[best] > threshold)
-        name = people[best].name if known else "unknown"
-        return {"identity": name, "known": known, "score": float(scores[best]), "closest": people[best].name,
-                "line": f"{name} score {scores[best]:.3f}" + ("" if known else f" (closest: {people[best].name})")}
+        ((name, score, nearest),) = closest(embedding[None], people, threshold)
+        return {"identity": name or "unknown", "known": name is not None, "score": score, "closest": nearest,
+                "line": f"{name or 'unknown'} score {score:.3f}" + ("" if name else f" (closest: {nearest})")}
 
     records, lines = per_face(args, recognizer, decide)
     answered = [f for r in records for f in r["faces"] if "problem" not in f]
@@ -515,7 +510,6 @@ def cmd_watch(args) -> int:
     if not people:
         raise DeviceError("nobody is enrolled on this device; run `ffr device enroll` first")
     threshold, note = _threshold(args, recognizer)
-    templates = np.stack([p.template for p in people])
     detector, gate, viewer = device_detector(args.detector, args.yunet_model), _gate(args), Viewer(args.show)
     presence, started, n = Presence(args.arrive, args.leave), time.monotonic(), 0
     print(f"watching {'camera ' + str(args.camera) if args.camera is not None else args.video}: {len(people)} "
@@ -537,11 +531,8 @@ def cmd_watch(args) -> int:
             checks = [c for c in every_face(frame.bgr, detector, gate) if c.crop is not None]
             labels: dict[str, float] = {}
             if checks:
-                scores = face_scores(recognizer.embed(np.stack([c.crop for c in checks])), templates)
-                for row in scores:
-                    best = int(np.argmax(row))
-                    label = people[best].name if row[best] > threshold else "unknown"
-                    labels[label] = max(labels.get(label, -1.0), float(row[best]))
+                for name, score, _ in closest(recognizer.embed(np.stack([c.crop for c in checks])), people, threshold):
+                    labels[name or "unknown"] = max(labels.get(name or "unknown", -1.0), score)
             viewer.show(frame.bgr, checks[0].box if checks else None, ", ".join(labels) or "-", bool(labels))
             say(presence.update(labels), frame.name)
     except KeyboardInterrupt:

@@ -82,9 +82,13 @@ def template_of(faces: np.ndarray) -> np.ndarray:
     return normalise(faces.mean(0))
 
 
-def face_scores(faces: np.ndarray, templates: np.ndarray) -> np.ndarray:
-    """Each face's cosine to each template (faces x templates): a photo of several people answered face by face."""
-    return faces @ np.atleast_2d(templates).T
+def closest(faces: np.ndarray, people: list, threshold: float) -> list[tuple[str | None, float, str]]:
+    """Each face's answer (a photo of several people answered face by face): the enrolled person it is (None: no
+    one reaches `threshold`), its score, and the closest person whatever the score."""
+    scores = faces @ np.stack([p.template for p in people]).T
+    best = np.argmax(scores, axis=1)
+    return [(people[b].name if row[b] > threshold else None, float(row[b]), people[b].name)
+            for b, row in zip(best, scores)]
 
 
 def probe_scores(faces: np.ndarray, templates: np.ndarray) -> np.ndarray:

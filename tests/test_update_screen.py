@@ -53,14 +53,16 @@ def test_a_minority_pointing_elsewhere_is_left_out():
 
 def test_the_admitted_are_clipped_to_their_median_norm_and_a_round_of_three_is_not_screened():
     deltas = {f"d{i}": alike(i, size=0.01 * (3 if i == 0 else 1)) for i in range(5)}
-    screening = Flame().screen({k: sketch(v) for k, v in deltas.items()}, {k: l2_norm(v) for k, v in deltas.items()})
+    screening = Flame().screen(list(deltas), {k: sketch(v) for k, v in deltas.items()},
+                               {k: l2_norm(v) for k, v in deltas.items()})
     median = float(np.median([l2_norm(v) for v in deltas.values()]))
     above = sorted(k for k, v in deltas.items() if l2_norm(v) > median)
     assert screening.admitted == sorted(deltas) and "d0" in above and screening.metrics["screen_clipped"] == len(above)
     for k in deltas:
         assert screening.scales[k] * l2_norm(deltas[k]) == pytest.approx(min(median, l2_norm(deltas[k])))
     three = {k: deltas[k] for k in ("d0", "d1", "d2")}
-    small = Flame().screen({k: sketch(v) for k, v in three.items()}, {k: l2_norm(v) for k, v in three.items()})
+    small = Flame().screen(list(three), {k: sketch(v) for k, v in three.items()},
+                           {k: l2_norm(v) for k, v in three.items()})
     assert small.admitted == sorted(three) and small.scales == {}
 
 
