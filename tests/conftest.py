@@ -111,3 +111,13 @@ def serving_coordinator(*args: str, env: dict | None = None):
             break
     threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
     return process, lines
+
+
+def admitted(state: Path, device_id: str, out: Path) -> Path:
+    """`ffr coordinator admit` for `device_id` against a coordinator's state folder: the credential file."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "ffr", "coordinator", "admit", "--state", str(state), "--device-id",
+                    device_id, "--out", str(out)], cwd=REPO, check=True, capture_output=True)
+    return out

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, device_datasets, serving_coordinator
+from conftest import REPO, admitted, device_datasets, serving_coordinator
 
 from coordinator.broker import free_port
 
@@ -33,12 +33,6 @@ def coordinator(tmp_path):
     process.wait(30)
 
 
-def _admit(state: Path, device_id: str, out: Path) -> Path:
-    subprocess.run(CLI + ["coordinator", "admit", "--state", str(state), "--device-id", device_id, "--out", str(out)],
-                   cwd=REPO, check=True, capture_output=True, env=ENV)
-    return out
-
-
 def _edge(credential: Path, data: Path, home: Path, **kw) -> subprocess.Popen:
     return subprocess.Popen(CLI + ["edge", "run", "--credential", str(credential), "--data", str(data), "--home",
                                    str(home), "--no-export"],
@@ -47,7 +41,7 @@ def _edge(credential: Path, data: Path, home: Path, **kw) -> subprocess.Popen:
 
 def test_a_wrong_broker_password_stops_the_device_with_one_line_and_a_non_zero_exit(coordinator, tmp_path):
     (data,) = device_datasets(tmp_path / "data", 1, 2, 3)
-    credential = _admit(coordinator, "dev0", tmp_path / "dev0.credential")
+    credential = admitted(coordinator, "dev0", tmp_path / "dev0.credential")
     raw = json.loads(credential.read_text())
     raw["broker_password"] = "not-the-password"
     credential.write_text(json.dumps(raw))
@@ -61,7 +55,7 @@ def test_a_wrong_broker_password_stops_the_device_with_one_line_and_a_non_zero_e
 
 def test_a_credential_already_used_by_another_home_stops_the_device(coordinator, tmp_path):
     (data,) = device_datasets(tmp_path / "data", 1, 2, 3)
-    credential = _admit(coordinator, "dev0", tmp_path / "dev0.credential")
+    credential = admitted(coordinator, "dev0", tmp_path / "dev0.credential")
     first = _edge(credential, data, tmp_path / "home1")
     deadline = time.monotonic() + 120
     while not (tmp_path / "home1" / "registered.json").exists() and time.monotonic() < deadline:

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO, device_datasets, serving_coordinator
+from conftest import REPO, admitted, device_datasets, serving_coordinator
 
 from coordinator.broker import free_port
 
@@ -30,9 +30,7 @@ def test_a_device_federates_on_the_people_enrolled_in_its_store_without_data(tmp
     coordinator, _ = serving_coordinator("--rounds", "1", "--min-clients", "1", "--state", str(state), "--http-port",
                                          str(free_port()), "--batch-size", "8", "--exit-when-done")
     try:
-        credential = tmp_path / "dev0.credential"
-        subprocess.run(CLI + ["coordinator", "admit", "--state", str(state), "--device-id", "dev0", "--out",
-                              str(credential)], cwd=REPO, check=True, capture_output=True, env=ENV)
+        credential = admitted(state, "dev0", tmp_path / "dev0.credential")
         edge = subprocess.run(CLI + ["edge", "run", "--credential", str(credential), "--home", str(home),
                                      "--exit-when-done", "--no-export"],
                               cwd=REPO, capture_output=True, text=True, env=ENV, timeout=600)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, device_datasets, serving_coordinator
+from conftest import REPO, admitted, device_datasets, serving_coordinator
 
 from coordinator.broker import free_port
 from edge_client.public_set import cached_path, fetch_public_set
@@ -114,9 +114,7 @@ def test_coordinator_serves_the_public_set_to_a_device_without_one(public_file, 
         "--method", "fedfr", "--public-set", str(public_file), "--t-hn", "-1", "--dfc-steps", "20",
         "--exit-when-done", env=env)
     try:
-        credential = tmp_path / "dev0.credential"
-        subprocess.run(cli + ["coordinator", "admit", "--state", str(state), "--device-id", "dev0", "--out",
-                              str(credential)], cwd=REPO, check=True, capture_output=True, env=env)
+        credential = admitted(state, "dev0", tmp_path / "dev0.credential")
         edge = subprocess.run(cli + ["edge", "run", "--credential", str(credential), "--data", str(data), "--home",
                                      str(home), "--exit-when-done", "--no-export"],
                               cwd=REPO, capture_output=True, text=True, env=env, timeout=400)
