@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.capture import QualityGate, device_detector, every_face, frames
+from edge_client.capture import FaceQuality, device_detector, every_face, frames
 from edge_client.home import DeviceHome
 from edge_client.recognizer import DEFAULT_THRESHOLD, Recognizer, closest, install_default_model, probe_scores
 from edge_client.vault import Vault, check_person_name
@@ -67,7 +67,7 @@ class Device:
         self.home = DeviceHome(Path(home).expanduser())
         self.vault = Vault.open(self.home.root / "store")
         self.detector = device_detector(detector)
-        self.gate = QualityGate(min_face_px=min_face, min_sharpness=min_sharpness)
+        self.gate = FaceQuality(min_face_px=min_face, min_sharpness=min_sharpness)
 
     @property
     def recognizer(self) -> Recognizer:
@@ -144,7 +144,7 @@ class Comparison:
 
 
 def compare(image1: Image, image2: Image, threshold: float = DEFAULT_THRESHOLD, model: str | Path | None = None,
-            detector: str = "auto", gate: QualityGate | None = None, threads: int | None = None) -> Comparison:
+            detector: str = "auto", gate: FaceQuality | None = None, threads: int | None = None) -> Comparison:
     """1:1 on two images without a home (DeepFace.verify's job): the largest face of each (a group photo is answered
     for it), the shipped model or `model` (an ONNX file)."""
     import tempfile
@@ -154,7 +154,7 @@ def compare(image1: Image, image2: Image, threshold: float = DEFAULT_THRESHOLD, 
     from models.runtime import OnnxEmbedder
 
     finder, crops, faces = device_detector(detector), [], []
-    gate = replace(gate or QualityGate(), other_face_ratio=float("inf"))
+    gate = replace(gate or FaceQuality(), other_face_ratio=float("inf"))
     for image in (image1, image2):
         checks = every_face(_bgr(image), finder, gate)
         usable = [c for c in checks if c.crop is not None]

@@ -101,7 +101,10 @@ def _images(path: Path, max_frames: int) -> Iterator[Frame]:
 
 
 @dataclass(frozen=True)
-class QualityGate:
+class FaceQuality:
+    """What a frame's face must meet to be enrolled or verified (not the coordinator's model gate,
+    `coordinator.quality_gate`)."""
+
     min_face_px: int = 48          # face box side in the frame
     min_sharpness: float = 15.0    # variance of the Laplacian of the 128 px grey crop
     margin: float = 0.2
@@ -123,7 +126,7 @@ def sharpness(rgb_crop: np.ndarray) -> float:
     return float(cv2.Laplacian(cv2.cvtColor(rgb_crop, cv2.COLOR_RGB2GRAY), cv2.CV_64F).var())
 
 
-def every_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> list[FaceCheck]:
+def every_face(bgr: np.ndarray, detector: FaceDetector, gate: FaceQuality) -> list[FaceCheck]:
     """Each face in a photo, largest first, checked for size and sharpness on its own (a group photo answered per
     face, as face_recognition does): accepted ones carry their crop, refused ones say why."""
     rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
@@ -143,7 +146,7 @@ def every_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate) -> li
     return checks
 
 
-def check_face(bgr: np.ndarray, detector: FaceDetector, gate: QualityGate, live: bool = True) -> FaceCheck:
+def check_face(bgr: np.ndarray, detector: FaceDetector, gate: FaceQuality, live: bool = True) -> FaceCheck:
     """The one face of a frame, or why it is refused; `live`: a camera, so the refusal says what the person in front
     of it can do (a photo file cannot come closer)."""
     rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from edge_client.capture import QualityGate, SourceError, check_face, device_detector, every_face, frames
+from edge_client.capture import FaceQuality, SourceError, check_face, device_detector, every_face, frames
 from edge_client.home import DeviceHome
 from edge_client.recognizer import (
     DEFAULT_THRESHOLD,
@@ -57,8 +57,8 @@ def _open(args, writes: bool = False, create: bool = True) -> tuple[DeviceHome, 
     return home, vault, Recognizer(home, vault, args.threads)
 
 
-def _gate(args) -> QualityGate:
-    return QualityGate(min_face_px=args.min_face, min_sharpness=args.min_sharpness)
+def _gate(args) -> FaceQuality:
+    return FaceQuality(min_face_px=args.min_face, min_sharpness=args.min_sharpness)
 
 
 class Viewer:
