@@ -35,7 +35,7 @@ def ensure_broker_tls(state: Path, hosts: tuple[str, ...] = ("127.0.0.1", "local
     paths = {"ca": folder / "ca.pem", "cert": folder / "broker.pem", "key": folder / "broker.key"}
     if all(p.exists() for p in paths.values()):
         return paths
-    now = dt.datetime.now(dt.UTC)
+    now = dt.datetime.now(dt.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
         x509.CertificateBuilder()
