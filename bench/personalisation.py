@@ -15,62 +15,182 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.common import write_results
+from bench.common import faces_dir, write_results
 from bench.honest_round import BASE, _mean, _n, add_fleet_options, device_crops, fleet_data, own_vs_strangers, parse_arm
 from edge_client.local_training import personalised_global
+from edge_client.recognizer import calibrate, normalise, template_of
+from edge_client.verifier_choice import check_split
+from fleet.data import TEST, TRAIN
 from fleet.evaluation import embed
 from models.networks.face_model import global_embedder, initial_global_state
+from models.public_set import SIZE
+from models.training.distill_data import list_images, load_crops
+from models.training.fedfr import hard_negatives
 from protocol.messages import TrainingConfig
 
+FAR = 1e-3  # the false-accept rate a device promises unless its owner calibrated for another
+NEGATIVES = ("none", "all", "hard")  # the arm key `dfc_negatives`: which of the fit share join the DFC fit
 
-def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: int) -> dict:
-    """Mean over devices of TAR@1e-3 on their own people against strangers, with the arm's personalised model."""
+
+def public_faces(folder: Path | None, limit: int, seed: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Faces of nobody's people as a device gets them (a public set the coordinator serves), split in two
+    disjoint halves: the share a personalised fit may use as negatives, and the share it is calibrated on."""
+    if folder is None or not folder.is_dir():
+        return None
+    files = list_images([folder])
+    chosen = np.random.default_rng(seed).choice(len(files), min(limit, len(files)), replace=False)
+    images, _, _ = load_crops([files[i] for i in sorted(chosen)], SIZE, progress=False)
+    return images[0::2], images[1::2]
+
+
+def door(data, client: int, embedder, public: np.ndarray | None, strangers: np.ndarray, seed: int,
+         min_shift: float = 0.0) -> dict | None:
+    """What the device's door does with a model: calibrated as the device does after a round (`calibrate` on the
+    quarter of its images held out of the personalised fit, `check_split`, and the public faces it judges on) at
+    FAR, its templates from all its images; TAR on its own people's test images, FAR on strangers' images (people of
+    no device, never seen by any calibration) against every template. `min_shift`: the global model's capture
+    shift, the personalised model's floor (`edge_client.verifier_choice`)."""
+    def embed_fn(images: np.ndarray) -> np.ndarray:
+        return normalise(embedder(images))  # unit vectors, as a device scores
+
+    crops = device_crops(data, client)
+    judged = check_split(crops.labels, seed)
+    judged = np.ones(len(crops.labels), bool) if judged is None else judged
+    mine = embed_fn(crops.images)
+    templates = np.stack([template_of(mine[crops.labels == j]) for j in range(len(crops.identities))])
+    faces, strange = [mine[judged & (crops.labels == j)] for j in range(len(crops.identities))], None
+    if public is not None:
+        strange = embed_fn(public)
+    try:
+        cal = calibrate(faces, FAR, "", strange, templates, min_shift)
+        own_threshold = calibrate(faces, FAR, "", strange, templates).threshold  # with the model's own shift alone
+    except ValueError:
+        return None
+    people = np.unique(data.union(TRAIN, [client]).labels)
+    test = np.flatnonzero(data.client_mask(client, TEST))
+    test = test[np.isin(data.crops.labels[test], people)]
+    own = np.sum(embed_fn(data.crops.images[test]) * templates[np.searchsorted(people, data.crops.labels[test])], 1)
+    stranger_scores = embed_fn(data.crops.images[strangers]) @ templates.T
+    return {"threshold": cal.threshold, "tar_promised": 1 - cal.expected_frr,
+            "tar": float(np.mean(own > cal.threshold)), "far": float(np.mean(stranger_scores > cal.threshold)),
+            "far_promised": FAR, "capture_shift": cal.capture_shift,
+            "far_own_shift": float(np.mean(stranger_scores > own_threshold)),
+            "tar_own_shift": float(np.mean(own > own_threshold))}
+
+
+def personal_negatives(model_state: dict, crops, config: TrainingConfig, fit: np.ndarray | None, how: str,
+                       seed: int) -> np.ndarray | None:
+    """The public faces a personalised fit uses as negatives: none, all of the fit share, or FedFR's hard ones
+    (cosine above t_hn to one of the device's faces under the global backbone)."""
+    if how == "none" or fit is None:
+        return None
+    if how == "all":
+        return fit
+    model = global_embedder({k: v.numpy() for k, v in model_state.items()})
+    chosen = hard_negatives(torch.from_numpy(embed(model, fit)), torch.from_numpy(embed(model, crops.images)),
+                            config.t_hn)
+    return fit[chosen.numpy()]
+
+
+def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: int,
+              public: tuple[np.ndarray, np.ndarray] | None, floors: dict[str, float]) -> dict:
+    """Mean over devices of TAR@1e-3 on their own people against strangers, with the arm's personalised model;
+    and its door (`door`): TAR and FAR on strangers at the threshold the device calibrates (`floors`: each
+    device's capture shift under the global model)."""
+    overrides = dict(overrides)
+    how = str(overrides.pop("dfc_negatives", "none"))
+    if how not in NEGATIVES:
+        raise SystemExit(f"dfc_negatives={how!r}: choose one of {', '.join(NEGATIVES)}")
     config = TrainingConfig(**{**BASE, **overrides})
     torch_state = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
-    images, per_device = data.crops.images, {}
+    fit, judge = public if public is not None else (None, None)
+    images, per_device, doors = data.crops.images, {}, {}
     for k in data.training_clients:
-        model = personalised_global(torch_state, device_crops(data, k), config, seed + k)
+        crops = device_crops(data, k)
+        check = check_split(crops.labels, seed + k)
+        fitted = crops if check is None else crops.select(~check)
+        model = personalised_global(torch_state, fitted, config, seed + k,
+                                    personal_negatives(torch_state, fitted, config, fit, how, seed + k))
         row = own_vs_strangers(data, k, lambda idx: embed(model, images[idx], True), strangers)
         if row is not None:
             per_device[str(k)] = row
-    return {"overrides": overrides, "tar@1e-3": _mean([r["tar@1e-3"] for r in per_device.values()]),
-            "tar@1e-2": _mean([r["tar@1e-2"] for r in per_device.values()]), "per_client": per_device}
+        if (gate := door(data, k, lambda x: embed(model, x, True), judge, strangers, seed + k,
+                         floors.get(str(k), 0.0))) is not None:
+            doors[str(k)] = gate
+    return {"overrides": {**overrides, **({"dfc_negatives": how} if how != "none" else {})},
+            "tar@1e-3": _mean([r["tar@1e-3"] for r in per_device.values()]),
+            "tar@1e-2": _mean([r["tar@1e-2"] for r in per_device.values()]), "per_client": per_device,
+            **door_means(doors)}
+
+
+def door_means(doors: dict[str, dict]) -> dict:
+    """The doors' figures averaged over devices, and the worst device's FAR on strangers."""
+    rows = list(doors.values())
+    return {"door_tar": _mean([r["tar"] for r in rows]), "door_far": _mean([r["far"] for r in rows]),
+            "door_far_worst": max((r["far"] for r in rows), default=None),
+            "door_far_own_shift": _mean([r["far_own_shift"] for r in rows]),
+            "door_tar_own_shift": _mean([r["tar_own_shift"] for r in rows]), "doors": doors}
+
+
+def row_of(arm: str, settings: str, scores: dict) -> dict:
+    """One line of the table: the ROC figures (threshold chosen on the strangers) and the door's (calibrated)."""
+    return {"arm": arm, "settings": settings, "tar@1e-3": scores["tar@1e-3"], "tar@1e-2": scores["tar@1e-2"],
+            "door TAR": scores["door_tar"], "door FAR": scores["door_far"],
+            "worst device FAR": scores["door_far_worst"], "door TAR, own shift": scores["door_tar_own_shift"],
+            "door FAR, own shift": scores["door_far_own_shift"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_fleet_options(p, "personalisation", "dirichlet")
+    public = faces_dir() / "celebahq_aligned" if faces_dir() is not None else None
+    p.add_argument("--public-faces", type=Path, default=public,
+                   help=f"unlabelled faces of nobody's people, the public set a device is served (default {public})")
+    p.add_argument("--public-limit", type=int, default=1000,
+                   help="at most this many of them, half for a personalised fit's negatives, half for the device's "
+                        "calibration (default 1000)")
     args = p.parse_args(argv)
     fleet = fleet_data(args)
     if fleet is None:
         print("no labelled faces: set FFR_FACES_DIR or give --data", file=sys.stderr)
         return 2
     data, strangers, _, _ = fleet
+    public = public_faces(args.public_faces, args.public_limit, args.seed)
     state, images = initial_global_state(), data.crops.images
     model = global_embedder(state)
     rows = {str(k): row for k in data.training_clients
             if (row := own_vs_strangers(data, k, lambda idx: embed(model, images[idx]), strangers)) is not None}
-    results = {"partition": args.partition, "clients": args.clients,
+    doors = {str(k): gate for k in data.training_clients
+             if (gate := door(data, k, lambda x: embed(model, x), None if public is None else public[1], strangers,
+                              args.seed + k)) is not None}
+    results = {"partition": args.partition, "clients": args.clients, "far": FAR,
+               "public_faces": None if public is None else {"source": str(args.public_faces), "fit": len(public[0]),
+                                                            "judge": len(public[1])},
                "start": {"tar@1e-3": _mean([r["tar@1e-3"] for r in rows.values()]),
-                         "tar@1e-2": _mean([r["tar@1e-2"] for r in rows.values()]), "per_client": rows}, "arms": {}}
-    print(f"start (no personalisation): own TAR@1e-3 {_n(results['start']['tar@1e-3'])}", flush=True)
+                         "tar@1e-2": _mean([r["tar@1e-2"] for r in rows.values()]), "per_client": rows,
+                         **door_means(doors)}, "arms": {}}
+    print(f"start (no personalisation): own TAR@1e-3 {_n(results['start']['tar@1e-3'])}; door TAR "
+          f"{_n(results['start']['door_tar'])} FAR {_n(results['start']['door_far'], 4)}", flush=True)
     for text in args.arm or ["defaults:"]:
         name, overrides = parse_arm(text)
         started = time.perf_counter()
-        results["arms"][name] = score_arm(data, strangers, state, overrides, args.seed)
+        results["arms"][name] = score_arm(data, strangers, state, overrides, args.seed, public,
+                                          {k: d["capture_shift"] for k, d in doors.items()})
         arm = results["arms"][name]
         gain = (arm["tar@1e-3"] - results["start"]["tar@1e-3"]
                 if None not in (arm["tar@1e-3"], results["start"]["tar@1e-3"]) else None)
         print(f"{name} {overrides or 'defaults'}: own TAR@1e-3 {_n(arm['tar@1e-3'])} "
-              f"({'n/a' if gain is None else f'{gain:+.3f}'}; {time.perf_counter() - started:.0f} s)", flush=True)
-        table = [{"arm": "start", "settings": "the starting model, no personalisation",
-                  "tar@1e-3": results["start"]["tar@1e-3"], "tar@1e-2": results["start"]["tar@1e-2"]}]
-        table += [{"arm": n, "settings": ", ".join(f"{k}={v}" for k, v in a["overrides"].items()) or "defaults",
-                   "tar@1e-3": a["tar@1e-3"], "tar@1e-2": a["tar@1e-2"]} for n, a in results["arms"].items()]
+              f"({'n/a' if gain is None else f'{gain:+.3f}'}); door TAR {_n(arm['door_tar'])} FAR "
+              f"{_n(arm['door_far'], 4)} (worst {_n(arm['door_far_worst'], 4)}); "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
+        table = [row_of("start", "the starting model, no personalisation", results["start"])]
+        table += [row_of(n, ", ".join(f"{k}={v}" for k, v in a["overrides"].items()) or "defaults", a)
+                  for n, a in results["arms"].items()]
         write_results(args.out, args.name, results, table,
                       f"Personalised models fitted on the starting backbone, {args.clients} CelebA devices, "
                       f"{args.partition}: own people against strangers (mean over devices)",

@@ -146,17 +146,18 @@ def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: TrainingC
 
 
 def personalised_global(global_state: dict[str, torch.Tensor], crops: FaceCrops, objective: TrainingConfig,
-                        seed: int = 0) -> FaceModel:
+                        seed: int = 0, negatives: np.ndarray | None = None) -> FaceModel:
     """A device's personalised model: the global backbone (keys `backbone.*`) with a DFC branch fitted on its
     features of the device's images, rather than its last local copy with the branch fitted there (measured:
-    `bench/results/federation_value_dirichlet.md`)."""
+    `bench/results/federation_value_dirichlet.md`); `negatives` (N x S x S x 3 uint8, public faces of nobody's
+    people) join the fit as FedFR's negatives of every binary classifier (eq. 6)."""
     from models.networks.face_model import ModelConfig
 
     model = FaceModel(ModelConfig(n_classes=len(crops.identities), embedding_dim=objective.embedding_dim,
                                   width_mult=objective.width_mult, pretrained=False, dfc=True,
                                   dfc_weight=objective.dfc_weight))
     load_shareable_state(model, global_state)
-    _fit_dfc(model, crops, objective, None, seed)
+    _fit_dfc(model, crops, objective, None if negatives is None else HardNegatives(as_chw(negatives)), seed)
     return model.eval()
 
 

@@ -101,10 +101,9 @@ class RoundRunner:
         if model.dfc is not None and config.dfc_steps > 0:
             personal = personalised_global(global_state, crops if check is None else crops.select(~check), config,
                                            self.seed)
-        judged = crops if check is None else crops.select(check)
         with self.home.writing():  # `ffr device` commands wait meanwhile (one enrolment for verifying and federating)
-            return export_models(model, self.home, self.device_id, global_state, judged.images, judged.labels,
-                                 self.public.negatives_for_adoption(), personal)
+            return export_models(model, self.home, self.device_id, global_state, crops.images, crops.labels,
+                                 self.public.negatives_for_adoption(), personal, check)
 
     def _train(self, job: RoundAnnouncement, model: FaceModel,
                global_state: dict[str, torch.Tensor]) -> tuple[LocalResult, dict | None]:

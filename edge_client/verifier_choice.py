@@ -11,7 +11,10 @@ not fitted on (`check_split`: a quarter of the images of each person with four o
 was fitted on, a personalised model looks perfect (TAR 1.000 in a two-device run) and is always chosen. Where a
 device has too few images to spare, it is judged on all of them, and must beat the global model, not tie. Without
 public negatives (strangers' faces) the personalised model is never chosen: calibrated on the device's people
-alone, its threshold let strangers in.
+alone, its threshold let strangers in. The public faces' scores are moved to the device's own capture
+(`edge_client.recognizer.capture_shift`) by at least the global model's shift: the personalised model pushed the
+device's people apart, so measured on them its shift is too small (10 CelebA devices: strangers let in at 2.8x the
+promised FAR with its own shift, 0.7x with the global one's; `bench/results/personalisation_door.md`).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.home import DeviceHome
-from edge_client.recognizer import Calibration, Settings, calibrate, file_sha256, normalise
+from edge_client.recognizer import Calibration, Settings, calibrate, file_sha256, normalise, template_of
 from edge_client.vault import Vault
 from models.runtime import OnnxEmbedder
 
@@ -70,27 +73,35 @@ class Choice:
                 + (f"; {self.note}" if self.note else ""))
 
 
-def people_embeddings(embedder: OnnxEmbedder, images: np.ndarray, labels: np.ndarray,
-                      negatives: np.ndarray | None) -> tuple[list[np.ndarray], np.ndarray | None]:
-    """One array of embeddings per person of the device, and the public negatives' (None without them)."""
+def calibrated(path: Path, far: float, images: np.ndarray, labels: np.ndarray, negatives: np.ndarray | None,
+               judged: np.ndarray | None, min_shift: float = 0.0) -> Calibration:
+    """A model calibrated as its door will decide: the judged faces of each person and the public negatives scored
+    against templates made from all of the person's faces (`edge_client.recognizer.calibration_scores`; `min_shift`:
+    the least the public faces' scores are moved up by, `capture_shift`)."""
+    embedder = OnnxEmbedder(path)
     emb = normalise(embedder.embed(images))
     strangers = normalise(embedder.embed(negatives)) if negatives is not None and len(negatives) else None
-    return [emb[labels == k] for k in np.unique(labels)], strangers
+    people = np.unique(labels)
+    templates = np.stack([template_of(emb[labels == k]) for k in people])
+    judged = np.ones(len(labels), bool) if judged is None else judged
+    return calibrate([emb[judged & (labels == k)] for k in people], far, file_sha256(path), strangers, templates,
+                     min_shift)
 
 
 def choose(home: DeviceHome, vault: Vault, images: np.ndarray, labels: np.ndarray,
-           negatives: np.ndarray | None) -> Choice | None:
-    """Calibrate each exported model on the device's faces, verify with the better one, save both choices in the
-    sealed settings. None (nothing changed) when the device has too few people to calibrate on."""
+           negatives: np.ndarray | None, judged: np.ndarray | None = None) -> Choice | None:
+    """Calibrate each exported model on the device's faces (`judged`: a mask of those the personalised branch was
+    not fitted on, default all; the templates are made from all), verify with the better one, save both choices in
+    the sealed settings. None (nothing changed) when the device has too few people to calibrate on."""
     settings = Settings.load(home, vault)
     previous = settings.calibration
     far = previous.far_target if previous is not None else DEFAULT_FAR
     candidates = [p for p in (home.generic_onnx, home.personalised_onnx) if p.is_file()]
     calibrations: dict[Path, Calibration] = {}
-    for path in candidates:
-        embeddings, strangers = people_embeddings(OnnxEmbedder(path), images, labels, negatives)
+    for path in candidates:  # the global model first: its capture shift is the personalised one's floor
+        shift = calibrations[home.generic_onnx].capture_shift if home.generic_onnx in calibrations else 0.0
         try:
-            calibrations[path] = calibrate(embeddings, far, file_sha256(path), strangers)
+            calibrations[path] = calibrated(path, far, images, labels, negatives, judged, shift)
         except ValueError as exc:
             log.warning("%s: not recalibrated: %s", home.root, exc)
             return None

@@ -37,14 +37,23 @@ def test_the_personalisation_bench_scores_each_arm_against_the_start(tmp_path):
     from models.faces.synthetic import write_dataset
 
     faces = write_dataset(tmp_path / "faces", n_identities=10, n_images=12, seed=2)
+    public = write_dataset(tmp_path / "public", n_identities=20, n_images=2, seed=3)  # faces of nobody's people
     out = tmp_path / "results"
     assert personalisation(["--data", str(faces), "--out", str(out), "--name", "tiny", "--clients", "2",
                             "--partition", "iid", "--strangers", "12", "--gate-identities", "0",
-                            "--arm", "few:dfc_steps=5", "--arm", "none:dfc_steps=0"]) == 0
+                            "--public-faces", str(public), "--public-limit", "40",
+                            "--arm", "few:dfc_steps=5,dfc_negatives=hard", "--arm", "none:dfc_steps=0"]) == 0
     results = json.loads((out / "tiny.json").read_text())
-    assert set(results["arms"]) == {"few", "none"} and results["arms"]["few"]["overrides"] == {"dfc_steps": 5}
-    assert set(results["arms"]["few"]["per_client"]) == {"0", "1"}
-    # no fit leaves the identity transform: the personalised model scores as the starting one, device by device
+    assert set(results["arms"]) == {"few", "none"}
+    assert results["arms"]["few"]["overrides"] == {"dfc_steps": 5, "dfc_negatives": "hard"}
+    assert set(results["arms"]["few"]["per_client"]) == {"0", "1"} and results["public_faces"]["judge"] == 20
+    # no fit leaves the identity transform: the personalised model scores as the starting one, device by device,
+    # and its door (calibrated on the same faces, with the same capture shift) decides as the starting model's
     for k, row in results["start"]["per_client"].items():
         assert results["arms"]["none"]["per_client"][k]["auc"] == pytest.approx(row["auc"], abs=1e-6)
-    assert "| few | dfc_steps=5 |" in (out / "tiny.md").read_text()
+    assert set(results["start"]["doors"]) == {"0", "1"}
+    for k, gate in results["start"]["doors"].items():
+        same = results["arms"]["none"]["doors"][k]
+        assert same["threshold"] == pytest.approx(gate["threshold"], abs=1e-4) and same["far"] == gate["far"]
+        assert 0 <= gate["tar"] <= 1 and gate["far_promised"] == 1e-3 and gate["capture_shift"] >= 0
+    assert "| few | dfc_steps=5, dfc_negatives=hard |" in (out / "tiny.md").read_text()
