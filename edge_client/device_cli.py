@@ -579,7 +579,8 @@ def cmd_calibrate(args) -> int:
     if args.data is not None:
         more = _folder_embeddings(args, recognizer)
         embeddings, names = embeddings + [e for _, e in more], names + [n for n, _ in more]
-    cal = calibrate(embeddings, args.far, recognizer.model_sha256)
+    strangers, shift, source = _strangers(args, home, recognizer, people)
+    cal = calibrate(embeddings, args.far, recognizer.model_sha256, strangers, min_shift=shift)
     problems = calibration_problems(cal, embeddings, names)
     note = (
         ""
@@ -590,7 +591,7 @@ def cmd_calibrate(args) -> int:
         )
     )
     line = (f"threshold {cal.threshold:.3f} for FAR {args.far:g}: expected false-reject rate {cal.expected_frr:.3f} "
-            f"({cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor pairs){note}")
+            f"({cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor pairs{source}){note}")
     if problems and not args.force:
         raise DeviceError(f"calibration not applied: {'; '.join(problems)} ({line}); fix the calibration faces, "
                           "or apply it anyway with --force")
@@ -601,6 +602,40 @@ def cmd_calibrate(args) -> int:
     _out(args, f"{line}; {applied}" + (f"; forced despite: {'; '.join(problems)}" if problems else ""),
          {**cal.__dict__, "applied": not args.dry_run, "problems": problems})
     return MATCH
+
+
+def _strangers(args, home: DeviceHome, recognizer: Recognizer, people: list
+               ) -> tuple[np.ndarray | None, float, str]:
+    """Strangers' faces for the calibration (`--public-set`, else the public set a round last brought this device),
+    embedded; the least their scores are moved up by (for the personalised model, the global model's capture
+    shift: `edge_client.verifier_choice`); and the words for the line. A personalised model calibrated on the
+    device's people alone let strangers in, so without a public set that is said."""
+    path = args.public_set or last_public_set(home)
+    if path is None:
+        note = ("; no strangers' faces: the personalised model's threshold may let strangers in, give --public-set"
+                if recognizer.model_path == home.personalised_onnx else "")
+        return None, 0.0, note
+    from models.public_set import PublicSetError, load_public_set
+
+    try:  # the daemon names each set it fetched by its sha256; a file that no longer matches is refused
+        public = load_public_set(path, None if args.public_set else path.stem).images
+    except PublicSetError as exc:
+        raise DeviceError(str(exc)) from None
+    shift, generic = 0.0, home.generic_onnx
+    sealed = generic.is_file() and recognizer.settings.models.get(generic.name) == file_sha256(generic)
+    if recognizer.model_path == home.personalised_onnx and sealed and len(people) >= 2:
+        from edge_client.verifier_choice import calibrated
+
+        crops = [p.crops for p in people]
+        labels = np.concatenate([np.full(len(c), i) for i, c in enumerate(crops)])
+        shift = calibrated(generic, args.far, np.concatenate(crops), labels, public, None).capture_shift
+    return recognizer.embed(public), shift, f", {len(public)} strangers' faces from {path.name}"
+
+
+def last_public_set(home: DeviceHome) -> Path | None:
+    """The public set a round last brought this device (`HOME/public/<sha256>.safetensors`), or None."""
+    found = sorted((home.root / "public").glob("*.safetensors"), key=lambda f: f.stat().st_mtime_ns)
+    return found[-1] if found else None
 
 
 def calibration_problems(cal, embeddings: list[np.ndarray], names: list[str]) -> list[str]:
@@ -846,6 +881,9 @@ def add_commands(dsub) -> None:
     p.add_argument("--far", type=float, default=1e-3,
                    help=f"target false-accept rate, in (0, {MAX_CALIBRATION_FAR:g}] (default 1e-3)")
     p.add_argument("--data", type=Path, help="more of the device's people: one folder of face photos each")
+    p.add_argument("--public-set", type=Path,
+                   help="faces of nobody's people, scored as strangers (a file from `ffr edge public-set`; default: "
+                        "the public set a round last brought this device, HOME/public/, if any)")
     p.add_argument("--dry-run", action="store_true", help="say what the threshold would be; change nothing")
     p.add_argument(
         "--force",

@@ -673,3 +673,38 @@ def test_the_python_api_enrols_identifies_verifies_and_compares(tmp_path, faces_
         door.identify(tmp_path / "missing.png")
     rc, out, err = ffr("device", "list", "--home", str(tmp_path / "home"), "--json")
     assert rc == 0 and [p["name"] for p in json.loads(out)["people"]] == ["s1", "s2"], (out, err)
+
+
+def test_calibration_scores_strangers_from_a_public_set_and_refuses_one_changed_on_disk(home, faces_dir, tmp_path):
+    """`calibrate` also scores faces of nobody's people: `--public-set FILE`, else the set a round last brought the
+    device (HOME/public/<sha256>.safetensors, checked against its name: a file read back from disk may be changed)."""
+    from models.public_set import build_public_set
+
+    folder = tmp_path / "public_faces"
+    folder.mkdir()
+    for person in [f"s{k}" for k in range(20, 40)]:  # ORL people the device never enrolled, two photos each
+        for photo in sorted((faces_dir / "orl" / person).iterdir())[:2]:
+            shutil.copy(photo, folder / f"{person}_{photo.name}")
+    public = tmp_path / "public.safetensors"
+    sha = build_public_set(folder, public, limit=100)
+    base = ("device", "calibrate", "--home", str(home), "--far", "0.01", "--dry-run", "--json")
+    rc, out, err = ffr(*base)
+    alone = json.loads(out)
+    assert rc == 0 and alone["capture_shift"] == 0.0, err
+    rc, out, err = ffr(*base, "--public-set", str(public))
+    given = json.loads(out)
+    assert rc == 0 and given["applied"] is False, err
+    assert given["impostor_pairs"] == alone["impostor_pairs"] + 40 * 3  # 40 strangers' faces x 3 templates
+    received = home / "public" / f"{sha}.safetensors"
+    received.parent.mkdir(exist_ok=True)
+    shutil.copy(public, received)
+    try:
+        rc, out, err = ffr(*base)
+        assert rc == 0 and json.loads(out)["impostor_pairs"] == given["impostor_pairs"], err
+        rc, out, err = ffr(*base[:-1])
+        assert rc == 0 and f"40 strangers' faces from {received.name}" in out, out
+        received.write_bytes(received.read_bytes()[:-8] + b"changed!")
+        rc, out, err = ffr(*base)
+        assert rc == 2 and "does not match its sha256" in err, (out, err)
+    finally:
+        shutil.rmtree(received.parent)
