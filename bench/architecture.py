@@ -156,6 +156,25 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return groups
 
 
+# what the service and the simulator may call on the engine (ARCHITECTURE.md); the rest are its collaborators
+ENGINE_API = {"view", "open_round", "close_round", "round_view", "admit", "status", "pause", "resume", "running",
+              "finished", "on_message", "tick"}
+
+
+def engine_reads(tree: dict[str, ast.Module], package: str = "fleet") -> list[str]:
+    """`engine.X` in `package` where X is not the engine's API: a reach into its collaborators (sorted)."""
+    found = []
+    for name, module in tree.items():
+        if not name.startswith(package + "."):
+            continue
+        for node in ast.walk(module):
+            inner = node.value if isinstance(node, ast.Attribute) else None
+            named = inner.attr if isinstance(inner, ast.Attribute) else getattr(inner, "id", None)
+            if named == "engine" and node.attr not in ENGINE_API:
+                found.append(f"{name}:{node.lineno} engine.{node.attr}")
+    return sorted(found)
+
+
 def measure(root: Path = ROOT) -> dict:
     tree = modules(root)
     big_classes, long_functions = sizes(tree)
@@ -163,7 +182,8 @@ def measure(root: Path = ROOT) -> dict:
     graph = imports(tree)
     return {"classes_over_300": big_classes, "functions_over_60": long_functions, "config_classes": fields,
             "duplicated_config_fields": shared, "optimiser_loops": optimiser_loops(tree),
-            "wrong_way_imports": wrong_way(graph), "import_cycles": cycles(graph)}
+            "wrong_way_imports": wrong_way(graph), "import_cycles": cycles(graph),
+            "engine_reads_from_fleet": engine_reads(tree)}
 
 
 def main() -> None:
@@ -181,7 +201,9 @@ def main() -> None:
               "count": len(figures["duplicated_config_fields"]), "target": "halved"},
              {"figure": "optimiser loops", "count": len(figures["optimiser_loops"]), "target": 1},
              {"figure": "imports upward or sideways", "count": len(figures["wrong_way_imports"]), "target": 0},
-             {"figure": "import cycles", "count": len(figures["import_cycles"]), "target": 0}]
+             {"figure": "import cycles", "count": len(figures["import_cycles"]), "target": 0},
+             {"figure": "reads of the engine's collaborators from fleet/",
+              "count": len(figures["engine_reads_from_fleet"]), "target": 0}]
     write_results(args.out, args.name, figures, table, "House plan figures (issue 28)",
                   f"python -m bench.architecture --out {args.out}")
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from coordinator.aggregation import Strategy, capped_weights  # noqa: F401 - capped_weights re-exported
 from coordinator.broadcast import ModelBroadcast
+from coordinator.engine_view import EngineView
 from coordinator.robust import NormBound, l2_norm
 from coordinator.round_aggregation import RoundAggregator
 from coordinator.round_state import OpenRound, RoundView
@@ -38,7 +39,7 @@ from coordinator.update_intake import UpdateIntake
 from coordinator.validation import FederatedValidation
 from coordinator.validation_round import NoValidation, ValidationPhase
 from protocol import topics
-from protocol.auth import Signer
+from protocol.auth import Signer, new_token
 from protocol.codecs import layout
 from protocol.messages import (
     Ack,
@@ -98,6 +99,7 @@ class Engine:
                                           settings.fv_timeout_s) if settings.fv else NoValidation()
         if strategy.stateful:  # FedAvgM's velocity, PFM's global momentum
             strategy.state = store.load_strategy_state()
+        self.view = EngineView(self)  # what readers (the simulator) may see of this engine, as values
         self._publish_model()
         self._resume_open_round()
         self._release_if_finished()  # a coordinator restarted after its last round releases the final model again
@@ -145,8 +147,6 @@ class Engine:
 
     def admit(self, device_id: str) -> str:
         """A one-time admission token for `device_id` (see coordinator.admission)."""
-        from protocol.auth import new_token
-
         token = new_token()
         self.store.admit(device_id, token)
         return token

@@ -166,6 +166,10 @@ class Service:
             credential.save(out)
         return credential
 
+    def record_evaluation(self, version: int, metrics: dict[str, float], source: str) -> None:
+        """An operator's measurement of a released model, made elsewhere (the dashboard plots it)."""
+        self.engine.store.record_evaluation(version, metrics, source)
+
     def _on_message(self, client, userdata, msg) -> None:
         try:
             self.engine.on_message(msg.topic, msg.payload)

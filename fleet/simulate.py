@@ -160,7 +160,7 @@ class Simulation:
         return Turn(str(root / "credential.json"), str(root / "data"), str(root / "home"), self.service.broker_url,
                     str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
                     self.config.server.round_timeout_s, self.config.attack if client in bad else None, public,
-                    attack_bound=self.service.engine.norms.bound, attack_epochs=self.config.training.epochs,
+                    attack_bound=self.service.engine.view.norm_bound(), attack_epochs=self.config.training.epochs,
                     attack_share=1.0 / max(1, len(self.data.training_clients)),
                     attack_photos=str(self.attack_photos) if self.attack_photos else None)
 
@@ -234,7 +234,7 @@ class Simulation:
         folders = write_device_folders(self.data, self.run_dir / "devices", clients, (TRAIN, VAL))
         for k in clients:
             root = self.run_dir / "devices" / device_id(k)
-            if not (root / "credential.json").exists() or device_id(k) not in self.service.engine.keys:
+            if not (root / "credential.json").exists() or device_id(k) not in self.service.engine.view.registered():
                 self.service.admit(device_id(k), root / "credential.json")
             device = EdgeDevice(root / "credential.json", folders[k], root / "home", broker=self.service.broker_url,
                                 detector=self.data.detector, export_onnx=False, crop_cache=crop_cache(self.config),
@@ -247,7 +247,7 @@ class Simulation:
 
     def _register(self, pool: DevicePool) -> None:
         """The simulator is the operator too: it admits its own devices, then each joins with its credential."""
-        known = set(self.service.engine.store.device_keys())
+        known = self.service.engine.view.registered()
         new = [k for k in self.data.training_clients if device_id(k) not in known]
         for k in new:
             self.service.admit(device_id(k), self.run_dir / "devices" / device_id(k) / "credential.json")
@@ -259,8 +259,9 @@ class Simulation:
 
     def _rounds(self, pool: DevicePool, tracker) -> None:
         c, engine = self.config, self.service.engine
+        view = engine.view
         self._catch_up(tracker)
-        while engine.store.finished_rounds() < c.server.rounds:
+        while view.finished_rounds() < c.server.rounds:
             if should_stop(self.state.history, c.patience, c.min_delta):
                 self.state.status = "early_stopped"
                 tqdm.write(f"early stop: no validation AUC gain of {c.min_delta} in {c.patience} rounds")
@@ -271,7 +272,7 @@ class Simulation:
             round_started = time.time()
             self._run_devices(pool, current.round_id, current.participants)
             self._close(current.round_id)
-            row = next(r for r in engine.store.rounds() if r["round_id"] == current.round_id)
+            row = view.round(current.round_id)
             if row["status"] == "rolled_back":  # the coordinator refused the new model; the run goes on from the old
                 tqdm.write(f"round {current.round_id} rolled back by the coordinator: {row['reason']}")
             elif row["status"] != "completed":  # every device failed: retrying the same thing would loop forever
@@ -281,9 +282,9 @@ class Simulation:
 
     def _run_devices(self, pool: DevicePool, round_id: int, participants: list[str]) -> None:
         clients = [int(d.removeprefix("client-")) for d in participants]
-        done = self.service.engine.store
-        turns = [self._turn(k, round_id) for k in clients if not done.update_accepted(round_id, device_id(k))]
-        number = self.service.engine.store.finished_rounds() + 1
+        view = self.service.engine.view
+        turns = [self._turn(k, round_id) for k in clients if not view.update_accepted(round_id, device_id(k))]
+        number = view.finished_rounds() + 1
         bar = tqdm(pool.run(turns), total=len(turns), desc=f"round {number}/{self.config.server.rounds}", unit="device",
                    disable=bar_disable(self.config.progress))
         for result in bar:
@@ -308,7 +309,7 @@ class Simulation:
         """DP-FedAvg's privacy spent after the last completed round (None when DP is off)."""
         if self.config.training.dp_clip is None:
             return None
-        done = [r for r in self.service.engine.store.rounds() if r["status"] == "completed"]
+        done = [r for r in self.service.engine.view.rounds() if r["status"] == "completed"]
         last = done[-1]["metrics"] if done else {}
         return {k.removeprefix("dp_"): last.get(k) for k in ("dp_epsilon", "dp_delta", "dp_noise_multiplier",
                                                                  "dp_clip", "dp_q")}
@@ -318,7 +319,7 @@ class Simulation:
         seen = {h["round_id"] for h in self.state.history}
         initial = {"round_id": 0, "status": "completed", "new_version": 0, "base_version": 0, "n_updates": 0,
                    "n_dropped": 0, "participants": [], "metrics": {}, "started_at": 0, "closed_at": 0}
-        for row in [initial, *self.service.engine.store.rounds()]:  # round 0: the starting model, for reference
+        for row in [initial, *self.service.engine.view.rounds()]:  # round 0: the starting model, for reference
             if row["status"] != "completed" or row["round_id"] in seen:
                 continue
             record = self._round_record(row, wall_s if row["round_id"] else 0.0)
@@ -348,7 +349,7 @@ class Simulation:
                   "train_loss": m.get("mean_train_loss"), "train_acc": m.get("mean_train_acc"),
                   "bytes_up": m.get("bytes_received", 0),
                   # the wire (fp16) size
-                  "bytes_down": self.service.engine.broadcast.model.size * len(row["participants"]),
+                  "bytes_down": self.service.engine.view.model_bytes() * len(row["participants"]),
                   "wall_s": wall_s if wall_s is not None else (row["closed_at"] or 0) - (row["started_at"] or 0),
                   "aggregation_s": m.get("aggregation_seconds"),
                   "hn_fraction": self._device_mean(row, "hn_fraction"),
@@ -372,7 +373,7 @@ class Simulation:
         record["eval_s"] = time.perf_counter() - evaluating
         quality = {k: float(record[f"holdout_{k}"]) for k in ("auc", "eer") if record.get(f"holdout_{k}") is not None}
         if quality:  # the coordinator's dashboard plots it (the operator's evaluation: the simulator holds the faces)
-            self.service.engine.store.record_evaluation(version, quality, "fleet simulator, held-out people")
+            self.service.record_evaluation(version, quality, "fleet simulator, held-out people")
         return record
 
     def _at_start_threshold(self, raw: tuple | None) -> dict:
@@ -426,7 +427,7 @@ class Simulation:
         torch.set_num_threads(self.cores)
 
     def _global_model(self, version: int) -> FaceEmbedder:
-        return global_embedder(self.service.engine.store.load_model(version), self.config.training.width_mult)
+        return global_embedder(self.service.engine.view.model(version), self.config.training.width_mult)
 
     # the end ----------------------------------------------------------------
     def _finish(self, tracker, started: float) -> dict:
@@ -435,7 +436,7 @@ class Simulation:
         result = final.evaluate(self.state.history, self._global_model)
         self.state.elapsed_s += time.time() - started
         self.state.save(self.state_path)
-        rolled_back = [r for r in self.service.engine.store.rounds() if r["status"] == "rolled_back"]
+        rolled_back = [r for r in self.service.engine.view.rounds() if r["status"] == "rolled_back"]
         summary = final.summary(result, self.state, tracker.run_id, self._privacy(), rolled_back)
         if self.config.malicious > 0:
             summary["attack"] = self._attack()
