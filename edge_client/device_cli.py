@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -606,19 +607,19 @@ def cmd_calibrate(args) -> int:
 
 def _strangers(args, home: DeviceHome, recognizer: Recognizer, people: list
                ) -> tuple[np.ndarray | None, float, str]:
-    """Strangers' faces for the calibration (`--public-set`, else the public set a round last brought this device),
+    """Strangers' faces for the calibration (`--public-set`, else the public set the last round calibrated on),
     embedded; the least their scores are moved up by (for the personalised model, the global model's capture
     shift: `edge_client.verifier_choice`); and the words for the line. A personalised model calibrated on the
     device's people alone let strangers in, so without a public set that is said."""
-    path = args.public_set or last_public_set(home)
+    path = args.public_set or received_public_set(home, recognizer.settings.public_set)
     if path is None:
         note = ("; no strangers' faces: the personalised model's threshold may let strangers in, give --public-set"
                 if recognizer.model_path == home.personalised_onnx else "")
         return None, 0.0, note
     from models.public_set import PublicSetError, load_public_set
 
-    try:  # the daemon names each set it fetched by its sha256; a file that no longer matches is refused
-        public = load_public_set(path, None if args.public_set else path.stem).images
+    try:  # the received set must still be the one the sealed settings name
+        public = load_public_set(path, None if args.public_set else recognizer.settings.public_set).images
     except PublicSetError as exc:
         raise DeviceError(str(exc)) from None
     shift, generic = 0.0, home.generic_onnx
@@ -632,10 +633,14 @@ def _strangers(args, home: DeviceHome, recognizer: Recognizer, people: list
     return recognizer.embed(public), shift, f", {len(public)} strangers' faces from {path.name}"
 
 
-def last_public_set(home: DeviceHome) -> Path | None:
-    """The public set a round last brought this device (`HOME/public/<sha256>.safetensors`), or None."""
-    found = sorted((home.root / "public").glob("*.safetensors"), key=lambda f: f.stat().st_mtime_ns)
-    return found[-1] if found else None
+def received_public_set(home: DeviceHome, sha256: str | None) -> Path | None:
+    """The public set the last round calibrated on (`HOME/public/<sha256>.safetensors`, its hash from the sealed
+    settings), or None (none recorded, or the file is gone): any other file in that folder may have been put there by
+    someone else, and the one named is checked against that hash when read."""
+    if sha256 is None or not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        return None
+    path = home.root / "public" / f"{sha256}.safetensors"
+    return path if path.is_file() else None
 
 
 def calibration_problems(cal, embeddings: list[np.ndarray], names: list[str]) -> list[str]:
@@ -883,7 +888,7 @@ def add_commands(dsub) -> None:
     p.add_argument("--data", type=Path, help="more of the device's people: one folder of face photos each")
     p.add_argument("--public-set", type=Path,
                    help="faces of nobody's people, scored as strangers (a file from `ffr edge public-set`; default: "
-                        "the public set a round last brought this device, HOME/public/, if any)")
+                        "the public set the device's last round calibrated on, if any)")
     p.add_argument("--dry-run", action="store_true", help="say what the threshold would be; change nothing")
     p.add_argument(
         "--force",

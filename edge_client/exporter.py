@@ -13,12 +13,14 @@ from models.networks.face_model import FaceModel, load_shareable_state, shareabl
 def export_models(model: FaceModel, home: DeviceHome, device_id: str,
                   global_state: dict[str, torch.Tensor] | None = None, images: np.ndarray | None = None,
                   labels: np.ndarray | None = None, negatives: np.ndarray | None = None,
-                  personalised: FaceModel | None = None, judged: np.ndarray | None = None) -> str | None:
+                  personalised: FaceModel | None = None, judged: np.ndarray | None = None,
+                  public_sha256: str | None = None) -> str | None:
     """Export and seal both models (`global_state`: the generic model's backbone; None: the model's own;
     `personalised`: the model whose DFC embedding is exported as the personalised one, default `model`'s); with the
     device's faces (`images`, `labels`; `negatives`: public faces of nobody's people; `judged`: a mask of the images
-    the personalised branch was not fitted on, default all) choose which one verifies and recalibrate it. Returns
-    the log line of that choice."""
+    the personalised branch was not fitted on, default all; `public_sha256`: the received public set `negatives`
+    come from, sealed so that `ffr device calibrate` uses that file only) choose which one verifies and recalibrate
+    it. Returns the log line of that choice."""
     from edge_client.recognizer import seal_model
     from edge_client.vault import Vault
     from edge_client.verifier_choice import choose
@@ -39,5 +41,5 @@ def export_models(model: FaceModel, home: DeviceHome, device_id: str,
         seal_model(home, vault, home.personalised_onnx)
     if images is None or labels is None:
         return None
-    choice = choose(home, vault, images, labels, negatives, judged)
+    choice = choose(home, vault, images, labels, negatives, judged, public_sha256)
     return None if choice is None else choice.line()

@@ -113,6 +113,12 @@ class DevicePublicSet:
             return None
         return self._set
 
+    @property
+    def sha256(self) -> str | None:
+        """The hash of the coordinator's set this device holds (None for an operator's `--public-set` file, which
+        is not kept in the home)."""
+        return None if self.path is not None else self._sha
+
     def negatives_for_adoption(self):
         """The public images the adoption check may use as impostors (the operator's file, or the last set the
         coordinator served), or None."""

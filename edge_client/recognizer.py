@@ -116,6 +116,7 @@ class Settings:
     calibration: Calibration | None = None
     models: dict[str, str] = field(default_factory=dict)  # model file name -> sha256 when this device installed it
     verifier: str | None = None  # the model file decisions use (None: a home from before it was recorded)
+    public_set: str | None = None  # sha256 of the public set the last round's calibration took strangers from
 
     @classmethod
     def load(cls, home: DeviceHome, vault: Vault) -> Settings:
@@ -131,7 +132,8 @@ class Settings:
             body = _canonical(raw)
             settings = cls(Calibration(**raw["calibration"]) if raw.get("calibration") else None,
                            {str(k): str(v) for k, v in raw.get("models", {}).items()},
-                           str(raw["verifier"]) if raw.get("verifier") is not None else None)
+                           str(raw["verifier"]) if raw.get("verifier") is not None else None,
+                           str(raw["public_set"]) if raw.get("public_set") is not None else None)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise VaultError(f"{path} is damaged or was not written by ffr-edge; refusing to decide with it") from None
         if not hmac.compare_digest(str(mac), vault.mac(body)) or mac != sealed:

@@ -103,7 +103,7 @@ class RoundRunner:
                                            self.seed)
         with self.home.writing():  # `ffr device` commands wait meanwhile (one enrolment for verifying and federating)
             return export_models(model, self.home, self.device_id, global_state, crops.images, crops.labels,
-                                 self.public.negatives_for_adoption(), personal, check)
+                                 self.public.negatives_for_adoption(), personal, check, self.public.sha256)
 
     def _train(self, job: RoundAnnouncement, model: FaceModel,
                global_state: dict[str, torch.Tensor]) -> tuple[LocalResult, dict | None]:

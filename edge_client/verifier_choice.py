@@ -89,7 +89,8 @@ def calibrated(path: Path, far: float, images: np.ndarray, labels: np.ndarray, n
 
 
 def choose(home: DeviceHome, vault: Vault, images: np.ndarray, labels: np.ndarray,
-           negatives: np.ndarray | None, judged: np.ndarray | None = None) -> Choice | None:
+           negatives: np.ndarray | None, judged: np.ndarray | None = None,
+           public_sha256: str | None = None) -> Choice | None:
     """Calibrate each exported model on the device's faces (`judged`: a mask of those the personalised branch was
     not fitted on, default all; the templates are made from all), verify with the better one, save both choices in
     the sealed settings. None (nothing changed) when the device has too few people to calibrate on."""
@@ -118,5 +119,6 @@ def choose(home: DeviceHome, vault: Vault, images: np.ndarray, labels: np.ndarra
     # the personalised model must beat the global one outright; a tie keeps the model everyone shares
     best = max(eligible, key=lambda p: (tar[p.stem], p == home.generic_onnx))
     settings.verifier, settings.calibration = best.name, calibrations[best]
+    settings.public_set = public_sha256 if strangers else None  # the file `ffr device calibrate` may take them from
     settings.save(home, vault)
     return Choice(best, calibrations[best], tar, previous, note)

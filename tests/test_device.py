@@ -676,8 +676,11 @@ def test_the_python_api_enrols_identifies_verifies_and_compares(tmp_path, faces_
 
 
 def test_calibration_scores_strangers_from_a_public_set_and_refuses_one_changed_on_disk(home, faces_dir, tmp_path):
-    """`calibrate` also scores faces of nobody's people: `--public-set FILE`, else the set a round last brought the
-    device (HOME/public/<sha256>.safetensors, checked against its name: a file read back from disk may be changed)."""
+    """`calibrate` also scores faces of nobody's people: `--public-set FILE`, else the set the last round calibrated on
+    (HOME/public/<sha256>.safetensors, its hash in the sealed settings). A file read back from disk may have been
+    planted or changed: one the settings do not name is never taken, and the named one is checked against its hash."""
+    from edge_client.home import DeviceHome
+    from edge_client.recognizer import Settings
     from models.public_set import build_public_set
 
     folder = tmp_path / "public_faces"
@@ -698,7 +701,13 @@ def test_calibration_scores_strangers_from_a_public_set_and_refuses_one_changed_
     received = home / "public" / f"{sha}.safetensors"
     received.parent.mkdir(exist_ok=True)
     shutil.copy(public, received)
+    device, vault = DeviceHome(home), Vault.open(home / "store")
     try:
+        rc, out, err = ffr(*base)  # planted: the sealed settings name no public set
+        assert rc == 0 and json.loads(out)["impostor_pairs"] == alone["impostor_pairs"], err
+        settings = Settings.load(device, vault)
+        settings.public_set = sha  # as a round's calibration records the set it was served
+        settings.save(device, vault)
         rc, out, err = ffr(*base)
         assert rc == 0 and json.loads(out)["impostor_pairs"] == given["impostor_pairs"], err
         rc, out, err = ffr(*base[:-1])
@@ -708,3 +717,6 @@ def test_calibration_scores_strangers_from_a_public_set_and_refuses_one_changed_
         assert rc == 2 and "does not match its sha256" in err, (out, err)
     finally:
         shutil.rmtree(received.parent)
+        settings = Settings.load(device, vault)
+        settings.public_set = None
+        settings.save(device, vault)

@@ -137,3 +137,13 @@ def test_the_choice_is_made_on_images_the_personalised_branch_was_not_fitted_on(
     small = check_split(np.repeat(np.arange(3), [4, 3, 9]))  # a person with 3 images is fitted on, not judged
     assert [int(small[np.repeat(np.arange(3), [4, 3, 9]) == k].sum()) for k in range(3)] == [2, 0, 2]
     assert check_split(np.repeat(np.arange(3), [4, 3, 2])) is None  # one person to judge on: no impostor among them
+
+
+def test_the_public_set_a_calibration_took_strangers_from_is_sealed_with_it(tmp_path, faces):
+    """So that `ffr device calibrate` later takes strangers from that file only, never from one planted beside it."""
+    home, (images, labels, public) = _calibrated_home(tmp_path / "home"), faces
+    export_models(_model(_face_state()), home, "dev", _blind_state(), images, labels, public, public_sha256="ab" * 32)
+    vault = Vault.open(home.root / "store")
+    assert Settings.load(home, vault).public_set == "ab" * 32
+    export_models(_model(_face_state()), home, "dev", _blind_state(), images, labels, None, public_sha256="ab" * 32)
+    assert Settings.load(home, vault).public_set is None  # no strangers were used: nothing to take them from
