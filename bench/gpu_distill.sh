@@ -29,20 +29,39 @@
 # and the kit already fill about 61 of the 64 MiB a call carries, so FILE has to travel in the shipped file's place:
 # copy it over models/weights/face_embedder.safetensors, run with INIT=models/weights/face_embedder.safetensors, then
 # `git checkout models/weights/face_embedder.safetensors` here.
+#
+# Issue 50's arms, side by side in one call, each its own process on the one GPU at the same time budget:
+#   here, once:   bash bench/gpu_distill.sh arms-kit     (.gpu-arms/, ignored, about 56 MB: 20,000 of the old crops,
+#                                                      CelebA-HQ's 12,000, SFace, onnx2torch)
+#   the device:   run(command="bash bench/gpu_distill.sh arms 7", carry=[".gpu-arms"], timeout_s=570)
+#                 -> $OUT/ARM/embedder.safetensors and metrics.json for each arm in ARMS below
+#   here, after:  python -m bench.ratchet --candidate FILES_AT/ARM/embedder.safetensors   (each arm; no --ship)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=${FFR_GPU_KIT:-.gpu}
+ARMS_KIT=${FFR_GPU_ARMS_KIT:-.gpu-arms}
+# ARM|pretrain options beyond the shared ones; @ is the arms kit (old.npz, celebahq.npz)
+ARMS=(
+  "a_cosine_old|--data @old.npz"
+  "b_cosine_celebahq|--data @old.npz --data @celebahq.npz"
+  "c_queue_celebahq|--data @old.npz --data @celebahq.npz --loss queue"
+)
+
+teacher_site() {  # onnx2torch and SFace's published file into the kit folder $1
+  local PY=$1 kit=$2 site
+  mkdir -p "$kit/site"
+  site=$("$PY" -c "import onnx2torch, pathlib; print(pathlib.Path(onnx2torch.__file__).parent.parent)")
+  rm -rf "$kit/site/onnx2torch"
+  cp -r "$site/onnx2torch" "$kit/site/"
+  find "$kit/site" -name __pycache__ -prune -exec rm -rf {} +
+  cp "$("$PY" -c "from models.networks.teacher import sface_source; print(sface_source())")" "$kit/sface.onnx"
+}
 
 case "${1:-}" in
   kit)
     PY=${PYTHON:-.venv/bin/python}
     FACES=${FFR_FACES_DIR:-../shared/faces}
-    mkdir -p "$KIT/site"
-    site=$("$PY" -c "import onnx2torch, pathlib; print(pathlib.Path(onnx2torch.__file__).parent.parent)")
-    rm -rf "$KIT/site/onnx2torch"
-    cp -r "$site/onnx2torch" "$KIT/site/"
-    find "$KIT/site" -name __pycache__ -prune -exec rm -rf {} +
-    cp "$("$PY" -c "from models.networks.teacher import sface_source; print(sface_source())")" "$KIT/sface.onnx"
+    teacher_site "$PY" "$KIT"
     if [ ! -f "$KIT/faces.npz" ]; then
       "$PY" -m ffr.models_only pack-crops --data "$FACES/utkface_aligned" --data "$FACES/all_age_faces_aligned" \
         --out "$KIT/faces.npz"
@@ -82,8 +101,51 @@ case "${1:-}" in
       mkdir -p "$OUT/run" && cp "$RUN"/* "$OUT/run/"
     fi
     ;;
+  arms-kit)
+    PY=${PYTHON:-.venv/bin/python}
+    FACES=${FFR_FACES_DIR:-../shared/faces}
+    teacher_site "$PY" "$ARMS_KIT"
+    # a call carries 64 MiB with the tree: the old sets (35,000 crops) go as a seeded 20,000
+    [ -f "$ARMS_KIT/old.npz" ] || "$PY" -m ffr.models_only pack-crops --data "$FACES/utkface_aligned" \
+      --data "$FACES/all_age_faces_aligned" --max-images 20000 --out "$ARMS_KIT/old.npz"
+    [ -f "$ARMS_KIT/celebahq.npz" ] || "$PY" -m ffr.models_only pack-crops --data "$FACES/celebahq_aligned" \
+      --out "$ARMS_KIT/celebahq.npz"
+    du -sh "$ARMS_KIT"
+    ;;
+  arms)
+    MINUTES=${2:?usage: bench/gpu_distill.sh arms MINUTES}
+    [ -f "$ARMS_KIT/old.npz" ] && [ -f "$ARMS_KIT/celebahq.npz" ] && [ -f "$ARMS_KIT/sface.onnx" ] ||
+      { echo "no arms kit in $ARMS_KIT: run 'bash bench/gpu_distill.sh arms-kit' here and carry it" >&2; exit 2; }
+    ARMS_KIT=$(cd "$ARMS_KIT" && pwd)
+    export PYTHONPATH="$ARMS_KIT/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" FFR_SFACE_FILE="$ARMS_KIT/sface.onnx"
+    export FFR_CACHE_DIR=${FFR_CACHE_DIR:-/tmp/ffr-cache} TQDM_MININTERVAL=${TQDM_MININTERVAL:-30}
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    : "${OUT:?the device tool sets OUT}"
+    WORK=${FFR_GPU_RUN:-/tmp/ffr-arms}
+    pids=()
+    for arm in "${ARMS[@]}"; do
+      name=${arm%%|*} options=${arm#*|}
+      options=${options//@/$ARMS_KIT/}
+      ("${PYTHON:-python3}" -m ffr.models_only pretrain ${options} --out "$WORK/$name" --force \
+        --device "${FFR_GPU_DEVICE:-cuda}" --online --init face --batch-size "${BATCH:-512}" --lr "${LR:-1.5e-3}" \
+        --warmup-steps "${WARMUP:-100}" --budget-minutes "$MINUTES" --checkpoint-every 600 --threads 4 \
+        --no-yield-cpu ${EXTRA:-}) > "$WORK.$name.log" 2>&1 &
+      pids+=($!)
+    done
+    failed=0
+    for i in "${!pids[@]}"; do
+      name=${ARMS[$i]%%|*}
+      wait "${pids[$i]}" || { failed=1; echo "arm $name failed:" >&2; }
+      tail -n 2 "$WORK.$name.log" | cut -c1-300
+      "${PYTHON:-python3}" -c "import json,sys; m=json.load(open(sys.argv[1])); h=m['history'];
+print(sys.argv[2], m['status'], 'step', m['step'], 'first', h[0], 'last', h[-1])" "$WORK/$name/metrics.json" "$name" || true
+      mkdir -p "$OUT/$name"
+      cp "$WORK/$name/embedder.safetensors" "$WORK/$name/metrics.json" "$OUT/$name/" 2>/dev/null || true
+    done
+    exit $failed
+    ;;
   *)
-    echo "usage: bench/gpu_distill.sh kit | run MINUTES [CALL_MINUTES]" >&2
+    echo "usage: bench/gpu_distill.sh kit | run MINUTES [CALL_MINUTES] | arms-kit | arms MINUTES" >&2
     exit 2
     ;;
 esac

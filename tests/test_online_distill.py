@@ -169,3 +169,52 @@ def test_a_damaged_online_run_state_is_refused_in_one_line_on_resume(tmp_path, p
     assert main([*args, "--resume"]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds a damaged run state" in err and len(err.splitlines()) == 1, err
+
+
+def test_the_queue_loss_through_the_cli_lowers_the_loss_and_its_queue_fills_and_wraps(tmp_path, pack):
+    """`--online --loss queue` (issue 50's memory arm): a tiny real run whose loss falls and whose queue term is
+    logged; the queue keeps the newest targets once full."""
+    from ffr.cli import main
+    from models.training.online_distill import TargetQueue
+
+    out = tmp_path / "run"
+    assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",
+                 "--loss", "queue", "--queue-size", "20", "--bank-weight", "2", "--init", "imagenet",
+                 "--epochs", "12", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "10",
+                 "--threads", "2"]) == 0
+    history = json.loads((out / "metrics.json").read_text())["history"]
+    losses = [row["train_loss"] for row in history]
+    assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
+    assert all(row["train_queue_loss"] >= 0 for row in history) and history[0]["train_queue_loss"] > 0
+
+    queue = TargetQueue(5, 2, torch.device("cpu"))
+    assert queue.contents().shape == (0, 2)
+    queue.push(torch.arange(6.0).reshape(3, 2))
+    queue.push(torch.arange(6.0, 14.0).reshape(4, 2))   # 7 pushed into 5: the two oldest go
+    assert queue.filled == 5 and sorted(queue.contents()[:, 0].tolist()) == [4.0, 6.0, 8.0, 10.0, 12.0]
+
+
+def test_each_memory_loss_runs_only_on_the_path_that_has_its_memory(tmp_path, pack, synthetic_dir, capsys):
+    from ffr.cli import main
+
+    assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r"), "--online",
+                 "--loss", "bank"]) == 2
+    assert "need the cached path" in capsys.readouterr().err
+    assert main(["-q", "pretrain", "--data", str(synthetic_dir), "--out", str(tmp_path / "r2"), "--no-online",
+                 "--loss", "queue"]) == 2
+    assert "--loss queue needs --online" in capsys.readouterr().err
+    assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r3"), "--online",
+                 "--queue-size", "10"]) == 2
+    assert "--loss queue" in capsys.readouterr().err
+
+
+def test_a_pack_of_a_seeded_subset_holds_that_many_crops(tmp_path, synthetic_dir):
+    from ffr.cli import main
+    from models.training.crop_pack import unpack_crops
+
+    first, again = tmp_path / "a.npz", tmp_path / "b.npz"
+    assert main(["-q", "pack-crops", "--data", str(synthetic_dir), "--out", str(first), "--max-images", "7"]) == 0
+    assert main(["-q", "pack-crops", "--data", str(synthetic_dir), "--out", str(again), "--max-images", "7"]) == 0
+    images, names = unpack_crops(first)
+    assert len(images) == 7 and names == unpack_crops(again)[1] and names == sorted(names)
+    assert main(["-q", "pack-crops", "--data", str(synthetic_dir), "--out", str(first), "--max-images", "0"]) == 2

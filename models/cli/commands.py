@@ -153,7 +153,7 @@ def _pretrain_config(args):
 
     spec = given(args, TEACHER_FLAGS, TEACHER_FIELDS)  # not given: TeacherSpec's
     own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every", "--low-res-fraction",
-                       "--views"],
+                       "--views", "--queue-size"],
                 {"eval_every": "eval_every_steps"})
     return PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                           init=args.init, labelled=[str(d) for d in args.labelled], epochs=args.epochs,
@@ -172,8 +172,10 @@ _ONNX_TEACHER = Owned("--teacher FILE.onnx", lambda a: str(a.teacher) != "sface"
 PRETRAIN_OWNED: dict[str, Owned] = {
     **{flag: _ONNX_TEACHER for flag in TEACHER_FLAGS},
     "--margin-weight": Owned("--labelled DIR", lambda a: bool(a.labelled)),
-    "--bank-weight": Owned("--loss bank", lambda a: a.loss == "bank"),
-    "--bank-temperature": Owned("--loss bank", lambda a: a.loss == "bank"),
+    "--bank-weight": Owned("--loss bank or queue", lambda a: a.loss in ("bank", "queue"), argv=("--loss", "bank")),
+    "--bank-temperature": Owned("--loss bank or queue", lambda a: a.loss in ("bank", "queue"),
+                                argv=("--loss", "bank")),
+    "--queue-size": Owned("--loss queue", lambda a: a.loss == "queue", argv=("--loss", "queue", "--online")),
     "--stop-after-minutes": Owned("--online", lambda a: a.online),
     "--eval-every": Owned("--online", lambda a: a.online),
     "--low-res-fraction": Owned("--low-res PX", lambda a: a.low_res is not None, argv=("--low-res", "96")),
@@ -189,6 +191,9 @@ def cmd_pretrain(args) -> int:
     refuse_unowned(args, PRETRAIN_OWNED, args)
     if args.online:
         return _pretrain_online(args)
+    if args.loss == "queue":
+        raise ValueError("--loss queue needs --online: its queue holds the teacher's targets of earlier steps; "
+                         "the cached path's memory is --loss bank")
     if (out / "latest.pt").exists() and not (args.resume or args.force):
         raise ValueError(f"{out} already holds a run; pass --resume to continue it "
                          "or --force to start over")
@@ -210,9 +215,9 @@ def _pretrain_online(args) -> int:
     if (out / "progress.json").exists() and not (args.resume or args.force):
         raise ValueError(f"{out} already holds a run; pass --resume to continue it "
                          "or --force to start over")
-    if args.labelled or args.loss != "cosine" or args.views is not None:
+    if args.labelled or args.loss == "bank" or args.views is not None:
         raise ValueError("--labelled, --loss bank and --views need the cached path (--no-online); "
-                         "--online draws a fresh view every step")
+                         "--online draws a fresh view every step (its memory: --loss queue)")
     trainer = OnlineDistiller(_pretrain_config(args), out, threads=args.threads, progress=not args.quiet)
     if args.resume and (out / "progress.json").exists():
         trainer.resume()
@@ -244,8 +249,10 @@ def cmd_pack_crops(args) -> int:
         raise ValueError(f"--out must end in {PACK_SUFFIX}")
     if not 1 <= args.quality <= 100:
         raise ValueError("--quality must be within 1-100")
+    if args.max_images is not None and args.max_images < 1:
+        raise ValueError("--max-images must be at least 1")
     result = pack_crops(list(args.data), args.out, quality=args.quality, threads=args.threads,
-                        progress=not args.quiet)
+                        progress=not args.quiet, max_images=args.max_images, seed=args.seed)
     print(json.dumps({"out": str(args.out), **result}, indent=2))
     return 0
 
@@ -418,16 +425,19 @@ def add_commands(sub) -> None:
     p.add_argument("--budget-minutes", type=float,
                    help="train for this much time in all (across --resume), the learning rate decaying over it "
                         "(default: --epochs decide)")
-    p.add_argument("--loss", choices=("cosine", "bank"), default="cosine",
+    p.add_argument("--loss", choices=("cosine", "bank", "queue"), default="cosine",
                    help="cosine: 1 - cos to the teacher + --sim-weight x the batch's pairwise similarities (default); "
-                        "bank: 1 - cos + --bank-weight x KL of similarities to a memory bank of every cached teacher "
-                        "view, each sample weighted by how wrong the student is")
+                        "bank (cached path): 1 - cos + --bank-weight x KL of similarities to a memory bank of every "
+                        "cached teacher view, each sample weighted by how wrong the student is; queue (--online): "
+                        "cosine + --bank-weight x KL of similarities to a queue of earlier steps' teacher targets")
     p.add_argument("--views", type=int,
                    help="teacher views cached per image: the image, its mirror, then small geometric jitters, each "
                         "embedded once (default 8; 2 = the image and its mirror only)")
-    p.add_argument("--bank-weight", type=float, help="--loss bank: weight of the bank term (default 1)")
+    p.add_argument("--bank-weight", type=float, help="--loss bank or queue: weight of the bank term (default 1)")
     p.add_argument("--bank-temperature", type=float,
-                   help="--loss bank: softmax temperature over bank similarities (default 0.1)")
+                   help="--loss bank or queue: softmax temperature over bank similarities (default 0.1)")
+    p.add_argument("--queue-size", type=int,
+                   help="--loss queue: earlier teacher targets in the queue (default 16384)")
     p.add_argument("--low-res", type=int, metavar="PX",
                    help="progressive resolution: train the student on PX-pixel inputs (e.g. 96, about twice the "
                         "steps per second of 128) for the first part of the run, then at 128 (default: 128 "
@@ -461,6 +471,10 @@ def add_commands(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="the pack to write (FILE.npz)")
     p.add_argument("--quality", type=int, default=75, help="WebP quality 1-100 (default 75: about 1.3 kB a crop)")
     p.add_argument("--threads", type=at_least(1), default=2, help="encoding threads (default 2)")
+    p.add_argument("--max-images", type=int,
+                   help="pack a random subset of this many crops (seeded by --seed), to fit what a GPU call carries "
+                        "(default: all)")
+    p.add_argument("--seed", type=int, default=0, help="--max-images: the subset's seed (default 0)")
     p.set_defaults(func=cmd_pack_crops)
 
     p = sub.add_parser("export", help="export a checkpoint to ONNX for on-device verification",

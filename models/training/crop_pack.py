@@ -26,9 +26,13 @@ def is_pack(path: Path) -> bool:
 
 
 def pack_crops(dirs: list[Path], out: Path, size: int = 112, quality: int = 75, threads: int = 2,
-               progress: bool = True) -> dict:
-    """Encode every readable crop under `dirs` at `size` as WebP into `out`; returns counts and bytes."""
+               progress: bool = True, max_images: int | None = None, seed: int = 0) -> dict:
+    """Encode every readable crop under `dirs` at `size` as WebP into `out`; returns counts and bytes.
+    `max_images`: a seeded random subset, in listing order, so a pack fits what a GPU call can carry."""
     files = list_images(dirs)
+    if max_images is not None and len(files) > max_images:
+        keep = np.sort(np.random.default_rng(seed).permutation(len(files))[:max_images])
+        files = [files[i] for i in keep]
     images, kept, unreadable = load_crops(files, size, threads, progress)
     encode = lambda rgb: cv2.imencode(".webp", rgb[..., ::-1], [cv2.IMWRITE_WEBP_QUALITY, quality])[1]  # noqa: E731
     with ThreadPoolExecutor(max(1, threads)) as pool:

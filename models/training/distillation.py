@@ -11,7 +11,8 @@ Park et al., "Relational Knowledge Distillation", CVPR 2019).
 
 `bank_distillation_loss` (`ffr pretrain --loss bank`) matches relations to a memory bank of
 every cached teacher view instead of the batch's 64, and weights each sample by how far the
-student is from its target.
+student is from its target. `queue_distillation_loss` (`ffr pretrain --online --loss queue`) adds the same
+relational term over a queue of the teacher's targets of earlier steps, the memory an online run has.
 """
 from __future__ import annotations
 
@@ -67,3 +68,14 @@ def bank_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, bank: t
     rel = bank_relational_loss(student, teacher, bank, temperature)
     loss = (weights * (cos + rel_weight * rel)).mean()
     return loss, {"cos_loss": float(cos.mean().detach()), "bank_loss": float(rel.mean().detach())}
+
+
+def queue_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, queue: torch.Tensor,
+                            sim_weight: float = 2.0, queue_weight: float = 1.0, temperature: float = 0.1
+                            ) -> tuple[torch.Tensor, dict[str, float]]:
+    """L_cos + sim_weight L_sim + queue_weight mean_i KL_i(queue): the batch's relations as `distillation_loss`,
+    plus each face's similarity distribution over a FIFO queue of earlier teacher targets (MoCo's queue, He et al.,
+    CVPR 2020, as a distillation memory: QUD, BMVC 2024), so a face is placed among thousands of others, not 512."""
+    loss, parts = distillation_loss(student, teacher, sim_weight)
+    rel = bank_relational_loss(student, teacher, queue, temperature).mean()
+    return loss + queue_weight * rel, {**parts, "queue_loss": float(rel.detach())}

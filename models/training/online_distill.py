@@ -11,6 +11,9 @@ A run may be bounded by wall time (`budget_minutes`): the learning rate then dec
 fraction of the budget spent rather than of the steps (Li et al., "Budget-constrained training",
 ICLR 2020), so a run split across several 10-minute GPU leases ends its schedule on time. Its
 state is saved as safetensors (no pickle) and resumes across machines.
+
+`--loss queue` adds a relational term over a FIFO queue of earlier steps' teacher targets
+(`training.distillation.queue_distillation_loss`); the queue is not saved, and refills after a resume.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from tqdm import tqdm
 from models.networks.face_weights import save_embedder
 from models.progress import bar_disable
 from models.training.cpu_share import Yielder
-from models.training.distillation import distillation_loss
+from models.training.distillation import distillation_loss, queue_distillation_loss
 from models.training.loop import Means, Step, optimise
 from models.training.online_views import ViewJitter, geometric_views, photometric, student_input
 from models.training.pretraining import (
@@ -40,6 +43,7 @@ from models.training.pretraining import (
     teacher_spec,
 )
 
+ONLINE_LOSSES = ("cosine", "queue")
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
 
 
@@ -62,6 +66,25 @@ def load_training_crops(data: list[str], size: int, threads: int, progress: bool
     return np.concatenate(images), names
 
 
+class TargetQueue:
+    """The last `size` teacher targets, oldest overwritten first: the memory `--loss queue` ranges over."""
+
+    def __init__(self, size: int, dim: int, device: torch.device):
+        self.values = torch.zeros(size, dim, device=device)
+        self.filled, self.next = 0, 0
+
+    def contents(self) -> torch.Tensor:
+        """A copy: the step's backward pass still needs it after `push` overwrites the queue."""
+        return self.values[:self.filled].clone()
+
+    def push(self, targets: torch.Tensor) -> None:
+        targets = targets.detach().float()[-len(self.values):]
+        rows = (self.next + torch.arange(len(targets), device=self.values.device)) % len(self.values)
+        self.values[rows] = targets
+        self.next = (self.next + len(targets)) % len(self.values)
+        self.filled = min(len(self.values), self.filled + len(targets))
+
+
 def held_out_split(n: int, seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(held-out, training) indices of `n` crops: the student never trains on the held-out ones, which give the
     learning curve's cosine to the teacher (and let a benchmark find them again from the run's seed)."""
@@ -79,6 +102,8 @@ class OnlineDistiller:
         from models.training.fast_step import accelerate, checked_device, optimiser_options
         from models.training.pretraining import CROP_SIZE, student
 
+        if config.loss not in ONLINE_LOSSES:
+            raise ValueError(f"--online trains with --loss {' or '.join(ONLINE_LOSSES)} (not {config.loss})")
         self.config, self.out, self.threads, self.progress = config, Path(out), threads, progress
         self.teacher_agreement: float | None = None
         if threads:
@@ -97,6 +122,7 @@ class OnlineDistiller:
         self.train_index = torch.from_numpy(train_index).to(self.device)
         self.teacher = (teacher or self._teacher(images[self.val_index[:64]])).to(self.device)
         self.model = student(config.init, self.teacher.dim).to(self.device)
+        self.queue = TargetQueue(config.queue_size, self.teacher.dim, self.device) if config.loss == "queue" else None
         self.start = init_source(config.init)
         self.autocast = accelerate(self.model, config.precision, config.device)
         self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
@@ -168,8 +194,17 @@ class OnlineDistiller:
         x = student_input(photometric(views / 255.0, self.generator), size)
         self.model.train()
         student = self.model(x)  # the trunk in bf16 where the hardware has it (models.training.fast_step)
-        loss, parts = distillation_loss(student.float(), target, self.config.sim_weight)
+        loss, parts = self._objective(student.float(), target)
         return Step(loss, 1.0, {**parts, "lr": self._current_lr})
+
+    def _objective(self, student: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.queue is None:
+            return distillation_loss(student, target, self.config.sim_weight)
+        memory = self.queue.contents() if self.queue.filled else target  # the first step: the batch itself
+        result = queue_distillation_loss(student, target, memory, self.config.sim_weight, self.config.bank_weight,
+                                         self.config.bank_temperature)
+        self.queue.push(target)
+        return result
 
     def _after_step(self, step: Step, bar) -> None:
         """Count, time and log the step; a row every `eval_every_steps`, a checkpoint every `checkpoint_every_s`."""

@@ -36,7 +36,7 @@ from models.training.fast_step import accelerate, optimiser_options
 from models.training.loop import Step, optimise, resume_from
 from models.training.online_views import photometric, student_input
 
-LOSSES = ("cosine", "bank")
+LOSSES = ("cosine", "bank")  # the cached path's; the online path's: online_distill.ONLINE_LOSSES
 CROP_SIZE = 112  # the aligned sets' and the teacher's size; the student sees them at INPUT_SIZE
 
 
@@ -63,6 +63,7 @@ class PretrainConfig:
                                     # (8 won bench.distill_arms: the only arm that lifted Glint24's AUC)
     bank_weight: float = 1.0
     bank_temperature: float = 0.1
+    queue_size: int = 16384         # online --loss queue: earlier teacher targets the relational term ranges over
     budget_minutes: float | None = None  # when set, the run stops and its schedule ends after this much training
     low_res: int | None = None      # progressive resolution: the student's input side for the first part of the run
     low_res_fraction: float = 0.75  # ... that part, of the schedule (its time budget, else its steps)
@@ -98,6 +99,8 @@ class PretrainConfig:
                 raise ValueError(message)
         if self.views < 1:
             raise ValueError(f"--views must be at least 1 (got {self.views})")
+        if self.queue_size < 1 or self.bank_temperature <= 0 or self.bank_weight < 0:
+            raise ValueError("--queue-size and --bank-temperature must be positive, --bank-weight not negative")
         if self.teacher != "sface" and not Path(self.teacher).is_file():
             raise FileNotFoundError(f"--teacher {self.teacher}: no such ONNX file (or leave it out for SFace)")
         teacher_spec(self.teacher_spec)
