@@ -34,7 +34,8 @@
 #   here, once:   bash bench/gpu_distill.sh arms-kit     (.gpu-arms/, ignored, about 56 MB: 20,000 of the old crops,
 #                                                      CelebA-HQ's 12,000, SFace, onnx2torch)
 #   the device:   run(command="bash bench/gpu_distill.sh arms 7", carry=[".gpu-arms"], timeout_s=570)
-#                 -> $OUT/ARM/embedder.safetensors and metrics.json for each arm in ARMS below
+#                 -> $OUT/ARM/embedder.safetensors and metrics.json for each arm in ARMS below (4 arms: 8 files,
+#                    all a call brings back)
 #   here, after:  python -m bench.ratchet --candidate FILES_AT/ARM/embedder.safetensors   (each arm; no --ship)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +46,7 @@ ARMS=(
   "a_cosine_old|--data @old.npz"
   "b_cosine_celebahq|--data @old.npz --data @celebahq.npz"
   "c_queue_celebahq|--data @old.npz --data @celebahq.npz --loss queue"
+  "e_mix_celebahq|--data @old.npz --data @celebahq.npz --mix-fraction 0.25"
 )
 
 teacher_site() {  # onnx2torch and SFace's published file into the kit folder $1

@@ -218,3 +218,25 @@ def test_a_pack_of_a_seeded_subset_holds_that_many_crops(tmp_path, synthetic_dir
     images, names = unpack_crops(first)
     assert len(images) == 7 and names == unpack_crops(again)[1] and names == sorted(names)
     assert main(["-q", "pack-crops", "--data", str(synthetic_dir), "--out", str(first), "--max-images", "0"]) == 2
+
+
+def test_blended_faces_lie_between_their_two_faces_and_a_run_with_them_learns(tmp_path, pack):
+    from ffr.cli import main
+    from models.training.online_views import mixed_faces
+
+    views = torch.stack([torch.full((3, 4, 4), float(v)) for v in (0, 100, 200, 250)])
+    mixed = mixed_faces(views, 0.5, torch.Generator().manual_seed(1))
+    assert torch.equal(mixed[2:], views[2:])
+    for row in mixed[:2]:
+        value = float(row[0, 0, 0])
+        assert row.unique().numel() == 1 and value not in (0.0, 100.0) and 0 < value < 250
+    assert torch.equal(mixed_faces(views, 0.0, torch.Generator()), views)
+
+    out = tmp_path / "run"
+    assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",
+                 "--mix-fraction", "0.25", "--init", "imagenet", "--epochs", "12", "--batch-size", "8",
+                 "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "10", "--threads", "2"]) == 0
+    losses = [row["train_loss"] for row in json.loads((out / "metrics.json").read_text())["history"]]
+    assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
+    assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2"), "--online",
+                 "--mix-fraction", "1.5"]) == 2

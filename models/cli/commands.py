@@ -153,7 +153,7 @@ def _pretrain_config(args):
 
     spec = given(args, TEACHER_FLAGS, TEACHER_FIELDS)  # not given: TeacherSpec's
     own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every", "--low-res-fraction",
-                       "--views", "--queue-size"],
+                       "--views", "--queue-size", "--mix-fraction"],
                 {"eval_every": "eval_every_steps"})
     return PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                           init=args.init, labelled=[str(d) for d in args.labelled], epochs=args.epochs,
@@ -178,6 +178,7 @@ PRETRAIN_OWNED: dict[str, Owned] = {
     "--queue-size": Owned("--loss queue", lambda a: a.loss == "queue", argv=("--loss", "queue", "--online")),
     "--stop-after-minutes": Owned("--online", lambda a: a.online),
     "--eval-every": Owned("--online", lambda a: a.online),
+    "--mix-fraction": Owned("--online", lambda a: a.online),
     "--low-res-fraction": Owned("--low-res PX", lambda a: a.low_res is not None, argv=("--low-res", "96")),
 }
 
@@ -438,6 +439,9 @@ def add_commands(sub) -> None:
                    help="--loss bank or queue: softmax temperature over bank similarities (default 0.1)")
     p.add_argument("--queue-size", type=int,
                    help="--loss queue: earlier teacher targets in the queue (default 16384)")
+    p.add_argument("--mix-fraction", type=float,
+                   help="online: this part of each batch is two of its faces blended into a new one the teacher "
+                        "embeds, as faces of people no crop holds (default 0)")
     p.add_argument("--low-res", type=int, metavar="PX",
                    help="progressive resolution: train the student on PX-pixel inputs (e.g. 96, about twice the "
                         "steps per second of 128) for the first part of the run, then at 128 (default: 128 "

@@ -33,7 +33,7 @@ from models.progress import bar_disable
 from models.training.cpu_share import Yielder
 from models.training.distillation import distillation_loss, queue_distillation_loss
 from models.training.loop import Means, Step, optimise
-from models.training.online_views import ViewJitter, geometric_views, photometric, student_input
+from models.training.online_views import ViewJitter, geometric_views, mixed_faces, photometric, student_input
 from models.training.pretraining import (
     PretrainConfig,
     init_source,
@@ -188,6 +188,8 @@ class OnlineDistiller:
         pick = torch.randint(len(self.train_index), (self.config.batch_size,), generator=self.generator,
                              device=self.device)
         views = geometric_views(self.crops[self.train_index[pick]], self.jitter, self.generator)
+        if self.config.mix_fraction:
+            views = mixed_faces(views, self.config.mix_fraction, self.generator)
         with torch.no_grad():
             target = self.teacher(views)
         size = scheduled_size(self.config, self.step, self.total_steps, self.trained_s)

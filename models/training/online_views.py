@@ -63,6 +63,19 @@ def geometric_views(crops: torch.Tensor, jitter: ViewJitter, generator: torch.Ge
     return warp(crops, random_affines(len(crops), jitter, generator))
 
 
+def mixed_faces(views: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    """The first `fraction` of the batch replaced by pixel blends a*x_i + (1-a)*x_j of two of its faces,
+    a ~ U(0.3, 0.7): new faces of people no crop holds, which the teacher then embeds (issue 50's arm (e);
+    mixup's blend, Zhang et al., ICLR 2018, used for unseen identities rather than labels)."""
+    n = int(round(fraction * len(views)))
+    if n == 0:
+        return views
+    partner = (torch.arange(n, device=views.device) + 1 + torch.randint(len(views) - 1, (1,), generator=generator,
+                                                                        device=views.device)) % len(views)
+    a = _uniform(n, 0.3, 0.7, generator).view(n, 1, 1, 1)
+    return torch.cat([a * views[:n] + (1 - a) * views[partner], views[n:]])
+
+
 def _chosen(p: float, n: int, generator: torch.Generator) -> torch.Tensor:
     """Indices of the samples an augmentation applied with probability `p` picks (work only on those)."""
     return torch.nonzero(torch.rand(n, generator=generator, device=generator.device) < p).flatten()

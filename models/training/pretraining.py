@@ -64,6 +64,7 @@ class PretrainConfig:
     bank_weight: float = 1.0
     bank_temperature: float = 0.1
     queue_size: int = 16384         # online --loss queue: earlier teacher targets the relational term ranges over
+    mix_fraction: float = 0.0       # online: the part of each batch made of two faces blended (online_views)
     budget_minutes: float | None = None  # when set, the run stops and its schedule ends after this much training
     low_res: int | None = None      # progressive resolution: the student's input side for the first part of the run
     low_res_fraction: float = 0.75  # ... that part, of the schedule (its time budget, else its steps)
@@ -99,6 +100,8 @@ class PretrainConfig:
                 raise ValueError(message)
         if self.views < 1:
             raise ValueError(f"--views must be at least 1 (got {self.views})")
+        if not 0 <= self.mix_fraction < 1:
+            raise ValueError(f"--mix-fraction must be in [0, 1) (got {self.mix_fraction})")
         if self.queue_size < 1 or self.bank_temperature <= 0 or self.bank_weight < 0:
             raise ValueError("--queue-size and --bank-temperature must be positive, --bank-weight not negative")
         if self.teacher != "sface" and not Path(self.teacher).is_file():
