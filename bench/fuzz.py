@@ -177,7 +177,7 @@ def fuzz_live(tmp: Path, broker_url: str, n: int, round_timeout_s: float = 900.0
     try:
         for device in devices:
             device.start()
-        _wait(lambda: len(service.engine.keys) == 2, 60, "the honest devices' registration")
+        _wait(lambda: len(service.engine.view.registered()) == 2, 60, "the honest devices' registration")
         service.engine.resume()
         _wait(lambda: service.engine.round_view() is not None, 30, "round 1 to open")
         # the attacker is admitted after the round opened, so the honest round does not wait for it
@@ -185,16 +185,16 @@ def fuzz_live(tmp: Path, broker_url: str, n: int, round_timeout_s: float = 900.0
         hello = Hello(n_identities=1, n_images=5, public_key=signer.public_hex,
                       token_proof=token_proof(credential.token, "mallory", signer.public_hex))
         attacker.publish(topics.device("mallory", "hello"), seal("mallory", 1, hello, signer, to="coordinator"), qos=1)
-        _wait(lambda: len(service.engine.keys) == 3, 30, "the attacker's registration")
+        _wait(lambda: len(service.engine.view.registered()) == 3, 30, "the attacker's registration")
         hostile = Hostile("mallory", signer)
         for _ in range(20):  # genuine messages the attacker will replay (sent once, accepted, not counted)
             attacker.publish(topics.device("mallory", "heartbeat"), hostile.capture(), qos=1)
         time.sleep(1.0)
         figures = attack(service.engine, lambda t, p: attacker.publish(t, p, qos=1),
                          ["mallory", "device0", "device1", "nobody"], hostile, n)
-        _wait(lambda: service.engine.store.completed_rounds() == 1 or service.engine.round_view() is None,
+        _wait(lambda: service.engine.view.status()["completed_rounds"] == 1 or service.engine.round_view() is None,
               round_timeout_s, "the honest round")
-        row = service.engine.store.rounds()[0]
+        row = service.engine.view.rounds()[0]
         figures.update(honest_round=row["status"], honest_updates=row["n_updates"],
                        coordinator_mqtt=service.mqtt_state())
         return figures

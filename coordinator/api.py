@@ -81,56 +81,56 @@ def create_app(service, docs: bool = False) -> FastAPI:
 
 def fleet_routes(service, auth: list) -> APIRouter:
     """Health (open), and the fleet's state, rounds and refusals; pausing and resuming training."""
-    router, engine, store = APIRouter(), service.engine, service.engine.store
+    router, engine, view = APIRouter(), service.engine, service.engine.view
 
     @router.get("/health")
     def health() -> dict:
         broker = service.broker_health()
-        return {"status": "ok" if broker["mqtt"] == "connected" else "degraded", **broker, **engine.status()}
+        return {"status": "ok" if broker["mqtt"] == "connected" else "degraded", **broker, **view.status()}
 
     @router.get("/status", dependencies=auth)
     def status() -> dict:
-        return {"mqtt": service.mqtt_state(), **engine.status(with_ids=True)}
+        return {"mqtt": service.mqtt_state(), **view.status(with_ids=True)}
 
     @router.get("/devices", dependencies=auth)
     def devices() -> list[dict]:
-        return store.devices()
+        return view.devices()
 
     @router.get("/rounds", dependencies=auth)
     def rounds() -> list[dict]:
-        return store.rounds()
+        return view.rounds()
 
     @router.get("/rejections", dependencies=auth)
     def rejections(offset: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=MAX_PAGE)) -> dict:
-        return {"total_stored": store.count_rejections(), "offset": offset, "limit": limit,
-                "items": store.rejections(offset, limit)}
+        return {"total_stored": view.count_rejections(), "offset": offset, "limit": limit,
+                "items": view.rejections(offset, limit)}
 
     @router.post("/training/stop", dependencies=auth)
     def stop() -> dict:
         engine.pause()
-        return engine.status()
+        return view.status()
 
     @router.post("/training/start", dependencies=auth)
     def start() -> dict:
         engine.resume()
-        return engine.status()
+        return view.status()
 
     return router
 
 
 def model_routes(service, auth: list) -> APIRouter:
     """The global model's versions and bytes, operators' evaluations of them, and FedFR's public set (open)."""
-    router, engine, store = APIRouter(), service.engine, service.engine.store
+    router, view = APIRouter(), service.engine.view
 
     @router.get("/model", dependencies=auth)
     def model() -> dict:
-        status = engine.status()
-        return {"version": status["model_version"], "sha256": status["model_sha256"], "versions": store.models(),
+        status = view.status()
+        return {"version": status["model_version"], "sha256": status["model_sha256"], "versions": view.models(),
                 "download": f"/model/{status['model_version']}/download"}
 
     @router.get("/model/{version}/download", dependencies=auth)
     def download(version: int) -> Response:
-        data = store.model_bytes(version)
+        data = view.model_file(version)
         if data is None:
             raise HTTPException(404, f"no model version {version}")
         return Response(data, media_type="application/octet-stream",
@@ -139,9 +139,9 @@ def model_routes(service, auth: list) -> APIRouter:
     @router.post("/evaluations", dependencies=auth)
     def evaluation(body: Evaluation) -> dict:
         """An operator's held-out evaluation of a model version, plotted on the dashboard."""
-        if store.model_bytes(body.model_version) is None:
+        if view.model_file(body.model_version) is None:
             raise HTTPException(404, f"no model version {body.model_version}")
-        store.record_evaluation(body.model_version, body.metrics, body.source)
+        service.record_evaluation(body.model_version, body.metrics, body.source)
         return {"recorded": body.model_version}
 
     @router.get(PUBLIC_SET_ROUTE)
@@ -172,7 +172,7 @@ def dashboard_routes(service, auth: list) -> APIRouter:
 
 def metrics_routes(service, auth: list) -> APIRouter:
     """Prometheus gauges at /metrics (open, as scrapers expect: counts only, no ids)."""
-    router, engine, registry = APIRouter(), service.engine, CollectorRegistry()
+    router, view, registry = APIRouter(), service.engine.view, CollectorRegistry()
     gauges = {name: Gauge(f"ffr_{name}", doc, registry=registry) for name, doc in (
         ("model_version", "current global model version"), ("completed_rounds", "rounds aggregated so far"),
         ("devices", "registered devices"), ("rejected_messages", "messages refused since the coordinator started"),
@@ -180,10 +180,10 @@ def metrics_routes(service, auth: list) -> APIRouter:
 
     @router.get("/metrics")
     def metrics() -> Response:
-        status = engine.status()
+        status = view.status()
         gauges["model_version"].set(status["model_version"])
         gauges["completed_rounds"].set(status["completed_rounds"])
-        gauges["devices"].set(len(engine.keys))
+        gauges["devices"].set(len(view.registered()))
         gauges["rejected_messages"].set(status["messages_rejected"])
         gauges["handler_errors"].set(status["handler_errors"])
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,5 +1,5 @@
 """The coordinator dashboard: one self-contained page (`dashboard.html`: no build step, nothing loaded from
-anywhere but this server) and the one JSON document it polls, built here from the store.
+anywhere but this server) and the one JSON document it polls, built here from the engine's read-only view.
 
 The page itself holds no data and is served openly; its data comes from `GET /dashboard/data`, which
 needs the API token like every route that names devices (the page asks for it and keeps it in the
@@ -29,15 +29,15 @@ class Evaluation(BaseModel):
 def dashboard_data(service) -> dict:
     """Everything the page shows, in one document: status, fleet (and devices admitted but never seen), rounds,
     quality over rounds."""
-    engine, store = service.engine, service.engine.store
-    dropped = store.dropped_rounds()
+    view = service.engine.view
+    dropped = view.dropped_rounds()
     devices = [{"device_id": d["device_id"], "last_seen": d["last_seen"], "rounds_joined": d["rounds_joined"],
                 "rounds_dropped": dropped.get(d["device_id"], 0), "n_images": d["n_images"],
-                "n_identities": d["n_identities"]} for d in store.devices()]
-    rounds = [_round_row(r) for r in store.rounds()[-MAX_ROUNDS_SHOWN:]]
-    return {"status": {"mqtt": service.mqtt_state(), **engine.status()}, "devices": devices,
-            "admitted_never_seen": store.admitted_never_seen(), "rounds": rounds,
-            "evaluations": store.evaluations(), "rejections_total": store.count_rejections()}
+                "n_identities": d["n_identities"]} for d in view.devices()]
+    rounds = [_round_row(r) for r in view.rounds()[-MAX_ROUNDS_SHOWN:]]
+    return {"status": {"mqtt": service.mqtt_state(), **view.status()}, "devices": devices,
+            "admitted_never_seen": view.admitted_never_seen(), "rounds": rounds,
+            "evaluations": view.evaluations(), "rejections_total": view.count_rejections()}
 
 
 def _round_row(r: dict) -> dict:
