@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27's long distillation on a lent GPU machine, in one call of at most 10 minutes.
 #
-#   here, once:   bash bench/gpu_distill.sh kit          (make gpu-kit: .gpu/, ignored, about 55 MB)
+#   here, once:   bash bench/gpu_distill.sh kit          (make gpu-kit: .gpu/, ignored, about 56 MB)
 #   the device:   run(command="bash bench/gpu_distill.sh run 7", carry=[".gpu"], timeout_s=600)
 #                 -> $OUT/run/embedder.safetensors (fp16, the shipped format), metrics.json, the run's state
 #   here, after:  python -m bench.ratchet --candidate FILES_AT/run/embedder.safetensors [--ship]
@@ -10,9 +10,11 @@
 # decays over MINUTES of training from the shipped weights; the next GPU task goes on from whatever shipped (the
 # optimiser state, ~30 MB, would not fit the 64 MiB the call carries beside the crops).
 # The GPU machine has torch, ONNX Runtime and OpenCV but no network and none of the project's other packages, so
-# the kit carries the crops as one pack (`ffr pack-crops`, ~46 MB), onnx2torch (pure Python, copied from this venv)
+# the kit carries the crops as two packs (`ffr pack-crops`: a seeded 20,000 of UTKFace and All-Age-Faces, 26 MB, and
+# CelebA-HQ's 12,000 in-the-wild adults, 18 MB, where $FFR_FACES_DIR has them), onnx2torch (pure Python, copied from this venv)
 # and SFace's published file, which the run names in FFR_SFACE_FILE (its sha256 is checked before it teaches); the
-# run goes through `python -m ffr.models_only`, which imports no broker, web or signing library.
+# run goes through `python -m ffr.models_only`, which imports no broker, web or signing library. The run trains
+# with `ffr pretrain --online`'s defaults (the queue loss and blended faces: the recipe of the shipped file, issue 50).
 # One schedule across calls: `run TOTAL CALL` keeps the run in $FFR_GPU_RUN (default .gpu-run/, ignored; the device
 # keeps it between calls while the machine stays warm), trains CALL minutes of the TOTAL-minute schedule (the
 # learning rate decays over TOTAL: `ffr pretrain --budget-minutes TOTAL --stop-after-minutes CALL`), and copies
@@ -30,23 +32,21 @@
 # copy it over models/weights/face_embedder.safetensors, run with INIT=models/weights/face_embedder.safetensors, then
 # `git checkout models/weights/face_embedder.safetensors` here.
 #
-# Issue 50's arms, side by side in one call, each its own process on the one GPU at the same time budget:
-#   here, once:   bash bench/gpu_distill.sh arms-kit     (.gpu-arms/, ignored, about 56 MB: 20,000 of the old crops,
-#                                                      CelebA-HQ's 12,000, SFace, onnx2torch)
-#   the device:   run(command="bash bench/gpu_distill.sh arms 7", carry=[".gpu-arms"], timeout_s=570)
+# Issue 50's arms, side by side in one call, each its own process on the one GPU at the same time budget (the kit
+# above; each arm names its loss, so the defaults do not decide the comparison):
+#   the device:   run(command="bash bench/gpu_distill.sh arms 7", carry=[".gpu"], timeout_s=570)
 #                 -> $OUT/ARM/embedder.safetensors and metrics.json for each arm in ARMS below (4 arms: 8 files,
 #                    all a call brings back)
 #   here, after:  python -m bench.ratchet --candidate FILES_AT/ARM/embedder.safetensors   (each arm; no --ship)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=${FFR_GPU_KIT:-.gpu}
-ARMS_KIT=${FFR_GPU_ARMS_KIT:-.gpu-arms}
-# ARM|pretrain options beyond the shared ones; @ is the arms kit (old.npz, celebahq.npz)
+# ARM|pretrain options beyond the shared ones; @ is the kit (old.npz, celebahq.npz)
 ARMS=(
-  "a_cosine_old|--data @old.npz"
-  "b_cosine_celebahq|--data @old.npz --data @celebahq.npz"
-  "c_queue_celebahq|--data @old.npz --data @celebahq.npz --loss queue"
-  "e_mix_celebahq|--data @old.npz --data @celebahq.npz --mix-fraction 0.25"
+  "a_cosine_old|--data @old.npz --loss cosine --mix-fraction 0"
+  "b_cosine_celebahq|--data @old.npz --data @celebahq.npz --loss cosine --mix-fraction 0"
+  "c_queue_celebahq|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0"
+  "e_mix_celebahq|--data @old.npz --data @celebahq.npz --loss cosine --mix-fraction 0.25"
 )
 
 teacher_site() {  # onnx2torch and SFace's published file into the kit folder $1
@@ -64,18 +64,23 @@ case "${1:-}" in
     PY=${PYTHON:-.venv/bin/python}
     FACES=${FFR_FACES_DIR:-../shared/faces}
     teacher_site "$PY" "$KIT"
-    if [ ! -f "$KIT/faces.npz" ]; then
-      "$PY" -m ffr.models_only pack-crops --data "$FACES/utkface_aligned" --data "$FACES/all_age_faces_aligned" \
-        --out "$KIT/faces.npz"
+    # a call carries 64 MiB with the tree: the old sets (35,000 crops) go as a seeded 20,000 beside CelebA-HQ
+    [ -f "$KIT/old.npz" ] || "$PY" -m ffr.models_only pack-crops --data "$FACES/utkface_aligned" \
+      --data "$FACES/all_age_faces_aligned" --max-images 20000 --out "$KIT/old.npz"
+    if [ -d "$FACES/celebahq_aligned" ] && [ ! -f "$KIT/celebahq.npz" ]; then
+      "$PY" -m ffr.models_only pack-crops --data "$FACES/celebahq_aligned" --out "$KIT/celebahq.npz"
     fi
+    rm -f "$KIT/faces.npz"  # an older kit's single pack: with the two above it would not fit a call
     du -sh "$KIT"
     ;;
   run)
     MINUTES=${2:?usage: bench/gpu_distill.sh run MINUTES [CALL_MINUTES]}
     CALL=${3:-}
-    [ -f "$KIT/faces.npz" ] && [ -f "$KIT/sface.onnx" ] && [ -d "$KIT/site/onnx2torch" ] ||
+    [ -f "$KIT/old.npz" ] && [ -f "$KIT/sface.onnx" ] && [ -d "$KIT/site/onnx2torch" ] ||
       { echo "no kit in $KIT: run 'make gpu-kit' here and carry it" >&2; exit 2; }
     KIT=$(cd "$KIT" && pwd)
+    DATA=(--data "$KIT/old.npz")
+    [ -f "$KIT/celebahq.npz" ] && DATA+=(--data "$KIT/celebahq.npz")
     export PYTHONPATH="$KIT/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" FFR_SFACE_FILE="$KIT/sface.onnx"
     export FFR_CACHE_DIR=${FFR_CACHE_DIR:-/tmp/ffr-cache} TQDM_MININTERVAL=${TQDM_MININTERVAL:-20}
     if [ -n "${INIT:-}" ]; then
@@ -96,30 +101,19 @@ case "${1:-}" in
         echo "$RUN already holds a run: CONTINUE=1 goes on with it; remove it to start a new one" >&2; exit 2
       fi
     fi
-    "${PYTHON:-python3}" -m ffr.models_only pretrain --data "$KIT/faces.npz" --out "$RUN" \
+    "${PYTHON:-python3}" -m ffr.models_only pretrain "${DATA[@]}" --out "$RUN" \
       --device "${FFR_GPU_DEVICE:-cuda}" --online --init face --batch-size "${BATCH:-512}" --lr "${LR:-1.5e-3}" \
       --warmup-steps "${WARMUP:-100}" --budget-minutes "$MINUTES" --checkpoint-every 60 "${SPLIT[@]}" ${EXTRA:-}
     if [ "$RUN" != "$OUT/run" ]; then
       mkdir -p "$OUT/run" && cp "$RUN"/* "$OUT/run/"
     fi
     ;;
-  arms-kit)
-    PY=${PYTHON:-.venv/bin/python}
-    FACES=${FFR_FACES_DIR:-../shared/faces}
-    teacher_site "$PY" "$ARMS_KIT"
-    # a call carries 64 MiB with the tree: the old sets (35,000 crops) go as a seeded 20,000
-    [ -f "$ARMS_KIT/old.npz" ] || "$PY" -m ffr.models_only pack-crops --data "$FACES/utkface_aligned" \
-      --data "$FACES/all_age_faces_aligned" --max-images 20000 --out "$ARMS_KIT/old.npz"
-    [ -f "$ARMS_KIT/celebahq.npz" ] || "$PY" -m ffr.models_only pack-crops --data "$FACES/celebahq_aligned" \
-      --out "$ARMS_KIT/celebahq.npz"
-    du -sh "$ARMS_KIT"
-    ;;
   arms)
     MINUTES=${2:?usage: bench/gpu_distill.sh arms MINUTES}
-    [ -f "$ARMS_KIT/old.npz" ] && [ -f "$ARMS_KIT/celebahq.npz" ] && [ -f "$ARMS_KIT/sface.onnx" ] ||
-      { echo "no arms kit in $ARMS_KIT: run 'bash bench/gpu_distill.sh arms-kit' here and carry it" >&2; exit 2; }
-    ARMS_KIT=$(cd "$ARMS_KIT" && pwd)
-    export PYTHONPATH="$ARMS_KIT/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" FFR_SFACE_FILE="$ARMS_KIT/sface.onnx"
+    [ -f "$KIT/old.npz" ] && [ -f "$KIT/celebahq.npz" ] && [ -f "$KIT/sface.onnx" ] ||
+      { echo "no kit with CelebA-HQ in $KIT: run 'make gpu-kit' here (with celebahq_aligned in the faces folder) and carry it" >&2; exit 2; }
+    KIT=$(cd "$KIT" && pwd)
+    export PYTHONPATH="$KIT/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" FFR_SFACE_FILE="$KIT/sface.onnx"
     export FFR_CACHE_DIR=${FFR_CACHE_DIR:-/tmp/ffr-cache} TQDM_MININTERVAL=${TQDM_MININTERVAL:-30}
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     : "${OUT:?the device tool sets OUT}"
@@ -127,7 +121,7 @@ case "${1:-}" in
     pids=()
     for arm in "${ARMS[@]}"; do
       name=${arm%%|*} options=${arm#*|}
-      options=${options//@/$ARMS_KIT/}
+      options=${options//@/$KIT/}
       ("${PYTHON:-python3}" -m ffr.models_only pretrain ${options} --out "$WORK/$name" --force \
         --device "${FFR_GPU_DEVICE:-cuda}" --online --init face --batch-size "${BATCH:-512}" --lr "${LR:-1.5e-3}" \
         --warmup-steps "${WARMUP:-100}" --budget-minutes "$MINUTES" --checkpoint-every 600 --threads 4 \
@@ -147,7 +141,7 @@ print(sys.argv[2], m['status'], 'step', m['step'], 'first', h[0], 'last', h[-1])
     exit $failed
     ;;
   *)
-    echo "usage: bench/gpu_distill.sh kit | run MINUTES [CALL_MINUTES] | arms-kit | arms MINUTES" >&2
+    echo "usage: bench/gpu_distill.sh kit | run MINUTES [CALL_MINUTES] | arms MINUTES" >&2
     exit 2
     ;;
 esac

@@ -20,9 +20,9 @@ ABSENT_THERE = ("pydantic", "cryptography", "fastapi", "uvicorn", "paho", "mlflo
 @pytest.fixture(scope="module")
 def kit(synthetic_dir, tmp_path_factory) -> Path:
     faces = tmp_path_factory.mktemp("faces")
-    for name, part in (("utkface_aligned", 0), ("all_age_faces_aligned", 1)):
+    for name, part in (("utkface_aligned", 0), ("all_age_faces_aligned", 1), ("celebahq_aligned", 2)):
         (faces / name).mkdir()
-        for i, png in enumerate(sorted(synthetic_dir.rglob("*.png"))[part::2]):
+        for i, png in enumerate(sorted(synthetic_dir.rglob("*.png"))[part % 2::2][:40 if part < 2 else 20]):
             shutil.copy(png, faces / name / f"{i}.png")
     kit = tmp_path_factory.mktemp("kit") / ".gpu"
     env = {**os.environ, "FFR_GPU_KIT": str(kit), "FFR_FACES_DIR": str(faces), "PYTHON": sys.executable}
@@ -33,8 +33,9 @@ def kit(synthetic_dir, tmp_path_factory) -> Path:
 def test_the_kit_carries_the_crops_and_the_packages_the_gpu_machine_lacks(kit):
     from models.training.crop_pack import unpack_crops
 
-    images, names = unpack_crops(kit / "faces.npz")
+    images, names = unpack_crops(kit / "old.npz")
     assert len(images) == 60 and images.shape[1:] == (112, 112, 3)
+    assert len(unpack_crops(kit / "celebahq.npz")[0]) == 20
     assert (kit / "site" / "onnx2torch" / "__init__.py").is_file()
     assert (kit / "sface.onnx").is_file()
 
@@ -116,3 +117,21 @@ def test_a_run_split_over_two_calls_keeps_one_schedule(kit, tmp_path):
     assert second["step"] > first["step"] and second["trained_s"] > first["trained_s"]
     assert second["history"][:len(first["history"])] == first["history"]  # one curve, not two
     assert (run / "progress.json").is_file()
+
+
+def test_the_arms_run_side_by_side_and_each_comes_back_under_out(kit, tmp_path):
+    """`arms MINUTES` (issue 50): every arm its own process at the same budget, each bringing back its weights and
+    metrics (two files an arm: a call brings back at most eight); the queue arm trains with its queue term."""
+    out = tmp_path / "out"
+    env = {**os.environ, "FFR_GPU_KIT": str(kit), "OUT": str(out), "PYTHON": sys.executable,
+           "FFR_GPU_DEVICE": "cpu", "BATCH": "8", "WARMUP": "2", "FFR_GPU_RUN": str(tmp_path / "arms"),
+           "FFR_CACHE_DIR": str(tmp_path / "cache"), "EXTRA": "--threads 1 --eval-every 1"}
+    done = subprocess.run(["bash", str(SCRIPT), "arms", "0.02"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    arms = sorted(p.name for p in out.iterdir())
+    assert len(arms) == 4 and "c_queue_celebahq" in arms and "a_cosine_old" in arms
+    assert sum(1 for _ in out.rglob("*") if _.is_file()) == 8
+    for arm in arms:
+        metrics = json.loads((out / arm / "metrics.json").read_text())
+        assert metrics["status"] == "finished" and metrics["step"] > 0
+        assert ("train_queue_loss" in metrics["history"][-1]) == (arm == "c_queue_celebahq")

@@ -204,7 +204,7 @@ def test_each_memory_loss_runs_only_on_the_path_that_has_its_memory(tmp_path, pa
                  "--loss", "queue"]) == 2
     assert "--loss queue needs --online" in capsys.readouterr().err
     assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r3"), "--online",
-                 "--queue-size", "10"]) == 2
+                 "--loss", "cosine", "--queue-size", "10"]) == 2
     assert "--loss queue" in capsys.readouterr().err
 
 

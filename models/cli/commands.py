@@ -155,6 +155,8 @@ def _pretrain_config(args):
     own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every", "--low-res-fraction",
                        "--views", "--queue-size", "--mix-fraction"],
                 {"eval_every": "eval_every_steps"})
+    if args.online and args.mix_fraction is None:
+        own["mix_fraction"] = ONLINE_DEFAULT_MIX
     return PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                           init=args.init, labelled=[str(d) for d in args.labelled], epochs=args.epochs,
                           batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
@@ -164,6 +166,9 @@ def _pretrain_config(args):
                           max_images=args.max_images, checkpoint_every_s=args.checkpoint_every, seed=args.seed,
                           yield_cpu=args.yield_cpu, low_res=args.low_res, **own)
 
+
+# `ffr pretrain --online`'s recipe: the shipped weights' last run (bench/results/distill_gpu_arms_s50.md)
+ONLINE_DEFAULT_LOSS, ONLINE_DEFAULT_MIX = "queue", 0.25
 
 # `ffr pretrain`'s options that belong to one path, loss or teacher (models.cli.common.Owned): refused while it is off
 TEACHER_FIELDS = {"teacher_size": "input_size", "teacher_color": "color", "teacher_mean": "mean", "teacher_std": "std"}
@@ -189,6 +194,8 @@ def cmd_pretrain(args) -> int:
     out: Path = args.out
     if args.online is None:  # the teacher in the loop where a GPU is; cached views on a CPU
         args.online = str(args.device).startswith("cuda")
+    if args.loss is None:  # each path's best measured memory (issue 50's arms for the online one)
+        args.loss = ONLINE_DEFAULT_LOSS if args.online else "cosine"
     refuse_unowned(args, PRETRAIN_OWNED, args)
     if args.online:
         return _pretrain_online(args)
@@ -426,11 +433,13 @@ def add_commands(sub) -> None:
     p.add_argument("--budget-minutes", type=float,
                    help="train for this much time in all (across --resume), the learning rate decaying over it "
                         "(default: --epochs decide)")
-    p.add_argument("--loss", choices=("cosine", "bank", "queue"), default="cosine",
-                   help="cosine: 1 - cos to the teacher + --sim-weight x the batch's pairwise similarities (default); "
+    p.add_argument("--loss", choices=("cosine", "bank", "queue"),
+                   help="cosine: 1 - cos to the teacher + --sim-weight x the batch's pairwise similarities (the "
+                        "cached path's default); "
                         "bank (cached path): 1 - cos + --bank-weight x KL of similarities to a memory bank of every "
                         "cached teacher view, each sample weighted by how wrong the student is; queue (--online): "
-                        "cosine + --bank-weight x KL of similarities to a queue of earlier steps' teacher targets")
+                        "cosine + --bank-weight x KL of similarities to a queue of earlier steps' teacher targets "
+                        "(--online's default)")
     p.add_argument("--views", type=int,
                    help="teacher views cached per image: the image, its mirror, then small geometric jitters, each "
                         "embedded once (default 8; 2 = the image and its mirror only)")
@@ -441,7 +450,7 @@ def add_commands(sub) -> None:
                    help="--loss queue: earlier teacher targets in the queue (default 16384)")
     p.add_argument("--mix-fraction", type=float,
                    help="online: this part of each batch is two of its faces blended into a new one the teacher "
-                        "embeds, as faces of people no crop holds (default 0)")
+                        "embeds, as faces of people no crop holds (default 0.25; 0 turns it off)")
     p.add_argument("--low-res", type=int, metavar="PX",
                    help="progressive resolution: train the student on PX-pixel inputs (e.g. 96, about twice the "
                         "steps per second of 128) for the first part of the run, then at 128 (default: 128 "
