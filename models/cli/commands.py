@@ -167,7 +167,8 @@ def _pretrain_config(args):
                           yield_cpu=args.yield_cpu, low_res=args.low_res, **own)
 
 
-# `ffr pretrain --online`'s recipe: the shipped weights' last run (bench/results/ratchet_arm_s50_*.md, distill_gap_arms_s50.md)
+# `ffr pretrain --online`'s recipe: the shipped weights' last run
+# (bench/results/ratchet_arm_s50_*.md, distill_gap_arms_s50.md)
 ONLINE_DEFAULT_LOSS, ONLINE_DEFAULT_MIX = "queue", 0.25
 
 # `ffr pretrain`'s options that belong to one path, loss or teacher (models.cli.common.Owned): refused while it is off
