@@ -384,8 +384,8 @@ def test_a_new_model_that_fails_its_checks_is_rolled_back(tmp_path):
     from coordinator.aggregation import FedAvg
 
     class Broken(FedAvg):  # a fake strategy: the only way to produce a non-finite model past the update checks
-        def aggregate(self, global_state, delta):
-            return {k: v * np.nan if v.dtype.kind == "f" else v for k, v in global_state.items()}
+        def aggregate(self, global_state, delta, state=None):
+            return {k: v * np.nan if v.dtype.kind == "f" else v for k, v in global_state.items()}, None
 
     h.engine.strategy = Broken()
     h.engine.tick()
