@@ -10,10 +10,12 @@ and the mean delta into the next global model.
 - PFM (FedFace, Liu et al.; `models.maths.pfm`): FedAvg, and the global momentum M = (w_old - w_new) / eta
   that devices apply at every local step of the next round (the server never applies it).
 
-A strategy is a small class with the hooks the engine calls: `client_config` (what devices are told),
-`aggregate`, `step_scale` (how far one round may move the model, per unit of update norm), and, when it keeps
-server state between rounds (`stateful`), that `state`, which the coordinator persists and, where devices
-need it (`broadcast_state`), publishes beside the model.
+A strategy is a small class of settings with the hooks the engine calls: `client_config` (what devices are
+told), `aggregate`, `step_scale` (how far one round may move the model, per unit of update norm) and
+`broadcast_state`. It holds no state: `aggregate(global, mean, state) -> (model, state)` is a pure function of its
+arguments, and a strategy that keeps server state between rounds (`stateful`: FedAvgM's velocity, PFM's momentum)
+hands it back for the engine to store, persist and, where devices need it (`broadcast_state`), publish beside the
+model. Trial aggregations (the gate's leave-out) are then just calls: nothing to save and restore around them.
 """
 from __future__ import annotations
 
@@ -116,12 +118,12 @@ class Strategy(Protocol):
     name: str
     server_lr: float
     stateful: ClassVar[bool]
-    state: State | None
 
     def client_config(self) -> dict: ...
-    def aggregate(self, global_state: State, mean_delta: State) -> State: ...
+    def aggregate(self, global_state: State, mean_delta: State, state: State | None = None
+                  ) -> tuple[State, State | None]: ...
     def step_scale(self) -> float: ...
-    def broadcast_state(self) -> State | None: ...
+    def broadcast_state(self, state: State | None) -> State | None: ...
 
 
 def capped_weights(weights: list[float], factor: float) -> list[float]:
@@ -136,20 +138,21 @@ class FedAvg:
     server_lr: float = 1.0
     name: str = "fedavg"
     stateful: ClassVar[bool] = False  # no server state between rounds
-    state: ClassVar[None] = None
 
     def client_config(self) -> dict:
         return {"algorithm": self.name}
 
-    def aggregate(self, global_state: State, mean_delta: State) -> State:
-        return apply_delta(global_state, mean_delta, self.server_lr)
+    def aggregate(self, global_state: State, mean_delta: State, state: State | None = None
+                  ) -> tuple[State, State | None]:
+        """(the next global model, the server state after this round): here w + eta * mean and no state."""
+        return apply_delta(global_state, mean_delta, self.server_lr), None
 
     def step_scale(self) -> float:
         """The most one round moves the model per unit of (clipped) mean update norm."""
         return self.server_lr
 
-    def broadcast_state(self) -> State | None:
-        """Server state the devices need with the model (None: the model alone)."""
+    def broadcast_state(self, state: State | None) -> State | None:
+        """The part of the server state the devices need with the model (None: the model alone)."""
         return None
 
 
@@ -166,19 +169,17 @@ class FedProx(FedAvg):
 class FedAvgM(FedAvg):
     momentum: float = 0.9
     name: str = "fedavgm"
-    stateful: ClassVar[bool] = True
-    state: State | None = None  # the server velocity v
+    stateful: ClassVar[bool] = True  # the server velocity v
 
     def step_scale(self) -> float:
         """Server momentum sums up to 1 / (1 - beta) rounds' steps."""
         return self.server_lr / max(1e-6, 1 - self.momentum)
 
-    def aggregate(self, global_state: State, mean_delta: State) -> State:
-        if self.state is None:
-            self.state = {k: v.copy() for k, v in mean_delta.items()}
-        else:
-            self.state = {k: self.momentum * self.state[k] + mean_delta[k] for k in mean_delta}
-        return apply_delta(global_state, self.state, self.server_lr)
+    def aggregate(self, global_state: State, mean_delta: State, state: State | None = None
+                  ) -> tuple[State, State | None]:
+        velocity = ({k: v.copy() for k, v in mean_delta.items()} if state is None else
+                    {k: self.momentum * state[k] + mean_delta[k] for k in mean_delta})
+        return apply_delta(global_state, velocity, self.server_lr), velocity
 
 
 @dataclass
@@ -189,19 +190,18 @@ class PFM(FedAvg):
     lr: float = 1e-4          # eta: the devices' learning rate this round (M is measured in its units)
     beta: float = 0.9
     name: str = "pfm"
-    stateful: ClassVar[bool] = True
-    state: State | None = None  # the global momentum M, sent to devices with the model
+    stateful: ClassVar[bool] = True  # the global momentum M, sent to devices with the model
 
-    def broadcast_state(self) -> State | None:
-        return self.state
+    def broadcast_state(self, state: State | None) -> State | None:
+        return state
 
     def client_config(self) -> dict:
         return {"algorithm": self.name, "pfm_beta": self.beta}
 
-    def aggregate(self, global_state: State, mean_delta: State) -> State:
+    def aggregate(self, global_state: State, mean_delta: State, state: State | None = None
+                  ) -> tuple[State, State | None]:
         new = apply_delta(global_state, mean_delta, 1.0)
-        self.state = global_momentum(global_state, new, self.lr)
-        return new
+        return new, global_momentum(global_state, new, self.lr)
 
 
 # one class per name of protocol.messages.ALGORITHMS (the one list; a new strategy is named there first)

@@ -97,8 +97,8 @@ class Engine:
                                       dict(robust.get("fv_factors", {})))
         self.validation = ValidationPhase(self.fv, self.broadcast, self._tell, settings.weight_factor,
                                           settings.fv_timeout_s) if settings.fv else NoValidation()
-        if strategy.stateful:  # FedAvgM's velocity, PFM's global momentum
-            strategy.state = store.load_strategy_state()
+        # the strategy's server state between rounds (FedAvgM's velocity, PFM's global momentum; None for the rest)
+        self.server_state = store.load_strategy_state() if strategy.stateful else None
         self.view = EngineView(self)  # what readers (the simulator) may see of this engine, as values
         self._publish_model()
         self._resume_open_round()
@@ -164,7 +164,7 @@ class Engine:
         self._send(topics.device(device_id, "inbox"), body, to=device_id)
 
     def _publish_model(self) -> None:
-        self.broadcast.publish_model(self.version, self.global_state, self.strategy.broadcast_state())
+        self.broadcast.publish_model(self.version, self.global_state, self.strategy.broadcast_state(self.server_state))
 
     def _announce(self, body) -> None:
         self._send(topics.round_announcements(), body, retain=True)
@@ -322,7 +322,8 @@ class Engine:
     def _aggregate(self, current: OpenRound, dropped: int, mean_delta: dict[str, np.ndarray] | None = None) -> None:
         """The aggregator's outcome made durable: a new version published, or the round rolled back with why."""
         outcome = self.aggregator.run(current, self.global_state, self.global_sha,
-                                      len(current.participants) / max(1, len(self.keys)), mean_delta)
+                                      len(current.participants) / max(1, len(self.keys)), mean_delta,
+                                      self.server_state)
         self.store.drop_updates(current.round_id)
         done = len(current.done)
         if outcome.problem:
@@ -335,9 +336,9 @@ class Engine:
         self.filter.record([min(current.norms[d], bound) for d in outcome.kept])
         self.version += 1
         self.global_sha = self.store.save_model(self.version, outcome.state, current.round_id)
-        self.global_state = outcome.state
+        self.global_state, self.server_state = outcome.state, outcome.server_state
         if self.strategy.stateful:
-            self.store.save_strategy_state(self.strategy.state)
+            self.store.save_strategy_state(self.server_state)
         self.store.save_robust_state({"norm_history": self.norms.history, "fv_factors": self.fv.factors})
         self.store.close_round(current.round_id, "completed", self.version, done, dropped, outcome.metrics)
         self.broadcast.retract_model(self.version - 1)

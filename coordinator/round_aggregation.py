@@ -42,6 +42,15 @@ class Outcome:
     problem: str        # '' when the model may be published, else why the round rolls back
     metrics: dict
     kept: list[str]     # the devices whose updates made it (what the norm bound learns from)
+    server_state: State | None = None  # the strategy's state after the kept model (the old one on a roll-back)
+
+
+@dataclass
+class Trial:
+    """A model the round could publish, with the strategy state that comes with it."""
+
+    model: State
+    server_state: State | None
 
 
 class RoundAggregator:
@@ -80,8 +89,9 @@ class RoundAggregator:
         return combine(deltas, weights, self.settings.combine, self.settings.trim, self.settings.byzantine)
 
     def run(self, current: OpenRound, global_state: State, global_sha: str, sampling_rate: float,
-            mean_delta: State | None = None) -> Outcome:
-        """Bound, combine, finish, step, check, gate. `mean_delta`: FV's adopted blend (not re-formed later)."""
+            mean_delta: State | None = None, server_state: State | None = None) -> Outcome:
+        """Bound, combine, finish, step, check, gate. `mean_delta`: FV's adopted blend (not re-formed later);
+        `server_state`: the strategy's state before the round (the engine keeps it)."""
         started = time.perf_counter()
         bound = self.filter.bound()
         devices = sorted(current.done)
@@ -95,14 +105,14 @@ class RoundAggregator:
                             ", ".join(screen_metrics["screen_excluded_devices"]))
         mean_delta = self.combine(current, devices) if mean_delta is None else mean_delta
         mean_delta, filter_metrics, noise_allowance = self.filter.on_mean(mean_delta, len(devices), sampling_rate)
-        server_state = self.strategy.state
-        new_state = self.strategy.aggregate(global_state, mean_delta)
+        new_state, new_server_state = self.strategy.aggregate(global_state, mean_delta, server_state)
         problem = self.check_new_model(global_state, new_state, bound, noise_allowance)
         new_state = non_negative_variances(new_state)
         gate_metrics = {}
         if not problem and self.gate is not None:
-            new_state, problem, gate_metrics = self.gate_and_step(current, global_state, global_sha, new_state,
-                                                                  devices, bound, fresh_mean, server_state)
+            new_state, new_server_state, problem, gate_metrics = self.gate_and_step(
+                current, global_state, global_sha, Trial(new_state, new_server_state), devices, bound, fresh_mean,
+                server_state)
         elif not problem:  # no faces to choose the step on: the fixed one
             new_state, gate_metrics = fixed_step(global_state, new_state, self.settings.server_step)
         metrics = {**filter_metrics, **current.validation_metrics,
@@ -112,63 +122,66 @@ class RoundAggregator:
                    "clipped_updates": sum(current.norms[d] > bound for d in devices),
                    "combine": self.settings.combine, **screen_metrics, **gate_metrics,
                    **_mean_metrics(current.metrics)}
-        if problem and self.strategy.stateful:
-            self.strategy.state = server_state  # the server's momentum forgets the refused round too
         kept = [d for d in devices if d not in set(gate_metrics.get("gate_excluded_devices", []))]
-        return Outcome(global_state if problem else new_state, problem, metrics, kept)
+        if problem:  # the server's state forgets the refused round too
+            return Outcome(global_state, problem, metrics, kept, server_state)
+        return Outcome(new_state, problem, metrics, kept, new_server_state)
 
-    def gate_and_step(self, current: OpenRound, global_state: State, global_sha: str, aggregate: State,
-                      devices: list[str], bound: float, fresh_mean: bool, server_state) -> tuple[State, str, dict]:
-        """`publishable`, with this round's leave-out (only for a mean formed here: FV's adopted blend has none)."""
+    def gate_and_step(self, current: OpenRound, global_state: State, global_sha: str, whole: Trial,
+                      devices: list[str], bound: float, fresh_mean: bool, server_state: State | None
+                      ) -> tuple[State, State | None, str, dict]:
+        """`publishable`, with this round's leave-out (only for a mean formed here: FV's adopted blend has none).
+        Returns (model, the strategy state of the trial it came from, '' or why not, the gate's figures)."""
+        chosen = whole
+
         def leave_out(problem: str, metrics: dict) -> tuple[State, str, dict]:
-            state, left_problem, metrics = self.leave_out(current, global_state, global_sha, devices, bound, problem,
+            nonlocal chosen
+            trial, left_problem, metrics = self.leave_out(current, global_state, global_sha, devices, bound, problem,
                                                           metrics, server_state)
-            if left_problem and self.strategy.stateful:  # the trials moved the server's momentum: the whole round's
-                self.model_of(current, global_state, devices, server_state)
-            return state, left_problem, metrics
+            chosen = whole if left_problem else trial
+            return trial.model, left_problem, metrics
 
         self.gate.anchor_on(lambda: self.store.load_model(0))
         usable = fresh_mean and self.filter.allows_leave_out
-        state, problem, metrics = publishable(self.gate, global_state, global_sha, aggregate,
+        state, problem, metrics = publishable(self.gate, global_state, global_sha, whole.model,
                                               leave_out if usable else None)
         if metrics.get("gate_whole_step_refused") and not problem:
             log.warning("round %d: the whole step failed the gate (%s); published %g of it", current.round_id,
                         metrics["gate_whole_step_refused"], metrics["server_step"])
-        return state, problem, metrics
+        return state, chosen.server_state, problem, metrics
 
     def leave_out(self, current: OpenRound, global_state: State, global_sha: str, devices: list[str], bound: float,
-                  problem: str, metrics: dict, server_state) -> tuple[State, str, dict]:
+                  problem: str, metrics: dict, server_state: State | None) -> tuple[Trial, str, dict]:
         """The gate refused the round's model: leave out, one at a time, the update without which the round's model
         accepts the fewest impostors, until the model passes, for at most half of the round's updates.
-        Returns (model, '' or why not, the gate's figures); when no such subset passes, the round rolls back."""
+        Returns (the kept trial, '' or why not, the gate's figures); when no such subset passes, the round rolls
+        back (the trial is then the old model)."""
         kept, left_out, first_problem = list(devices), [], problem
         while problem and len(left_out) < len(devices) // 2:
             trials = []
             for device in kept:
-                state = self.model_of(current, global_state, [d for d in kept if d != device], server_state)
-                why, figures = self.gate.check(global_state, global_sha, state)
-                why = self.check_new_model(global_state, state, bound) or why
+                trial = self.model_of(current, global_state, [d for d in kept if d != device], server_state)
+                why, figures = self.gate.check(global_state, global_sha, trial.model)
+                why = self.check_new_model(global_state, trial.model, bound) or why
                 # FAR saturates at 1 while another poisoner remains: the mean impostor score still ranks them
                 trials.append((figures.get("gate_far_candidate", 1.0), figures.get("gate_impostor_mean_candidate", 1.0),
-                               device, state, why, figures))
-            _, _, device, state, problem, figures = min(trials, key=lambda t: t[:3])
+                               device, trial, why, figures))
+            _, _, device, chosen, problem, figures = min(trials, key=lambda t: t[:3])
             kept.remove(device)
             left_out.append(device)
             metrics = {**metrics, **figures}
         metrics.update(gate_excluded=len(left_out), gate_excluded_devices=sorted(left_out))
         if problem:
-            return global_state, first_problem, metrics
-        if self.strategy.stateful:  # the kept model's momentum step, taken once
-            self.model_of(current, global_state, kept, server_state)
+            return Trial(global_state, server_state), first_problem, metrics
         log.warning("round %d: quality gate left out %d update(s): %s", current.round_id, len(left_out),
                     ", ".join(sorted(left_out)))
-        return state, "", metrics
+        return chosen, "", metrics
 
-    def model_of(self, current: OpenRound, global_state: State, devices: list[str], server_state) -> State:
-        """The round's model from `devices`' updates alone (the server's state as it was before the round)."""
-        if self.strategy.stateful:
-            self.strategy.state = server_state
-        return non_negative_variances(self.strategy.aggregate(global_state, self.combine(current, devices)))
+    def model_of(self, current: OpenRound, global_state: State, devices: list[str],
+                 server_state: State | None) -> Trial:
+        """The round's model from `devices`' updates alone, from the server's state as it was before the round."""
+        model, new_server_state = self.strategy.aggregate(global_state, self.combine(current, devices), server_state)
+        return Trial(non_negative_variances(model), new_server_state)
 
     def check_new_model(self, global_state: State, new_state: State, bound: float,
                         noise_allowance: float = 0.0) -> str:

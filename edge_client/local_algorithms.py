@@ -88,8 +88,7 @@ def _fedfr_step(r: LocalRound, batch, weak) -> Step:
     features = model.backbone(x)
     f, f_pub = features[:len(y)], features[len(y):]
     if n_pub and negatives.centres is not None:
-        n_local = model.head.weight.shape[0] if hasattr(model.head, "weight") else 0
-        labels = torch.cat([y, negatives.labels[pick] + n_local])
+        labels = torch.cat([y, negatives.labels[pick] + model.head.n_classes])
         weight = torch.ones(len(labels)) if model.class_weights is None else \
             torch.cat([model.class_weights, torch.ones(len(negatives.centres))])[labels]
         per_row = F.cross_entropy(model.head(features, labels, extra=negatives.centres), labels,
@@ -100,8 +99,8 @@ def _fedfr_step(r: LocalRound, batch, weak) -> Step:
         cos_loss = local_cos = F.cross_entropy(model.head(f, y), y, weight=model.class_weights)
     loss, local_loss = objective.alpha_cos * cos_loss, objective.alpha_cos * local_cos.detach()
     metrics = {"cos_loss": float(local_cos.detach()), "con_loss": 0.0, "neg_loss": 0.0}
-    if n_pub and negatives.centres is None and hasattr(model.head, "weight"):
-        neg_loss = negative_margin_loss(f_pub, model.head.weight, objective.t_hn)
+    if n_pub and negatives.centres is None and model.head.centres is not None:
+        neg_loss = negative_margin_loss(f_pub, model.head.centres, objective.t_hn)
         loss = loss + objective.alpha_cos * neg_loss
         metrics["neg_loss"] = float(neg_loss.detach())
     if objective.contrastive:

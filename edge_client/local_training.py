@@ -25,7 +25,7 @@ from edge_client.local_algorithms import LOCAL_ALGORITHMS, LocalRound, local_alg
 from models.faces.crops import FaceCrops
 from models.networks.dfc import NEGATIVE, fit_dfc
 from models.networks.face_model import FaceModel, load_shareable_state, shareable_state
-from models.networks.heads import CosineHead, class_centres, imprint
+from models.networks.heads import class_centres, imprint
 from models.public_set import PublicSet
 from models.training.crop_batches import as_chw, frozen_copy, frozen_features, train_loader
 from models.training.fast_step import accelerate
@@ -138,7 +138,7 @@ def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: TrainingC
     if not use_public:
         return None
     negatives = sample_hard_negatives(model.backbone, public, local_features, objective.t_hn, seed,
-                                      isinstance(model.head, CosineHead))
+                                      model.head.centres is not None)
     private.update({"hn_fraction": len(negatives) / len(public), "hn_sampled": float(len(negatives))})
     if negatives.centres is not None:
         private["hn_classes"] = float(len(negatives.centres))

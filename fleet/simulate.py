@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from coordinator.service import Service, ServiceConfig, check_port_free
 from edge_client.home import DeviceHome
+from fleet.attack_report import AttackReport
 from fleet.config import SimConfig
 from fleet.data import (
     TRAIN,
@@ -105,20 +106,7 @@ class Simulation:
         self.state = RunState.load(self.state_path)
         self.cores = os.cpu_count() or 1
         self.turn_seconds: dict[int, list[float]] = {}  # round id -> each device's whole turn, start to stop
-        self.impersonation, self.attack_photos = self._impersonation()
-
-    def _impersonation(self):
-        """With `--attack impersonate`: who attacks whom (`fleet.impersonation`) and the photos the attackers hold."""
-        if self.config.attack != "impersonate" or self.config.malicious <= 0:
-            return None, None
-        from fleet.attacks import malicious_clients
-        from fleet.impersonation import plan, write_photos
-
-        bad = malicious_clients(self.data.training_clients, self.config.malicious, self.config.seed)
-        chosen = plan(self.data, bad, self.config.seed)
-        if chosen is None:
-            raise ValueError("--attack impersonate needs at least one malicious and one honest training client")
-        return chosen, write_photos(self.data, chosen, self.run_dir / "attack" / "impersonation.npz")
+        self.attacks = AttackReport(config, self.data, self.run_dir, self._global_model)
 
     def _check_resume(self) -> None:
         path = self.run_dir / "config.json"
@@ -153,16 +141,13 @@ class Simulation:
 
     def _turn(self, client: int, round_id: int | None) -> Turn:
         root = self.run_dir / "devices" / device_id(client)
-        from fleet.attacks import malicious_clients
-
-        bad = malicious_clients(self.data.training_clients, self.config.malicious, self.config.seed)
         public = str(self.public_set) if self.public_set is not None else None
         return Turn(str(root / "credential.json"), str(root / "data"), str(root / "home"), self.service.broker_url,
                     str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
-                    self.config.server.round_timeout_s, self.config.attack if client in bad else None, public,
+                    self.config.server.round_timeout_s, self.attacks.kind_for(client), public,
                     attack_bound=self.service.engine.view.norm_bound(), attack_epochs=self.config.training.epochs,
                     attack_share=1.0 / max(1, len(self.data.training_clients)),
-                    attack_photos=str(self.attack_photos) if self.attack_photos else None)
+                    attack_photos=str(self.attacks.photos) if self.attacks.photos else None)
 
     # the run ----------------------------------------------------------------
     def run(self) -> dict:
@@ -364,7 +349,7 @@ class Simulation:
         hold_report, raw = unseen_people(model, self.holdout, self.config.max_eval_pairs, self.config.seed)
         record.update({f"val_{k}": v for k, v in flat(val_report).items() if k in ("auc", "eer")})
         record.update({f"holdout_{k}": v for k, v in flat(hold_report).items()})
-        record.update(self._at_start_threshold(raw))
+        record.update(impostors_at_start(raw, self.state.history))
         record["holdout_interval"] = hold_report.get("interval")
         # the best round and early stopping watch people no device holds (what the federation must not make worse);
         # the devices' own validation images only when there are no such people: they can rise while those fall
@@ -375,53 +360,6 @@ class Simulation:
         if quality:  # the coordinator's dashboard plots it (the operator's evaluation: the simulator holds the faces)
             self.service.record_evaluation(version, quality, "fleet simulator, held-out people")
         return record
-
-    def _at_start_threshold(self, raw: tuple | None) -> dict:
-        """The impostors let in on unseen people at the starting model's FAR=1e-3 threshold (a device calibrated on
-        the start holds that threshold): over the run, a drift shows here even when each round looked small."""
-        if raw is None:
-            return {}
-        from models.evaluation.thresholds import threshold_at_far
-
-        scores, same = raw
-        start = self.state.history[0].get("holdout_start_threshold") if self.state.history else None
-        if start is None:
-            start = threshold_at_far(scores[~same], START_FAR)[0]
-        return {"holdout_start_threshold": float(start),
-                "holdout_far@start": float(np.mean(scores[~same] > start))}
-
-    def _attack(self) -> dict:
-        """Who attacked, and what the run let in: unseen people's impostors at the start's threshold, start vs last
-        published model (`ratio`: how many times the start's; the drift defence's target is at most 2)."""
-        from fleet.attacks import malicious_clients
-
-        bad = malicious_clients(self.data.training_clients, self.config.malicious, self.config.seed)
-        history = self.state.history
-        start, last = (history[0].get("holdout_far@start"), history[-1].get("holdout_far@start")) if history else (None,
-                                                                                                                   None)
-        out = {"kind": self.config.attack, "attackers": sorted(device_id(k) for k in bad),
-               "far@start": {"start": start, "last": last,
-                             "ratio": last / start if start and last is not None else None}}
-        if self.impersonation is not None:
-            out.update(self._impersonation_success(history[-1]["model_version"] if history else 0))
-        return out
-
-    def _impersonation_success(self, version: int) -> dict:
-        """The impersonation's success rate on the victim's device (the model it verifies with: its personalised
-        one) and on the published global model, beside the starting model's (`fleet.impersonation`)."""
-        from fleet.evaluation import embed, load_local_model
-        from fleet.impersonation import success_rate
-
-        attack, c, images = self.impersonation, self.config, self.data.crops.images
-        rates = {name: success_rate(self.data, attack, lambda idx, m=model: embed(m, images[idx]), c.seed)
-                 for name, model in (("start", self._global_model(0)), ("global", self._global_model(version)))}
-        home = DeviceHome(self.run_dir / "devices" / device_id(attack.victim) / "home")
-        local = load_local_model(home, len(self.data.partition.clients[attack.victim]), c.training.width_mult,
-                                 c.training.dfc)
-        rates["device"] = rates["global"] if local is None else success_rate(
-            self.data, attack, lambda idx: embed(local, images[idx], c.training.dfc), c.seed)
-        return {**attack.record(), "success_rate": rates["device"], "success_rate_global": rates["global"],
-                "success_rate_start": rates["start"]}
 
     def _eval_threads(self) -> None:
         torch.set_num_threads(self.cores)
@@ -439,12 +377,26 @@ class Simulation:
         rolled_back = [r for r in self.service.engine.view.rounds() if r["status"] == "rolled_back"]
         summary = final.summary(result, self.state, tracker.run_id, self._privacy(), rolled_back)
         if self.config.malicious > 0:
-            summary["attack"] = self._attack()
+            summary["attack"] = self.attacks.summary(self.state.history)
         paths = write_summary(summary, self.run_dir)
         tracker.log_metrics(_final_metrics(summary), len(self.state.history))
         for path in [*result.figures.values(), *paths]:
             tracker.log_artifact(path)
         return summary
+
+
+def impostors_at_start(raw: tuple | None, history: list[dict]) -> dict:
+    """The impostors let in on unseen people at the starting model's FAR=1e-3 threshold (a device calibrated on
+    the start holds that threshold): over the run, a drift shows here even when each round looked small."""
+    if raw is None:
+        return {}
+    from models.evaluation.thresholds import threshold_at_far
+
+    scores, same = raw
+    start = history[0].get("holdout_start_threshold") if history else None
+    if start is None:
+        start = threshold_at_far(scores[~same], START_FAR)[0]
+    return {"holdout_start_threshold": float(start), "holdout_far@start": float(np.mean(scores[~same] > start))}
 
 
 def _final_metrics(summary: dict) -> dict:

@@ -20,7 +20,8 @@ def test_fedavg_is_the_sample_weighted_mean_of_deltas():
     expected = sum(d["w"].astype(np.float64) * n for d, n in _deltas()) / 100.0
     assert np.allclose(mean.mean()["w"], expected)
     global_state = {"w": np.ones((4, 3), np.float32), "n": np.array(5, np.int64)}
-    new = FedAvg().aggregate(global_state, mean.mean())
+    new, server_state = FedAvg().aggregate(global_state, mean.mean())
+    assert server_state is None
     assert new["w"].dtype == np.float32 and np.allclose(new["w"], 1.0 + expected, atol=1e-6)
     assert new["n"].dtype == np.int64 and int(new["n"]) == 7 and new["n"].shape == ()
 
@@ -40,17 +41,20 @@ def test_running_mean_keeps_one_model_of_memory():
 
 def test_fedprox_server_side_is_fedavg_and_tells_devices_mu():
     state, delta = {"w": np.zeros(3, np.float32)}, {"w": np.ones(3)}
-    assert np.array_equal(FedProx(mu=0.1).aggregate(state, delta)["w"], FedAvg().aggregate(state, delta)["w"])
+    assert np.array_equal(FedProx(mu=0.1).aggregate(state, delta)[0]["w"], FedAvg().aggregate(state, delta)[0]["w"])
     assert FedProx(mu=0.1).client_config() == {"algorithm": "fedprox", "prox_mu": 0.1}
 
 
 def test_fedavgm_accumulates_server_momentum():
     strategy = FedAvgM(momentum=0.5)
     state = {"w": np.zeros(2, np.float32)}
-    state = strategy.aggregate(state, {"w": np.array([1.0, 0.0])})
+    state, velocity = strategy.aggregate(state, {"w": np.array([1.0, 0.0])})
     assert np.allclose(state["w"], [1.0, 0.0])
-    state = strategy.aggregate(state, {"w": np.array([1.0, 0.0])})
+    state, velocity = strategy.aggregate(state, {"w": np.array([1.0, 0.0])}, velocity)
     assert np.allclose(state["w"], [1.0 + 1.5, 0.0])  # v = 0.5 * 1 + 1
+    # pure: the same call again gives the same step (the strategy kept nothing between the calls)
+    again, _ = strategy.aggregate({"w": np.zeros(2, np.float32)}, {"w": np.array([1.0, 0.0])}, {"w": np.ones(2)})
+    assert np.allclose(again["w"], [1.5, 0.5]) and strategy.broadcast_state(velocity) is None
 
 
 def test_strategies_by_name():

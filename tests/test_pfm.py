@@ -26,13 +26,13 @@ def test_pfm_with_one_client_and_one_step_per_round_is_centralised_momentum_sgd(
         F.cross_entropy(reference(x), y).backward()
         optimiser.step()
 
-    strategy = PFM(lr=lr, beta=beta)  # the coordinator's side (eq. 4-6)
+    strategy, server_state = PFM(lr=lr, beta=beta), None  # the coordinator's side (eq. 4-6)
     global_state = {f"backbone.{k}": v.numpy().copy() for k, v in net.state_dict().items()}
     for x, y in batches:  # one round per batch: one device, one local step (K = 1)
         device = copy.deepcopy(net)
         device.load_state_dict({k.removeprefix("backbone."): torch.from_numpy(v) for k, v in global_state.items()})
         params = dict(device.named_parameters())
-        momentum = {k.removeprefix("backbone."): torch.from_numpy(v) for k, v in (strategy.state or {}).items()}
+        momentum = {k.removeprefix("backbone."): torch.from_numpy(v) for k, v in (server_state or {}).items()}
         local = torch.optim.SGD(device.parameters(), lr=lr)
         local.zero_grad()
         F.cross_entropy(device(x), y).backward()
@@ -40,7 +40,7 @@ def test_pfm_with_one_client_and_one_step_per_round_is_centralised_momentum_sgd(
         apply_global_momentum(params, momentum, lr, beta, steps=1)  # the device's side (eq. 3)
         delta = {f"backbone.{k}": v.detach().numpy() - global_state[f"backbone.{k}"]
                  for k, v in device.state_dict().items()}
-        global_state = strategy.aggregate(global_state, delta)
+        global_state, server_state = strategy.aggregate(global_state, delta, server_state)
     for name, value in reference.state_dict().items():
         np.testing.assert_allclose(global_state[f"backbone.{name}"], value.numpy(), rtol=1e-9, atol=1e-12)
     assert strategy.client_config() == {"algorithm": "pfm", "pfm_beta": beta}

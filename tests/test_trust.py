@@ -384,8 +384,8 @@ def test_a_new_model_that_fails_its_checks_is_rolled_back(tmp_path):
     from coordinator.aggregation import FedAvg
 
     class Broken(FedAvg):  # a fake strategy: the only way to produce a non-finite model past the update checks
-        def aggregate(self, global_state, delta):
-            return {k: v * np.nan if v.dtype.kind == "f" else v for k, v in global_state.items()}
+        def aggregate(self, global_state, delta, state=None):
+            return {k: v * np.nan if v.dtype.kind == "f" else v for k, v in global_state.items()}, None
 
     h.engine.strategy = Broken()
     h.engine.tick()
@@ -696,3 +696,23 @@ def test_device_takes_a_final_model_release_only_from_the_pinned_coordinator(tmp
         client.publish(topics.round_announcements(), b"", qos=1, retain=True)
         client.loop_stop()
         device.stop()
+
+
+def test_the_engine_keeps_the_strategys_server_state_across_rounds_and_restarts(tmp_path):
+    """Strategies are pure (`aggregate(global, mean, state) -> (model, state)`): FedAvgM's velocity lives in the
+    engine, is the round's mean after the first round, is stored with the model and read back by a new engine."""
+    h = Harness(tmp_path, min_clients=1)
+    h.engine = h._engine("fedavgm")
+    assert h.engine.server_state is None
+    dev = Dev(h, "dev1").join()
+    h.open_round()
+    delta = honest_delta(0)
+    dev.upload(delta)
+    h.engine.tick()
+    assert h.engine.version == 1, h.engine.store.rounds()
+    velocity = h.engine.server_state
+    assert set(velocity) == set(delta)
+    np.testing.assert_allclose(velocity["backbone.w"], delta["backbone.w"], rtol=1e-3, atol=1e-6)
+    restarted = h._engine("fedavgm")
+    assert all(np.array_equal(restarted.server_state[k], velocity[k]) for k in velocity)
+    assert h._engine("fedavg").server_state is None  # a stateless strategy keeps none

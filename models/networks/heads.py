@@ -1,7 +1,9 @@
 """Classification heads that train the embedding: softmax, CosFace and ArcFace.
 
-Heads stay on the device; only the embedder is shared. Each head maps (embedding, label)
-to logits with its margin applied; `logits(embedding)` gives margin-free scores for accuracy.
+Heads stay on the device; only the embedder is shared. Every head has one interface: `forward(embedding, label,
+extra=None)` gives logits with its margin applied (`extra`: more class centres appended, FedFR's public classes),
+`logits(embedding)` margin-free scores for accuracy, `n_classes`, and `centres` (the unit class centres, or None for
+a head that has none), so callers never probe a head for what it holds.
 """
 from __future__ import annotations
 
@@ -15,14 +17,23 @@ HEADS = ("cosface", "arcface", "softmax")
 
 
 class SoftmaxHead(nn.Module):
+    centres = None  # a linear layer: no class centres on the sphere
+
     def __init__(self, dim: int, n_classes: int):
         super().__init__()
         self.fc = nn.Linear(dim, n_classes)
 
+    @property
+    def n_classes(self) -> int:
+        return self.fc.out_features
+
     def logits(self, emb: torch.Tensor) -> torch.Tensor:
         return self.fc(emb)
 
-    def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, emb: torch.Tensor, labels: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        if extra is not None:
+            raise ValueError("a softmax head has no class centres to append public classes to (use cosface or "
+                             "arcface)")
         return self.fc(emb)
 
 
@@ -34,6 +45,15 @@ class CosineHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_classes, dim))
         nn.init.xavier_uniform_(self.weight)
         self.s, self.m = s, m
+
+    @property
+    def n_classes(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def centres(self) -> torch.Tensor:
+        """The class centres (unnormalised parameters; `cosine` normalises them)."""
+        return self.weight
 
     def cosine(self, emb: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
         """cos to each centre; `extra` centres (FedFR's public classes) are appended after the head's own."""
@@ -88,9 +108,9 @@ def imprint(head: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> bo
     Qi et al., CVPR 2018). A random head's first gradients scramble a pretrained embedding; centres
     imprinted from that embedding start the margin loss where the features already are. Classes
     without features keep their centres. Returns False for heads without class centres (softmax)."""
-    if not isinstance(head, CosineHead) or len(features) == 0:
+    if head.centres is None or len(features) == 0:
         return False
-    centres, present = class_centres(features, labels, head.weight.shape[0])
+    centres, present = class_centres(features, labels, head.n_classes)
     head.weight[present] = centres[present].to(head.weight.dtype)
     return True
 
