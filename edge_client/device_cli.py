@@ -622,14 +622,13 @@ def _strangers(args, home: DeviceHome, recognizer: Recognizer, people: list
         public = load_public_set(path, None if args.public_set else recognizer.settings.public_set).images
     except PublicSetError as exc:
         raise DeviceError(str(exc)) from None
-    shift, generic = 0.0, home.generic_onnx
-    sealed = generic.is_file() and recognizer.settings.models.get(generic.name) == file_sha256(generic)
-    if recognizer.model_path == home.personalised_onnx and sealed and len(people) >= 2:
-        from edge_client.verifier_choice import calibrated
+    shift = 0.0
+    if recognizer.model_path == home.personalised_onnx and len(people) >= 2:
+        from edge_client.verifier_choice import global_shift
 
         crops = [p.crops for p in people]
         labels = np.concatenate([np.full(len(c), i) for i, c in enumerate(crops)])
-        shift = calibrated(generic, args.far, np.concatenate(crops), labels, public, None).capture_shift
+        shift = global_shift(home, recognizer.settings, args.far, np.concatenate(crops), labels, public)
     return recognizer.embed(public), shift, f", {len(public)} strangers' faces from {path.name}"
 
 

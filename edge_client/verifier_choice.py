@@ -88,6 +88,17 @@ def calibrated(path: Path, far: float, images: np.ndarray, labels: np.ndarray, n
                      min_shift)
 
 
+def global_shift(home: DeviceHome, settings: Settings, far: float, images: np.ndarray, labels: np.ndarray,
+                 negatives: np.ndarray) -> float:
+    """The installed global model's capture shift on these faces: the floor of a personalised model's (0 where the
+    global model is missing, not the one this device installed, or the device has fewer than two people)."""
+    generic = home.generic_onnx
+    installed = generic.is_file() and settings.models.get(generic.name) == file_sha256(generic)
+    if not installed or len(np.unique(labels)) < 2:
+        return 0.0
+    return calibrated(generic, far, images, labels, negatives, None).capture_shift
+
+
 def choose(home: DeviceHome, vault: Vault, images: np.ndarray, labels: np.ndarray,
            negatives: np.ndarray | None, judged: np.ndarray | None = None,
            public_sha256: str | None = None) -> Choice | None:

@@ -155,8 +155,6 @@ def _pretrain_config(args):
     own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every", "--low-res-fraction",
                        "--views", "--queue-size", "--mix-fraction"],
                 {"eval_every": "eval_every_steps"})
-    if args.online and args.mix_fraction is None:
-        own["mix_fraction"] = ONLINE_DEFAULT_MIX
     return PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
                           init=args.init, labelled=[str(d) for d in args.labelled], epochs=args.epochs,
                           batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
@@ -198,6 +196,8 @@ def cmd_pretrain(args) -> int:
     if args.loss is None:  # each path's best measured memory (issue 50's arms for the online one)
         args.loss = ONLINE_DEFAULT_LOSS if args.online else "cosine"
     refuse_unowned(args, PRETRAIN_OWNED, args)
+    if args.online and args.mix_fraction is None:  # after the check: a default is not an option given
+        args.mix_fraction = ONLINE_DEFAULT_MIX
     if args.online:
         return _pretrain_online(args)
     if args.loss == "queue":
