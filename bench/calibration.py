@@ -40,7 +40,8 @@ def embeddings_by_person(root: Path) -> dict:
 
 def draw(by: dict, enrolled: int, extra: int, far: float, rng: np.random.Generator) -> dict:
     """One device: calibrate on `enrolled` people (+ `extra` in --data), then every stranger claims every enrolled."""
-    from edge_client.recognizer import calibrate, probe_scores, template_of
+    from edge_client.recognizer import calibrate, template_of
+    from edge_client.verifier import probe_scores
 
     people = list(by)
     pick = [people[i] for i in rng.choice(len(people), enrolled + extra, replace=False)]

@@ -24,8 +24,9 @@ import numpy as np
 
 from edge_client.capture import FaceQuality, device_detector, every_face, frames
 from edge_client.home import DeviceHome
-from edge_client.recognizer import DEFAULT_THRESHOLD, Recognizer, closest, install_default_model, probe_scores
+from edge_client.recognizer import DEFAULT_THRESHOLD, Recognizer, install_default_model
 from edge_client.vault import Vault, check_person_name
+from edge_client.verifier import Verifier
 
 Image = str | Path | np.ndarray
 
@@ -99,28 +100,26 @@ class Device:
 
     def identify(self, image: Image, threshold: float | None = None) -> list[Face]:
         """Every face in the image, each identified (name None: unknown)."""
-        recognizer = self.recognizer
-        people = recognizer.people()
+        verifier = Verifier(self.recognizer, threshold)
+        people = verifier.recognizer.people()
         if not people:
             raise ValueError("nobody is enrolled on this device")
-        threshold = recognizer.threshold if threshold is None else threshold
         found = self.faces(image)
         if not found:
             return []
-        answers = closest(recognizer.embed(np.stack([f[0] for f in found])), people, threshold)
-        return [Face(name, score, threshold, box, marks) for (_, box, marks), (name, score, _) in zip(found, answers)]
+        answers = verifier.each(verifier.recognizer.embed(np.stack([f[0] for f in found])), people)
+        return [Face(a.name, a.score, a.threshold, box, marks) for (_, box, marks), a in zip(found, answers)]
 
     def verify(self, name: str, image: Image, threshold: float | None = None) -> Face:
         """Is the largest face in the image `name`?"""
-        recognizer = self.recognizer
-        person = recognizer.person(name)
-        threshold = recognizer.threshold if threshold is None else threshold
+        verifier = Verifier(self.recognizer, threshold)
+        person = verifier.recognizer.person(name)
         found = self.faces(image)
         if not found:
             raise FaceError(f"no usable face in {image if not isinstance(image, np.ndarray) else 'the image'}")
         crop, box, marks = found[0]
-        score = float(probe_scores(recognizer.embed(crop[None]), person.template)[0])
-        return Face(name if score > threshold else None, score, threshold, box, marks)
+        answer = verifier.verify(verifier.recognizer.embed(crop[None]), person)
+        return Face(answer.name, answer.score, answer.threshold, box, marks)
 
     def watch(self, camera: int | None = None, video: str | Path | None = None,
               threshold: float | None = None) -> Iterator[list[Face]]:

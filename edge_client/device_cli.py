@@ -20,19 +20,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from edge_client.capture import FaceQuality, SourceError, check_face, device_detector, every_face, frames
+from edge_client.capture import FaceQuality, SourceError, check_face, device_detector, frames
 from edge_client.home import DeviceHome
 from edge_client.recognizer import (
     DEFAULT_THRESHOLD,
     Recognizer,
     calibrate,
-    closest,
     file_sha256,
     install_default_model,
-    probe_scores,
     seal_model,
 )
 from edge_client.vault import NAME_MAX, Vault, check_person_name
+from edge_client.verifier import Verifier, usable_faces
 from models.cli.common import add_detector_option, at_least
 from models.progress import bar_disable
 
@@ -189,8 +188,8 @@ def _enroll_one(args, home: DeviceHome, vault: Vault, recognizer: Recognizer) ->
                           "(--from KNOWN_DIR takes one folder per person), or --force")
     template = embedded[chosen].sum(0)
     template /= max(float(np.linalg.norm(template)), 1e-12)
-    threshold = recognizer.threshold
-    matched = int(np.sum(rest @ template > threshold))
+    verifier = Verifier(recognizer)
+    threshold, matched = verifier.threshold, verifier.count_matches(rest, template)
     if len(rest) >= REST_TO_CHECK and matched < len(rest) / 2 and not args.force:
         raise DeviceError(f"the template made from {len(best)} views matches only {matched} of the other {len(rest)} "
                           f"faces of the same source at threshold {threshold:.3f}: too few or too alike views to "
@@ -286,15 +285,13 @@ def _probe(args, recognizer: Recognizer, viewer: Viewer) -> tuple[np.ndarray, li
     return np.stack(embeddings), latency, accepted, np.array([a.sharpness for a in accepted])
 
 
-def _threshold(args, recognizer: Recognizer) -> tuple[float, str]:
-    """The threshold this call decides at, and what it is: `--threshold` when given, else the device's."""
-    if getattr(args, "threshold", None) is not None:
-        return args.threshold, "given with --threshold"
-    return recognizer.threshold, recognizer.threshold_note
+def _verifier(args, recognizer: Recognizer) -> Verifier:
+    """The decision at `--threshold` when given, else at the device's."""
+    return Verifier(recognizer, getattr(args, "threshold", None))
 
 
 def per_face(args, recognizer: Recognizer, decide) -> tuple[list[dict], list[str]]:
-    """`--images FILE|DIR`: every face of every file answered on its own (`decide(embedding)` -> its answer), as
+    """`--images FILE|DIR`: every face of every file answered on its own (`decide(embedding)` -> its record), as
     face_recognition's command answers a folder: (one record per file, one line per face or per file)."""
     detector, gate = device_detector(args.detector, args.yunet_model), _gate(args)
     records, lines = [], []
@@ -303,12 +300,8 @@ def per_face(args, recognizer: Recognizer, decide) -> tuple[list[dict], list[str
             records.append({"file": frame.name, "problem": frame.problem, "faces": []})
             lines.append(f"{frame.name}: skipped: {frame.problem}")
             continue
-        checks = every_face(frame.bgr, detector, gate)
-        usable = [c for c in checks if c.crop is not None]
-        answers = []
-        if usable:
-            embeddings = recognizer.embed(np.stack([c.crop for c in usable]))
-            answers = [decide(e) for e in embeddings]
+        checks, embeddings = usable_faces(frame.bgr, detector, gate, recognizer)
+        answers = [decide(e) for e in embeddings]
         record = {"file": frame.name, "faces": []}
         for i, check in enumerate(checks):
             face = {"box": list(check.box), "aligned": check.aligned,
@@ -341,32 +334,34 @@ def _per_face_exit(records: list[dict], key: str) -> int:
     return MATCH if all(f[key] for f in answered) else NO_MATCH
 
 
-def _verify_files(args, recognizer: Recognizer, person, threshold: float, note: str) -> int:
+def _verify_files(args, verifier: Verifier, person) -> int:
     def decide(embedding: np.ndarray) -> dict:
-        score = float(probe_scores(embedding[None], person.template)[0])
-        match = score > threshold
-        return {"match": match, "score": score,
-                "line": f"{'MATCH' if match else 'NO MATCH'}: {args.name} score {score:.3f}"}
+        answer = verifier.verify(embedding[None], person)
+        return {"match": answer.match, "score": answer.score,
+                "line": f"{'MATCH' if answer.match else 'NO MATCH'}: {args.name} score {answer.score:.3f}"}
 
-    records, lines = per_face(args, recognizer, decide)
+    records, lines = per_face(args, verifier.recognizer, decide)
     answered = [f for r in records for f in r["faces"] if "problem" not in f]
+    threshold, note = verifier.threshold, verifier.threshold_note
     summary = (f"{sum(f['match'] for f in answered)} of {len(answered)} face(s) in {len(records)} file(s) match "
                f"{args.name} at threshold {threshold:.3f} ({note})")
     rc = _per_face_exit(records, "match")
     _out(args, "\n".join([*lines, summary]), {"name": args.name, "threshold": threshold, "threshold_note": note,
-                                               "files": records, "model": str(recognizer.model_path)})
+                                               "files": records, "model": str(verifier.recognizer.model_path)})
     return rc
 
 
-def _identify_files(args, recognizer: Recognizer, people: list, threshold: float, note: str, damaged) -> int:
+def _identify_files(args, verifier: Verifier, people: list, damaged) -> int:
     def decide(embedding: np.ndarray) -> dict:
-        ((name, score, nearest),) = closest(embedding[None], people, threshold)
-        return {"identity": name or "unknown", "known": name is not None, "score": score, "closest": nearest,
-                "line": f"{name or 'unknown'} score {score:.3f}" + ("" if name else f" (closest: {nearest})")}
+        answer = verifier.identify(embedding[None], people)
+        return {"identity": answer.name or "unknown", "known": answer.match, "score": answer.score,
+                "closest": answer.closest, "line": f"{answer.name or 'unknown'} score {answer.score:.3f}"
+                + ("" if answer.match else f" (closest: {answer.closest})")}
 
-    records, lines = per_face(args, recognizer, decide)
+    records, lines = per_face(args, verifier.recognizer, decide)
     answered = [f for r in records for f in r["faces"] if "problem" not in f]
     known = Counter(f["identity"] for f in answered if f["known"])
+    threshold, note = verifier.threshold, verifier.threshold_note
     summary = (f"{len(answered)} face(s) in {len(records)} file(s): "
                + (", ".join(f"{name} {n}" for name, n in known.most_common()) or "nobody known")
                + f", unknown {sum(not f['known'] for f in answered)}; threshold {threshold:.3f} ({note})")
@@ -379,17 +374,17 @@ def _identify_files(args, recognizer: Recognizer, people: list, threshold: float
 def cmd_verify(args) -> int:
     home, vault, recognizer = _open(args)
     person = recognizer.person(args.name)  # unknown name: an error before any capture
-    threshold, note = _threshold(args, recognizer)
+    verifier = _verifier(args, recognizer)
     args.live_check = _liveness(args)
     if args.images is not None:
-        return _verify_files(args, recognizer, person, threshold, note)
+        return _verify_files(args, verifier, person)
     viewer = Viewer(args.show)
     embeddings, latency, accepted, _ = _probe(args, recognizer, viewer)
     started = time.perf_counter()
-    score = float(probe_scores(embeddings, person.template)[0])
-    match_ms = (time.perf_counter() - started) * 1000
     live = args.live_check
-    match = score > threshold and (live is None or live.passed)
+    answer = verifier.verify(embeddings, person, None if live is None else live.passed)
+    match_ms = (time.perf_counter() - started) * 1000
+    match, score, threshold, note = answer.match, answer.score, answer.threshold, verifier.threshold_note
     for box, frame in ((a.box, a.frame) for a in accepted[-1:]):
         viewer.show(frame.bgr, box, f"{args.name}: {'MATCH' if match else 'NO MATCH'} {score:.2f}", match)
     data = {"name": args.name, "match": match, "score": score, "threshold": threshold,
@@ -423,26 +418,25 @@ def cmd_identify(args) -> int:
     people, damaged = _readable_people(args, recognizer)
     if not people:
         raise DeviceError("nobody is enrolled on this device; run `ffr device enroll` first")
-    threshold, note = _threshold(args, recognizer)
+    verifier = _verifier(args, recognizer)
     args.live_check = _liveness(args)
     if args.images is not None:
-        return _identify_files(args, recognizer, people, threshold, note, damaged)
+        return _identify_files(args, verifier, people, damaged)
     viewer = Viewer(args.show)
     embeddings, latency, accepted, _ = _probe(args, recognizer, viewer)
     started = time.perf_counter()
-    scores = probe_scores(embeddings, np.stack([p.template for p in people]))
-    best = int(np.argmax(scores))
-    match_ms = (time.perf_counter() - started) * 1000
     live = args.live_check
-    known = bool(scores[best] > threshold) and (live is None or live.passed)
-    name = people[best].name if known else "unknown"
+    answer = verifier.identify(embeddings, people, None if live is None else live.passed)
+    match_ms = (time.perf_counter() - started) * 1000
+    known, name, threshold, note = answer.match, answer.name or "unknown", answer.threshold, verifier.threshold_note
     for box, frame in ((a.box, a.frame) for a in accepted[-1:]):
-        viewer.show(frame.bgr, box, f"{name} {scores[best]:.2f}", known)
-    data = {"identity": name, "known": known, "score": float(scores[best]), "closest": people[best].name,
+        viewer.show(frame.bgr, box, f"{name} {answer.score:.2f}", known)
+    data = {"identity": name, "known": known, "score": answer.score, "closest": answer.closest,
             "threshold": threshold, "threshold_note": note,
-            "scores": {p.name: float(s) for p, s in zip(people, scores)}, "faces_used": len(embeddings),
+            "scores": {p.name: float(s) for p, s in zip(people, verifier.scores(embeddings, people))},
+            "faces_used": len(embeddings),
             "latency_ms": float(np.median(latency)) + match_ms, "damaged": damaged, **_liveness_fields(live)}
-    _out(args, f"{name}: score {scores[best]:.3f} (closest: {people[best].name}) vs threshold "
+    _out(args, f"{name}: score {answer.score:.3f} (closest: {answer.closest}) vs threshold "
                f"{threshold:.3f} ({note}); {data['latency_ms']:.1f} ms per frame"
                + (f"; {live.reason()}" if live is not None else ""), data)
     return MATCH if known else NO_MATCH
@@ -510,7 +504,8 @@ def cmd_watch(args) -> int:
     people, damaged = _readable_people(args, recognizer)
     if not people:
         raise DeviceError("nobody is enrolled on this device; run `ffr device enroll` first")
-    threshold, note = _threshold(args, recognizer)
+    verifier = _verifier(args, recognizer)
+    threshold, note = verifier.threshold, verifier.threshold_note
     detector, gate, viewer = device_detector(args.detector, args.yunet_model), _gate(args), Viewer(args.show)
     presence, started, n = Presence(args.arrive, args.leave), time.monotonic(), 0
     print(f"watching {'camera ' + str(args.camera) if args.camera is not None else args.video}: {len(people)} "
@@ -529,11 +524,11 @@ def cmd_watch(args) -> int:
     try:
         for frame in frames(args.camera, args.video, None, args.stop_after or 10 ** 12):
             n, name = n + 1, frame.name
-            checks = [c for c in every_face(frame.bgr, detector, gate) if c.crop is not None]
+            checks, embeddings = usable_faces(frame.bgr, detector, gate, recognizer)
+            checks = [c for c in checks if c.crop is not None]
             labels: dict[str, float] = {}
-            if checks:
-                for name, score, _ in closest(recognizer.embed(np.stack([c.crop for c in checks])), people, threshold):
-                    labels[name or "unknown"] = max(labels.get(name or "unknown", -1.0), score)
+            for answer in verifier.each(embeddings, people):
+                labels[answer.name or "unknown"] = max(labels.get(answer.name or "unknown", -1.0), answer.score)
             viewer.show(frame.bgr, checks[0].box if checks else None, ", ".join(labels) or "-", bool(labels))
             say(presence.update(labels), frame.name)
     except KeyboardInterrupt:

@@ -82,21 +82,6 @@ def template_of(faces: np.ndarray) -> np.ndarray:
     return normalise(faces.mean(0))
 
 
-def closest(faces: np.ndarray, people: list, threshold: float) -> list[tuple[str | None, float, str]]:
-    """Each face's answer (a photo of several people answered face by face): the enrolled person it is (None: no
-    one reaches `threshold`), its score, and the closest person whatever the score."""
-    scores = faces @ np.stack([p.template for p in people]).T
-    best = np.argmax(scores, axis=1)
-    return [(people[b].name if row[b] > threshold else None, float(row[b]), people[b].name)
-            for b, row in zip(best, scores)]
-
-
-def probe_scores(faces: np.ndarray, templates: np.ndarray) -> np.ndarray:
-    """A probe's score against each template (the rows of `templates`, or one template): the mean over its faces
-    of their cosine to it. `verify` and `identify` decide on it, and calibration is set on its single-face case."""
-    return (faces @ np.atleast_2d(templates).T).mean(0)
-
-
 @dataclass
 class Calibration:
     threshold: float
