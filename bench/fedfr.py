@@ -27,8 +27,8 @@ from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.report import mean_std
 from fleet.simulate import simulate
-from models.cli.objective import DFC_WEIGHT, FEDFR_DFC_WEIGHT
 from protocol.messages import TrainingConfig
+from protocol.methods import METHODS
 
 ABLATION = {  # key: (row, method, hard negatives, contrastive, dfc)
     "fedavg": ("FedAvg", "fedavg", False, False, False),
@@ -48,7 +48,7 @@ def row_config(args, data: Path, partition: str, row: tuple) -> SimConfig:
     """One ablation row's simulation: the same fleet for every row, none gated, or all on the same faces (--gate)."""
     _, method, hn, con, dfc = row
     training = TrainingConfig(algorithm="fedavg", hard_negatives=hn, contrastive=con, dfc=dfc,
-                              dfc_weight=FEDFR_DFC_WEIGHT if method == "fedfr" else DFC_WEIGHT)
+                              dfc_weight=METHODS[method].terms.get("dfc_weight", TrainingConfig().dfc_weight))
     return SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients,
                      server=RoundSettings(rounds=args.rounds, training=training),
                      **_partition(partition), method=method, patience=0, workers=args.workers,

@@ -12,8 +12,10 @@ from models.cli.objective import (
     add_local_training_options,
     add_method_options,
     add_objective_options,
+    method_owned,
 )
 from protocol.messages import MAX_CHUNK_BYTES
+from protocol.methods import method_named
 
 
 def cmd_coordinator_serve(args) -> int:
@@ -90,14 +92,14 @@ def round_settings(args, training, **fixed):
                              training=training, seed=args.seed, combine=args.combine, norm_factor=args.norm_factor,
                              norm_ceiling=args.norm_ceiling, norm_action=args.norm_action, dp_noise=args.dp_noise,
                              server_step=args.server_step, screen=args.screen,
-                             fv=args.fv or args.method == "fedface", **own, **fixed)
+                             fv=args.fv or method_named(args.method).validation, **own, **fixed)
     refuse_unowned(args, ROUND_OWNED, settings)
     return settings
 
 
 # Each rule's own settings (models.cli.common.Owned): given while the rule is off, refused
 ROUND_OWNED: dict[str, Owned] = {
-    "--server-momentum": Owned("--method fedavgm", lambda s: s.training.algorithm == "fedavgm"),
+    "--server-momentum": method_owned("--server-momentum", of=lambda s: s.training),
     "--trim": Owned("--combine trimmed-mean", lambda s: s.combine == "trimmed-mean"),
     "--byzantine": Owned("--combine krum", lambda s: s.combine == "krum"),
     "--dp-delta": Owned("--dp-noise", lambda s: s.dp_noise > 0, argv=("--dp-clip", "1", "--dp-noise", "1")),

@@ -49,7 +49,7 @@ class SimConfig:
     split: tuple[float, float, float] = (0.7, 0.1, 0.2)
     server: RoundSettings = field(default_factory=RoundSettings)  # the coordinator's rounds and devices' training
     gate: GateSettings = field(default_factory=GateSettings)      # the coordinator's quality gate
-    method: str | None = None          # the CLI's --method (models.cli.objective.METHODS), for the run's label
+    method: str | None = None          # the CLI's --method (protocol.methods.METHODS), for the run's label
     public_data: str | None = None     # FedFR's D_g: aligned faces of people no client has
     public_limit: int = 2000
     patience: int = 5                  # rounds without a better validation AUC before stopping; 0: never
@@ -134,7 +134,7 @@ class SimConfig:
 
     def _validate_names(self) -> None:
         from fleet.attacks import ATTACKS
-        from models.cli.objective import METHODS
+        from protocol.methods import METHODS
 
         if self.attack not in ATTACKS:
             raise ValueError(f"unknown --attack {self.attack!r}; choose one of {', '.join(ATTACKS)}")
@@ -209,13 +209,14 @@ def _nested(raw: dict) -> dict:
     """A run folder's config.json from before the nested spec (one flat list of options), in today's form."""
     from types import SimpleNamespace
 
-    from models.cli.objective import aggregation_algorithm, objective_settings
+    from models.cli.objective import objective_settings
+    from protocol.methods import method_named
 
     old = SimpleNamespace(**{"method": None, "hard_negatives": None, "contrastive": None, "dfc_weight": None,
                              "t_hn": 0.4, "tau": 0.5, "alpha_cos": 1.0, "alpha_con": 5.0, "dfc_steps": 300,
                              "dfc_lr": 1e-2, "imprint_head": True, "embedding_reg": 0.0, "maml_alpha": 0.01,
                              "maml_beta": 0.01, "maml_delta": 1e-3, **raw})
-    algorithm = raw.get("algorithm") or aggregation_algorithm(old.method or "fedprox")
+    algorithm = raw.get("algorithm") or method_named(old.method or "fedprox").strategy
     training = {"epochs": raw.get("local_epochs", 1), "algorithm": algorithm, **objective_settings(old),
                 **{k: raw[k] for k in ("batch_size", "lr", "dfc", "codec", "topk_fraction", "width_mult", "dp_clip",
                                        "prox_mu") if k in raw}}

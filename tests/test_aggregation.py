@@ -126,8 +126,8 @@ def test_every_algorithm_the_protocol_names_has_one_strategy_and_one_command_lin
     configuration (which the fleet's spec nests) and the --method choices take them from there."""
     from coordinator.aggregation import STRATEGIES
     from fleet.config import SimConfig
-    from models.cli.objective import METHODS
     from protocol.messages import ALGORITHMS, TrainingConfig
+    from protocol.methods import METHODS
 
     assert tuple(STRATEGIES) == ALGORITHMS and set(ALGORITHMS) <= set(METHODS)
     assert isinstance(SimConfig().training, TrainingConfig)

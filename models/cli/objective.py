@@ -9,23 +9,25 @@ from __future__ import annotations
 import argparse
 
 from models.cli.common import Owned, deprecated_alias, given, one_line, refuse_unowned
+from protocol import methods
 from protocol.codecs import CODECS, TOPK_FRACTION
-from protocol.messages import ALGORITHMS, TrainingConfig
+from protocol.messages import TrainingConfig
+from protocol.methods import DEFAULT_METHOD, Method, method_named, owner_of
 
-STRATEGIES = ALGORITHMS  # how the coordinator aggregates (protocol.messages spells the list)
-METHODS = (*STRATEGIES, "fedfr", "hfmaml", "fedface")  # the one --method choice: aggregation + local objective
-DEFAULT_METHOD = "fedprox"  # the design document's choice, in every command
-SERVER_FEDAVG = ("fedfr", "hfmaml")  # local objectives whose rounds the coordinator aggregates with FedAvg
-FEDFR_DFC_WEIGHT = 10.0  # alpha_3 of eq. 7
-DFC_WEIGHT = 1.0         # this project's default beside FedAvg/FedProx
 SPEC = TrainingConfig()  # the flags' defaults are the spec's
+
+
+def method_owned(option: str, of=lambda built: built) -> Owned:
+    """`option` is its method's own (`protocol.methods`): refused unless the part the command built (`of` finds the
+    round configuration in it) runs that method."""
+    method: Method = owner_of(option)
+    return Owned(f"--method {method.name}", lambda built: method.is_on(of(built)))
+
 
 # Each method's and technique's own settings: given while their owner is off, the command refuses them
 OWNED: dict[str, Owned] = {
-    "--prox-mu": Owned("--method fedprox", lambda t: t.algorithm == "fedprox"),
-    "--maml-alpha": Owned("--method hfmaml", lambda t: t.hfmaml),
-    "--maml-beta": Owned("--method hfmaml", lambda t: t.hfmaml),
-    "--maml-delta": Owned("--method hfmaml", lambda t: t.hfmaml),
+    **{option: method_owned(option) for m in methods.METHODS.values() for option in m.options
+       if option != "--server-momentum"},  # the coordinator's own setting (coordinator.cli.ROUND_OWNED)
     "--t-hn": Owned("--hard-negatives", lambda t: t.hard_negatives),
     "--tau": Owned("--contrastive", lambda t: t.contrastive),
     "--alpha-con": Owned("--contrastive", lambda t: t.contrastive),
@@ -40,12 +42,8 @@ def add_method_options(group, public_flag: str, old_spelling: str) -> None:
     """--method (one choice: aggregation and local objective), --prox-mu and --server-momentum; `old_spelling` is the
     command's former name for the aggregation choice (--strategy or --algorithm), kept as a deprecated alias."""
     method = group.add_argument(
-        "--method", choices=METHODS, default=DEFAULT_METHOD,
-        help="fedavg | fedprox (FedAvg with FedProx's proximal term, --prox-mu) | fedavgm (server momentum, "
-             "--server-momentum) | pfm (FedFace's partially federated momentum: devices on plain SGD at --lr, e.g. "
-             f"--lr 0.01) | fedfr (FedAvg aggregation with hard negatives from {public_flag}, the contrastive term "
-             "and DFC, at the paper's weights) | hfmaml (Hessian-free MAML local steps, FedAvg aggregation; add "
-             "--embedding-reg C for eq. 4) | fedface (pfm + Federated Validation)")
+        "--method", choices=tuple(methods.METHODS), default=DEFAULT_METHOD,
+        help="; ".join(f"{m.name}: {m.summary.format(public=public_flag)}" for m in methods.METHODS.values()))
     deprecated_alias(group, old_spelling, method)
     prox = group.add_argument("--prox-mu", type=float,
                               help=f"FedProx's proximal weight mu (default {SPEC.prox_mu:g}; --method fedprox)")
@@ -62,13 +60,13 @@ def add_objective_options(group) -> None:
     group.add_argument("--contrastive", action=argparse.BooleanOptionalAction, default=None,
                        help="FedFR's contrastive regulariser, eq. 5 (default: on with --method fedfr)")
     group.add_argument("--tau", type=float, help=f"contrastive temperature (default {SPEC.tau:g})")
-    group.add_argument("--alpha-cos", type=float, default=1.0, help="alpha_1: weight of the CosFace loss (default 1)")
+    group.add_argument("--alpha-cos", type=float, help="alpha_1: weight of the CosFace loss (default 1)")
     group.add_argument("--alpha-con", type=float,
                        help=f"alpha_2: weight of the contrastive term (default {SPEC.alpha_con:g})")
     group.add_argument("--dfc-steps", type=int, help="steps fitting the DFC branch on frozen features after local "
                                                      f"training (default {SPEC.dfc_steps})")
     group.add_argument("--dfc-lr", type=float, help=f"learning rate of that fit (default {SPEC.dfc_lr:g})")
-    group.add_argument("--embedding-reg", type=float, default=0.0,
+    group.add_argument("--embedding-reg", type=float,
                        help="C: add C * (1 - cos(global embedding, local embedding)) to the local loss (the HF-MAML "
                             "paper's eq. 4; FedAvg/FedProx/HF-MAML; default 0: off)")
     group.add_argument("--maml-alpha", type=float,
@@ -111,13 +109,13 @@ def training_config(args, **extra) -> TrainingConfig:
         raise ValueError("--codec must be fp16, fp32, int8 or topk, and --topk-fraction in (0, 1]")
     if settings["hfmaml"] and (settings["hard_negatives"] or settings["contrastive"]):
         raise ValueError("--method hfmaml takes no hard negatives or contrastive term (FedFR's)")
-    if args.embedding_reg and (args.method == "fedfr" or settings["hard_negatives"] or settings["contrastive"]):
+    if settings["embedding_reg"] and (settings["hard_negatives"] or settings["contrastive"]):
         raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
     try:
         config = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
                                 codec=args.codec, width_mult=args.width_mult, batchnorm=batchnorm(args),
                                 top_blocks=args.top_blocks,
-                                algorithm=aggregation_algorithm(args.method), dp_clip=args.dp_clip,
+                                algorithm=method_named(args.method).strategy, dp_clip=args.dp_clip,
                                 **given(args, ["--prox-mu", "--topk-fraction"]), **settings, **extra)
     except ValueError as exc:  # pydantic's refusal, named as these commands spell the option
         raise ValueError(one_line(exc, {"epochs": "--local-epochs", "algorithm": "--method"})) from None
@@ -134,22 +132,14 @@ def batchnorm(args) -> str:
 
 
 def objective_settings(args) -> dict:
-    """TrainingConfig fields for the chosen method and switches; a setting not given keeps the spec's default."""
-    fedfr = args.method == "fedfr"
-    dfc_weight = args.dfc_weight if args.dfc_weight is not None else (FEDFR_DFC_WEIGHT if fedfr else DFC_WEIGHT)
-    return {"hard_negatives": fedfr if args.hard_negatives is None else args.hard_negatives,
-            "contrastive": fedfr if args.contrastive is None else args.contrastive,
-            "alpha_cos": args.alpha_cos, "dfc_weight": dfc_weight, "imprint_head": args.imprint_head,
-            "hfmaml": args.method == "hfmaml", "embedding_reg": args.embedding_reg,
-            **given(args, ["--t-hn", "--tau", "--alpha-con", "--dfc-steps", "--dfc-lr", "--maml-alpha",
-                           "--maml-beta", "--maml-delta"])}
-
-
-def aggregation_algorithm(method: str) -> str:
-    """The server-side strategy a method implies (FedFR and HF-MAML aggregate with FedAvg)."""
-    if method == "fedface":  # FedFace = PFM + Federated Validation (the caller turns FV on)
-        return "pfm"
-    return "fedavg" if method in SERVER_FEDAVG else method
+    """TrainingConfig fields for the chosen method and switches: a setting given wins, else the method's term
+    (`protocol.methods`), else the spec's default."""
+    terms = {"hard_negatives": False, "contrastive": False, "hfmaml": False, "dfc_weight": SPEC.dfc_weight,
+             "embedding_reg": SPEC.embedding_reg, **method_named(args.method or DEFAULT_METHOD).terms}
+    switches = {k: getattr(args, k) for k in ("hard_negatives", "contrastive") if getattr(args, k) is not None}
+    return {**terms, **switches, "imprint_head": args.imprint_head,
+            **given(args, ["--alpha-cos", "--dfc-weight", "--embedding-reg", "--t-hn", "--tau", "--alpha-con",
+                           "--dfc-steps", "--dfc-lr", "--maml-alpha", "--maml-beta", "--maml-delta"])}
 
 
 def add_codec_options(group) -> None:
