@@ -1,5 +1,5 @@
-"""The device from Python: enrol, verify, identify, compare and watch, as `ffr device` does them (onnxruntime, OpenCV,
-numpy; no torch). Images are file paths or BGR arrays (as OpenCV reads them).
+"""The device from Python: enrol, verify, identify, compare, watch, calibrate and install a model, as `ffr device`
+does them (onnxruntime, OpenCV, numpy; no torch). Images are file paths or BGR arrays (as OpenCV reads them).
 
     from edge_client.api import Device, compare
 
@@ -9,6 +9,7 @@ numpy; no torch). Images are file paths or BGR arrays (as OpenCV reads them).
         print(face.name, face.score, face.box)
     print(door.verify("alice", "selfie.jpg").match)
     print(compare("passport.jpg", "selfie.jpg").score)
+    door.calibrate(far=1e-3, public_set="public.safetensors")  # the threshold for 1 stranger in 1,000
 
 Every answer carries its score, the threshold it was decided at and the face's box; the same checks as the CLI
 refuse a face too small or too blurred (`FaceError`). The same seals guard the home (a swapped model or an edited
@@ -23,8 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.capture import FaceQuality, device_detector, every_face, frames
+from edge_client.door_calibration import calibrate_door
 from edge_client.home import DeviceHome
-from edge_client.recognizer import DEFAULT_THRESHOLD, Recognizer, install_default_model
+from edge_client.recognizer import DEFAULT_THRESHOLD, Calibration, Recognizer, install_default_model, install_model
 from edge_client.vault import Vault, check_person_name
 from edge_client.verifier import Verifier
 
@@ -120,6 +122,28 @@ class Device:
         crop, box, marks = found[0]
         answer = verifier.verify(verifier.recognizer.embed(crop[None]), person)
         return Face(answer.name, answer.score, answer.threshold, box, marks)
+
+    def calibrate(self, far: float = 1e-3, public_set: str | Path | None = None, force: bool = False) -> Calibration:
+        """Set the threshold for false-accept rate `far` on the enrolled people and strangers' faces (`public_set`,
+        else the one the last round calibrated on), as `ffr device calibrate` does; a calibration that would refuse
+        too many genuine faces or that sees one person under two names raises ValueError unless `force`."""
+        with self.home.writing(wait_s=30.0):
+            recognizer = self.recognizer
+            door = calibrate_door(self.home, recognizer, far, public_set=None if public_set is None
+                                  else Path(public_set).expanduser())
+            if door.problems and not force:
+                raise ValueError(f"calibration not applied: {'; '.join(door.problems)} ({door.line})")
+            recognizer.settings.calibration = door.calibration
+            recognizer.settings.save(self.home, self.vault)
+        return door.calibration
+
+    def install_model(self, model: str | Path | None = None) -> Path:
+        """Verify with `model` from now on: an exported ONNX file, a coordinator's released `vNNNNN.safetensors`, or
+        (None) the shipped model; the enrolled people's templates follow it. Where it was installed."""
+        with self.home.writing(wait_s=30.0):
+            target, _ = install_model(self.home, self.vault, None if model is None else Path(model).expanduser())
+            self.recognizer.people()  # templates recomputed with the new model now, not on the next answer
+        return target
 
     def watch(self, camera: int | None = None, video: str | Path | None = None,
               threshold: float | None = None) -> Iterator[list[Face]]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
 import sys
 import time
 from collections import Counter
@@ -21,14 +19,13 @@ from typing import NamedTuple
 import numpy as np
 
 from edge_client.capture import FaceQuality, SourceError, check_face, device_detector, frames
+from edge_client.door_calibration import MAX_CALIBRATION_FAR, MAX_EXPECTED_FRR, calibrate_door
 from edge_client.home import DeviceHome
 from edge_client.recognizer import (
     DEFAULT_THRESHOLD,
     Recognizer,
-    calibrate,
     file_sha256,
-    install_default_model,
-    seal_model,
+    install_model,
 )
 from edge_client.vault import NAME_MAX, Vault, check_person_name
 from edge_client.verifier import Verifier, usable_faces
@@ -561,96 +558,29 @@ def cmd_remove(args) -> int:
     return MATCH
 
 
-MAX_CALIBRATION_FAR = 0.5
-MAX_EXPECTED_FRR = 0.2
-
-
 def cmd_calibrate(args) -> int:
     if not 0 < args.far <= MAX_CALIBRATION_FAR:
         raise DeviceError(f"--far must be in (0, {MAX_CALIBRATION_FAR:g}], got {args.far:g}: it is the share of "
                           "impostors the device will accept")
     home, vault, recognizer = _open(args, writes=not args.dry_run, create=args.data is not None)
-    people = recognizer.people()
-    embeddings, names = [recognizer.embed(p.crops) for p in people], [p.name for p in people]
-    if args.data is not None:
-        more = _folder_embeddings(args, recognizer)
-        embeddings, names = embeddings + [e for _, e in more], names + [n for n, _ in more]
-    strangers, shift, source = _strangers(args, home, recognizer, people)
-    cal = calibrate(embeddings, args.far, recognizer.model_sha256, strangers, min_shift=shift)
-    problems = calibration_problems(cal, embeddings, names)
-    note = (
-        ""
-        if cal.measurable
-        else (
-            f"; only {cal.impostor_pairs} impostor scores, too few to count FAR {args.far:g}:"
-            " the threshold is the higher of the highest of them and a normal fitted to them (add people or --data DIR)"
-        )
-    )
-    line = (f"threshold {cal.threshold:.3f} for FAR {args.far:g}: expected false-reject rate {cal.expected_frr:.3f} "
-            f"({cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor pairs{source}){note}")
+    from models.public_set import PublicSetError
+
+    more = _folder_embeddings(args, recognizer) if args.data is not None else []
+    try:
+        door = calibrate_door(home, recognizer, args.far, more, args.public_set)
+    except PublicSetError as exc:
+        raise DeviceError(str(exc)) from None
+    cal, problems = door.calibration, door.problems
     if problems and not args.force:
-        raise DeviceError(f"calibration not applied: {'; '.join(problems)} ({line}); fix the calibration faces, "
+        raise DeviceError(f"calibration not applied: {'; '.join(problems)} ({door.line}); fix the calibration faces, "
                           "or apply it anyway with --force")
     if not args.dry_run:
         recognizer.settings.calibration = cal
         recognizer.settings.save(home, vault)
     applied = "not applied (--dry-run)" if args.dry_run else "applied"
-    _out(args, f"{line}; {applied}" + (f"; forced despite: {'; '.join(problems)}" if problems else ""),
+    _out(args, f"{door.line}; {applied}" + (f"; forced despite: {'; '.join(problems)}" if problems else ""),
          {**cal.__dict__, "applied": not args.dry_run, "problems": problems})
     return MATCH
-
-
-def _strangers(args, home: DeviceHome, recognizer: Recognizer, people: list
-               ) -> tuple[np.ndarray | None, float, str]:
-    """Strangers' faces for the calibration (`--public-set`, else the public set the last round calibrated on),
-    embedded; the least their scores are moved up by (for the personalised model, the global model's capture
-    shift: `edge_client.verifier_choice`); and the words for the line. A personalised model calibrated on the
-    device's people alone let strangers in, so without a public set that is said."""
-    path = args.public_set or received_public_set(home, recognizer.settings.public_set)
-    if path is None:
-        note = ("; no strangers' faces: the personalised model's threshold may let strangers in, give --public-set"
-                if recognizer.model_path == home.personalised_onnx else "")
-        return None, 0.0, note
-    from models.public_set import PublicSetError, load_public_set
-
-    try:  # the received set must still be the one the sealed settings name
-        public = load_public_set(path, None if args.public_set else recognizer.settings.public_set).images
-    except PublicSetError as exc:
-        raise DeviceError(str(exc)) from None
-    shift = 0.0
-    if recognizer.model_path == home.personalised_onnx and len(people) >= 2:
-        from edge_client.verifier_choice import global_shift
-
-        crops = [p.crops for p in people]
-        labels = np.concatenate([np.full(len(c), i) for i, c in enumerate(crops)])
-        shift = global_shift(home, recognizer.settings, args.far, np.concatenate(crops), labels, public)
-    return recognizer.embed(public), shift, f", {len(public)} strangers' faces from {path.name}"
-
-
-def received_public_set(home: DeviceHome, sha256: str | None) -> Path | None:
-    """The public set the last round calibrated on (`HOME/public/<sha256>.safetensors`, its hash from the sealed
-    settings), or None (none recorded, or the file is gone): any other file in that folder may have been put there by
-    someone else, and the one named is checked against that hash when read."""
-    if sha256 is None or not re.fullmatch(r"[0-9a-f]{64}", sha256):
-        return None
-    path = home.root / "public" / f"{sha256}.safetensors"
-    return path if path.is_file() else None
-
-
-def calibration_problems(cal, embeddings: list[np.ndarray], names: list[str]) -> list[str]:
-    """Why a calibration would make the device worse: too many genuine faces refused, or 'impostors' that are
-    the same person under two names (their mean cross score as high as their own genuine scores)."""
-    problems = []
-    if cal.expected_frr > MAX_EXPECTED_FRR:
-        problems.append(f"it would refuse {cal.expected_frr:.0%} of genuine faces (above {MAX_EXPECTED_FRR:.0%})")
-    own = [float(np.mean((e @ e.T)[np.triu_indices(len(e), 1)])) if len(e) >= 2 else None for e in embeddings]
-    twins = [f"{names[i]} / {names[j]}" for i in range(len(embeddings)) for j in range(i + 1, len(embeddings))
-             if own[i] is not None and own[j] is not None
-             and float(np.mean(embeddings[i] @ embeddings[j].T)) >= 0.9 * min(own[i], own[j])]
-    if twins:
-        problems.append(f"{len(twins)} pair(s) of people look like one person under two names "
-                        f"({', '.join(twins[:3])}{', ...' if len(twins) > 3 else ''})")
-    return problems
 
 
 def _folder_embeddings(args, recognizer: Recognizer) -> list[tuple[str, np.ndarray]]:
@@ -671,45 +601,11 @@ def _folder_embeddings(args, recognizer: Recognizer) -> list[tuple[str, np.ndarr
 
 
 def cmd_install_model(args) -> int:
-    from models.runtime import OnnxEmbedder
-
     home = DeviceHome(args.home).lock()
     if args.default == (args.model is not None):
         raise DeviceError("give exactly one of --model MODEL.onnx or --default")
-    vault = Vault.open(home.root / "store")
-    if args.default:
-        return _installed(args, home, install_default_model(home, vault), "generic (shipped face-pretrained)")
-    if not args.model.is_file():
-        raise FileNotFoundError(f"model not found: {args.model}")
-    if args.model.suffix == ".safetensors":  # a coordinator's released global model (a backbone state dict)
-        return _installed(args, home, _released_onnx(args.model, home, vault), "generic (released global model)")
-    try:
-        kind = OnnxEmbedder(args.model).info.kind
-    except Exception as exc:  # noqa: BLE001 - any failure to load means it cannot be installed
-        raise DeviceError(f"{args.model} is not a usable ffr-edge ONNX model: {exc}") from None
-    target = home.personalised_onnx if kind == "personalised" else home.generic_onnx
-    tmp = target.with_suffix(".tmp")
-    shutil.copyfile(args.model, tmp)
-    tmp.replace(target)
-    seal_model(home, vault, target)
+    target, kind = install_model(home, Vault.open(home.root / "store"), None if args.default else args.model)
     return _installed(args, home, target, kind)
-
-
-def _released_onnx(weights: Path, home: DeviceHome, vault: Vault) -> Path:
-    """The released weights built as the home's generic ONNX model (numpy and onnx: no torch), then sealed."""
-    from models.networks.face_weights import FaceWeightsError, write_default_onnx
-
-    building = home.generic_onnx.with_suffix(".building.onnx")
-    try:
-        path = write_default_onnx(building, weights)
-    except Exception as exc:  # noqa: BLE001 - any failure to read it (safetensors' own errors included) is one line
-        building.unlink(missing_ok=True)
-        reason = str(exc) if isinstance(exc, FaceWeightsError) else f"{type(exc).__name__}: {str(exc)[:160]}"
-        raise DeviceError(f"{weights} is not an ffr-edge face model (a coordinator's vNNNNN.safetensors or the "
-                          f"shipped weights): {reason}") from None
-    path.replace(home.generic_onnx)
-    seal_model(home, vault, home.generic_onnx)
-    return home.generic_onnx
 
 
 def _installed(args, home: DeviceHome, target: Path, kind: str) -> int:

@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import logging
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,49 @@ def install_default_model(home: DeviceHome, vault: Vault) -> Path:
     seal_model(home, vault, path)
     log.debug("installed the shipped face-pretrained model into %s", path)  # the command says so itself
     return path
+
+
+class ModelFileError(ValueError):
+    """A file given to install that is not an ffr-edge face model."""
+
+
+def install_model(home: DeviceHome, vault: Vault, model: Path | None) -> tuple[Path, str]:
+    """Install a model into the home and verify with it from now on: the shipped one (None), an exported ONNX file
+    (generic or personalised, by what it says it is) or a coordinator's released global model (a backbone
+    state dict, `vNNNNN.safetensors`, built as ONNX without torch); (where it went, what kind it is)."""
+    if model is None:
+        return install_default_model(home, vault), "generic (shipped face-pretrained)"
+    if not model.is_file():
+        raise FileNotFoundError(f"model not found: {model}")
+    if model.suffix == ".safetensors":
+        return _released_onnx(model, home, vault), "generic (released global model)"
+    try:
+        kind = OnnxEmbedder(model).info.kind
+    except Exception as exc:  # noqa: BLE001 - any failure to load means it cannot be installed
+        raise ModelFileError(f"{model} is not a usable ffr-edge ONNX model: {exc}") from None
+    target = home.personalised_onnx if kind == "personalised" else home.generic_onnx
+    tmp = target.with_suffix(".tmp")
+    shutil.copyfile(model, tmp)
+    tmp.replace(target)
+    seal_model(home, vault, target)
+    return target, kind
+
+
+def _released_onnx(weights: Path, home: DeviceHome, vault: Vault) -> Path:
+    """The released weights built as the home's generic ONNX model (numpy and onnx: no torch), then sealed."""
+    from models.networks.face_weights import FaceWeightsError, write_default_onnx
+
+    building = home.generic_onnx.with_suffix(".building.onnx")
+    try:
+        path = write_default_onnx(building, weights)
+    except Exception as exc:  # noqa: BLE001 - any failure to read it (safetensors' own errors included) is one line
+        building.unlink(missing_ok=True)
+        reason = str(exc) if isinstance(exc, FaceWeightsError) else f"{type(exc).__name__}: {str(exc)[:160]}"
+        raise ModelFileError(f"{weights} is not an ffr-edge face model (a coordinator's vNNNNN.safetensors or the "
+                             f"shipped weights): {reason}") from None
+    path.replace(home.generic_onnx)
+    seal_model(home, vault, home.generic_onnx)
+    return home.generic_onnx
 
 
 def seal_model(home: DeviceHome, vault: Vault, path: Path) -> str:

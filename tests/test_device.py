@@ -675,6 +675,39 @@ def test_the_python_api_enrols_identifies_verifies_and_compares(tmp_path, faces_
     assert rc == 0 and [p["name"] for p in json.loads(out)["people"]] == ["s1", "s2"], (out, err)
 
 
+def test_the_python_api_calibrates_and_installs_models_as_the_commands_do(tmp_path, faces_dir):
+    """`Device.calibrate` sets the threshold `ffr device calibrate` would (same people, same strangers' faces), and
+    every later answer is decided at it; `Device.install_model` installs a file and refuses one that is not a model."""
+    from edge_client.api import Device
+    from models.public_set import build_public_set
+
+    folder = tmp_path / "public_faces"
+    folder.mkdir()
+    for person in [f"s{k}" for k in range(20, 40)]:  # ORL people the device never enrolled, two photos each
+        for photo in sorted((faces_dir / "orl" / person).iterdir())[:2]:
+            shutil.copy(photo, folder / f"{person}_{photo.name}")
+    public = tmp_path / "public.safetensors"
+    build_public_set(folder, public, limit=100)
+    door = Device(tmp_path / "home")
+    for person in ("s1", "s2", "s3"):
+        door.enrol(person, sorted((faces_dir / "orl" / person).iterdir())[:5])
+    rc, out, err = ffr("device", "calibrate", "--home", str(tmp_path / "home"), "--far", "0.01", "--public-set",
+                       str(public), "--dry-run", "--json")
+    assert rc == 0, err
+    cal = door.calibrate(far=0.01, public_set=public)
+    assert cal.threshold == pytest.approx(json.loads(out)["threshold"]) and cal.impostor_pairs > 100
+    probe = sorted((faces_dir / "orl" / "s1").iterdir())[9]
+    assert door.verify("s1", probe).threshold == pytest.approx(cal.threshold)
+    rc, out, err = ffr("device", "list", "--home", str(tmp_path / "home"), "--json")
+    assert rc == 0 and json.loads(out)["threshold"] == pytest.approx(cal.threshold), (out, err)
+    with pytest.raises(FileNotFoundError, match="model not found"):
+        door.install_model(tmp_path / "missing.onnx")
+    (tmp_path / "junk.onnx").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="not a usable ffr-edge ONNX model"):
+        door.install_model(tmp_path / "junk.onnx")
+    assert door.install_model() == tmp_path / "home" / "models" / "generic.onnx" and door.people() == ["s1", "s2", "s3"]
+
+
 def test_calibration_scores_strangers_from_a_public_set_and_refuses_one_changed_on_disk(home, faces_dir, tmp_path):
     """`calibrate` also scores faces of nobody's people: `--public-set FILE`, else the set the last round calibrated on
     (HOME/public/<sha256>.safetensors, its hash in the sealed settings). A file read back from disk may have been
