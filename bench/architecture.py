@@ -179,6 +179,14 @@ def engine_reads(tree: dict[str, ast.Module], readers: tuple[str, ...] = READERS
     return sorted(found)
 
 
+def parameters(tree: dict[str, ast.Module], module: str = "edge_client.local_training",
+               function: str = "train_round") -> int:
+    """How many parameters a function takes (the local round's own: issue 51 asks for at most 6)."""
+    found = next(n for n in ast.walk(tree[module]) if isinstance(n, ast.FunctionDef) and n.name == function)
+    a = found.args
+    return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+
+
 def measure(root: Path = ROOT) -> dict:
     tree = modules(root)
     big_classes, long_functions = sizes(tree)
@@ -187,7 +195,7 @@ def measure(root: Path = ROOT) -> dict:
     return {"classes_over_300": big_classes, "functions_over_60": long_functions, "config_classes": fields,
             "duplicated_config_fields": shared, "optimiser_loops": optimiser_loops(tree),
             "wrong_way_imports": wrong_way(graph), "import_cycles": cycles(graph),
-            "engine_reads_from_readers": engine_reads(tree)}
+            "engine_reads_from_readers": engine_reads(tree), "train_round_parameters": parameters(tree)}
 
 
 def main() -> None:
@@ -207,7 +215,9 @@ def main() -> None:
              {"figure": "imports upward or sideways", "count": len(figures["wrong_way_imports"]), "target": 0},
              {"figure": "import cycles", "count": len(figures["import_cycles"]), "target": 0},
              {"figure": "reads of the engine's collaborators from fleet/, the API and the dashboard",
-              "count": len(figures["engine_reads_from_readers"]), "target": 0}]
+              "count": len(figures["engine_reads_from_readers"]), "target": 0},
+             {"figure": "parameters of the local round (`train_round`)", "count": figures["train_round_parameters"],
+              "target": "at most 6"}]
     write_results(args.out, args.name, figures, table, "House plan figures (issue 28)",
                   f"python -m bench.architecture --out {args.out}")
 

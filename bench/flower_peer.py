@@ -68,8 +68,8 @@ def _client_app(config, clients: list[int], private_dir: Path):
         global_state = msg.content["arrays"].to_torch_state_dict()
         round_no = int(msg.content["config"]["server-round"])
         training = time.perf_counter()
-        result = train_round(model, crops, global_state, local.epochs, local.batch_size, local.lr,
-                             0.0, seed=config.seed * 1000 + k + round_no, objective=local)
+        result = train_round(model, crops, global_state, local.model_copy(update={"algorithm": "fedavg"}),
+                             seed=config.seed * 1000 + k + round_no)
         save_file({n: v.contiguous() for n, v in private_state(model).items()}, str(saved))
         content = RecordDict({"arrays": ArrayRecord(shareable_state(model)),
                               "metrics": MetricRecord({"train_loss": result.metrics["train_loss"],

@@ -164,9 +164,7 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
             crops = device_crops(data, k)
             model = FaceModel(ModelConfig(n_classes=len(crops.identities), pretrained=False, dfc=config.dfc,
                                           dfc_weight=config.dfc_weight))
-            result = train_round(model, crops, torch_state, config.epochs, config.batch_size, config.lr,
-                                 config.prox_mu if config.algorithm == "fedprox" else 0.0, seed=seed * 1000 + k + r,
-                                 objective=config)
+            result = train_round(model, crops, torch_state, config, seed=seed * 1000 + k + r)
             deltas[str(k)], weights[str(k)] = result.delta, result.n_samples
             locals_[k] = model.eval()
         mean, screened = screened_mean(deltas, weights)

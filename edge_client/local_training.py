@@ -78,17 +78,31 @@ def sample_hard_negatives(backbone: torch.nn.Module, public: PublicSet, local_fe
     return sample
 
 
-def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torch.Tensor], epochs: int,
-                batch_size: int, lr: float, prox_mu: float = 0.0, seed: int = 0,
-                objective: TrainingConfig | None = None, public: PublicSet | None = None,
-                previous_state: dict[str, torch.Tensor] | None = None, pfm_beta: float | None = None,
-                pfm_momentum: dict[str, torch.Tensor] | None = None) -> LocalResult:
-    """Train on the device's crops from the global backbone. `public` is D_g;
-    `previous_state` the device's last local backbone (keys `backbone.*`), for the contrastive term.
-    With `pfm_beta`, FedFace's PFM: plain SGD at `lr` for the backbone plus the global momentum
-    `pfm_momentum` (keys `backbone.*`; None in the first round) spread over the round's steps, and classical
-    momentum SGD for the classifier (`models.maths.pfm`). The steps themselves are `edge_client.local_algorithms`'."""
+@dataclass
+class RoundInputs:
+    """What a round may bring beside the model, the crops and the settings: FedFR's public set D_g, the device's
+    last local backbone (keys `backbone.*`, for the contrastive term) and PFM's global momentum (keys `backbone.*`;
+    None in the first round)."""
+
+    public: PublicSet | None = None
+    previous_state: dict[str, torch.Tensor] | None = None
+    pfm_momentum: dict[str, torch.Tensor] | None = None
+
+
+def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torch.Tensor],
+                objective: TrainingConfig | None = None, seed: int = 0, inputs: RoundInputs | None = None
+                ) -> LocalResult:
+    """Train on the device's crops from the global backbone, as the round's settings say (`objective`: epochs,
+    batch size, learning rate, the method's terms). With FedProx's aggregation the proximal term mu/2 ||w - w_g||^2
+    joins the loss; with PFM's, FedFace's local steps: plain SGD at `lr` for the backbone plus the global momentum
+    spread over the round's steps, and classical momentum SGD for the classifier (`models.maths.pfm`). The steps
+    themselves are `edge_client.local_algorithms`'."""
     objective = objective or TrainingConfig()
+    inputs = inputs or RoundInputs()
+    public, previous_state, pfm_momentum = inputs.public, inputs.previous_state, inputs.pfm_momentum
+    prox_mu = objective.prox_mu if objective.algorithm == "fedprox" else 0.0
+    pfm_beta = objective.pfm_beta if objective.algorithm == "pfm" else None
+    epochs, batch_size, lr = objective.epochs, objective.batch_size, objective.lr
     name = local_algorithm(objective, pfm=pfm_beta is not None)
     # the trunk in bf16 where the CPU has it (models.training.fast_step); HF-MAML's finite-difference Hessian products
     # (eq. 3) take the difference of two nearby gradients, which bf16 would drown, so it stays fp32

@@ -21,7 +21,7 @@ from edge_client.error_feedback import ErrorFeedback
 from edge_client.exporter import export_models
 from edge_client.home import DeviceHome
 from edge_client.link import CoordinatorLink
-from edge_client.local_training import LocalResult, personalised_global, train_round
+from edge_client.local_training import LocalResult, RoundInputs, personalised_global, train_round
 from edge_client.public_set import DevicePublicSet
 from edge_client.verifier_choice import check_split
 from models.maths.state_norms import clip_to_norm, without_running_stats
@@ -112,10 +112,8 @@ class RoundRunner:
         previous = self._private(self.home.local_backbone, shareable_state(model)) if cfg.contrastive else None
         pfm = cfg.algorithm == "pfm"
         momentum = self._fetch_momentum(job, global_state) if pfm else None
-        result = train_round(model, self._crops(), global_state, cfg.epochs, cfg.batch_size, cfg.lr,
-                             cfg.prox_mu if cfg.algorithm == "fedprox" else 0.0, seed=self.seed + job.round_id,
-                             objective=cfg, public=self.public.for_round(cfg),
-                             previous_state=previous, pfm_beta=cfg.pfm_beta if pfm else None, pfm_momentum=momentum)
+        result = train_round(model, self._crops(), global_state, cfg, seed=self.seed + job.round_id,
+                             inputs=RoundInputs(self.public.for_round(cfg), previous, momentum))
         self.home.save_tensors(self.home.private_state, private_state(model))
         self.home.save_tensors(self.home.local_backbone, shareable_state(model))  # the personalised model's Theta
         return result, momentum

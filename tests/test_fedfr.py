@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge_client.local_training import train_round
+from edge_client.local_training import RoundInputs, train_round
 from models.networks.dfc import NEGATIVE, BinaryClassifiers
 from models.training.fedfr import contrastive_loss, hard_negatives, negative_margin_loss
 from protocol.messages import TrainingConfig
@@ -89,8 +89,8 @@ def test_dfc_personalises_two_people_after_one_short_round(faces_dir):
     for steps in (0, 300):  # 0: the branch trained only beside the backbone, as before the fit existed
         torch.manual_seed(0)
         model = FaceModel(ModelConfig(n_classes=2, pretrained=False, dfc=True))
-        train_round(model, train, from_numpy_state(face_global_state()), 1, 32, 1e-4,
-                    objective=TrainingConfig(dfc_steps=steps))
+        train_round(model, train, from_numpy_state(face_global_state()),
+                    TrainingConfig(dfc_steps=steps, epochs=1, batch_size=32, lr=1e-4))
         separation[steps] = _separation(model, held_out, False), _separation(model, held_out, True)
     generic, personalised = separation[300]
     assert personalised > 1.5 * generic, separation
@@ -106,10 +106,10 @@ def test_a_fedfr_round_samples_hard_negatives_and_keeps_them_on_the_device(faces
     train, _, public = _two_people(faces_dir, 6)
     model = FaceModel(ModelConfig(n_classes=2, pretrained=False, dfc=True, dfc_weight=10.0))
     global_state = from_numpy_state(face_global_state())
-    objective = TrainingConfig(hard_negatives=True, t_hn=0.3, contrastive=True, dfc_steps=50)
-    result = train_round(model, train, global_state, 1, 8, 1e-4, objective=objective,
-                         public=PublicSet(public.images[:400]),
-                         previous_state=global_state)
+    objective = TrainingConfig(hard_negatives=True, t_hn=0.3, contrastive=True, dfc_steps=50, epochs=1, batch_size=8,
+                               lr=1e-4)
+    result = train_round(model, train, global_state, objective,
+                         inputs=RoundInputs(public=PublicSet(public.images[:400]), previous_state=global_state))
     assert set(result.delta) == set(global_state), "only the backbone's delta"
     assert 0 < result.private_metrics["hn_fraction"] <= 1 and "neg_loss" in result.private_metrics
     assert not {"hn_fraction", "hn_sampled", "neg_loss", "total_loss", "dfc_fit_loss"} & set(result.metrics), \
@@ -180,8 +180,9 @@ def test_a_labelled_public_set_joins_the_classification_for_one_round(faces_dir)
         expected = F.normalize(features[torch.from_numpy(labelled.labels == c)].mean(0), dim=0)
         assert torch.allclose(sample.centres[k].detach(), expected, atol=1e-5)
 
-    result = train_round(model, train, global_state, 1, 8, 1e-4, public=labelled,
-                         objective=TrainingConfig(hard_negatives=True, t_hn=0.3, dfc_steps=20))
+    result = train_round(model, train, global_state,
+                         TrainingConfig(hard_negatives=True, t_hn=0.3, dfc_steps=20, epochs=1, batch_size=8, lr=1e-4),
+                         inputs=RoundInputs(public=labelled))
     assert result.private_metrics["hn_classes"] == len(classes)
     assert result.private_metrics["neg_loss"] == 0.0, "labelled public faces are classes, not margin negatives"
     assert model.head.weight.shape == (2, 128), "the public centres lived for the round only"

@@ -96,8 +96,9 @@ def test_a_device_round_with_hf_maml_and_the_regulariser(tmp_path):
     results = {}
     for reg in (0.0, 10.0):
         model = FaceModel(ModelConfig(n_classes=3, width_mult=0.35, pretrained=False, dfc=False))
-        objective = TrainingConfig(hfmaml=True, embedding_reg=reg, maml_beta=0.05, dfc_steps=0)
-        results[reg] = train_round(model, crops, state, epochs=1, batch_size=4, lr=1e-3, seed=0, objective=objective)
+        objective = TrainingConfig(hfmaml=True, embedding_reg=reg, maml_beta=0.05, dfc_steps=0, epochs=1,
+                                   batch_size=4, lr=1e-3)
+        results[reg] = train_round(model, crops, state, objective, seed=0)
     for result in results.values():
         assert np.isfinite(result.metrics["train_loss"]) and 0 <= result.metrics["train_acc"] <= 1
         assert any(np.abs(v).max() > 0 for v in result.delta.values())

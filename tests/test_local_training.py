@@ -18,7 +18,9 @@ def _round(synthetic_dir, prox_mu: float):
     global_state = {k: v.clone() for k, v in shareable_state(model).items()}
     head_before = model.head.weight.detach().clone()
     dfc_before = model.dfc.transform.weight.detach().clone()
-    result = train_round(model, crops, global_state, epochs=1, batch_size=16, lr=1e-2, prox_mu=prox_mu)
+    settings = TrainingConfig(algorithm="fedprox", epochs=1, batch_size=16, lr=1e-2)
+    # mu = 50 is beyond what a round announcement may carry (10): set here past that check, as a strong pull
+    result = train_round(model, crops, global_state, settings.model_copy(update={"prox_mu": prox_mu}))
     return model, global_state, result, head_before, dfc_before
 
 
@@ -68,8 +70,8 @@ def test_a_round_starts_from_centres_imprinted_by_the_received_model(synthetic_d
     features = torch.nn.functional.normalize(frozen_features(model.backbone, crops.images), dim=1)
     means = torch.stack([features[torch.from_numpy(crops.labels == c)].mean(0) for c in range(len(crops.identities))])
     for imprinted in (True, False):
-        train_round(model, crops, global_state, epochs=1, batch_size=16, lr=1e-9,  # the head barely moves
-                    objective=TrainingConfig(imprint_head=imprinted, dfc_steps=0))
+        train_round(model, crops, global_state,  # lr 1e-9: the head barely moves
+                    TrainingConfig(imprint_head=imprinted, dfc_steps=0, epochs=1, batch_size=16, lr=1e-9))
         cosine = torch.nn.functional.cosine_similarity(model.head.weight.detach(), means).min()
         assert (cosine > 0.999) == imprinted
         model.head.weight.data.normal_()  # a stale head, as after another model's round
