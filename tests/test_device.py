@@ -675,19 +675,25 @@ def test_the_python_api_enrols_identifies_verifies_and_compares(tmp_path, faces_
     assert rc == 0 and [p["name"] for p in json.loads(out)["people"]] == ["s1", "s2"], (out, err)
 
 
-def test_the_python_api_calibrates_and_installs_models_as_the_commands_do(tmp_path, faces_dir):
-    """`Device.calibrate` sets the threshold `ffr device calibrate` would (same people, same strangers' faces), and
-    every later answer is decided at it; `Device.install_model` installs a file and refuses one that is not a model."""
-    from edge_client.api import Device
+def orl_public_set(faces_dir: Path, tmp_path: Path) -> Path:
+    """A public set of 40 faces of ORL people no test enrols (s20-s39, two photos each)."""
     from models.public_set import build_public_set
 
     folder = tmp_path / "public_faces"
     folder.mkdir()
-    for person in [f"s{k}" for k in range(20, 40)]:  # ORL people the device never enrolled, two photos each
+    for person in [f"s{k}" for k in range(20, 40)]:
         for photo in sorted((faces_dir / "orl" / person).iterdir())[:2]:
             shutil.copy(photo, folder / f"{person}_{photo.name}")
-    public = tmp_path / "public.safetensors"
-    build_public_set(folder, public, limit=100)
+    build_public_set(folder, tmp_path / "public.safetensors", limit=100)
+    return tmp_path / "public.safetensors"
+
+
+def test_the_python_api_calibrates_and_installs_models_as_the_commands_do(tmp_path, faces_dir):
+    """`Device.calibrate` sets the threshold `ffr device calibrate` would (same people, same strangers' faces), and
+    every later answer is decided at it; `Device.install_model` installs a file and refuses one that is not a model."""
+    from edge_client.api import Device
+
+    public = orl_public_set(faces_dir, tmp_path)
     door = Device(tmp_path / "home")
     for person in ("s1", "s2", "s3"):
         door.enrol(person, sorted((faces_dir / "orl" / person).iterdir())[:5])
@@ -714,15 +720,10 @@ def test_calibration_scores_strangers_from_a_public_set_and_refuses_one_changed_
     planted or changed: one the settings do not name is never taken, and the named one is checked against its hash."""
     from edge_client.home import DeviceHome
     from edge_client.recognizer import Settings
-    from models.public_set import build_public_set
+    from models.public_set import sha256_of
 
-    folder = tmp_path / "public_faces"
-    folder.mkdir()
-    for person in [f"s{k}" for k in range(20, 40)]:  # ORL people the device never enrolled, two photos each
-        for photo in sorted((faces_dir / "orl" / person).iterdir())[:2]:
-            shutil.copy(photo, folder / f"{person}_{photo.name}")
-    public = tmp_path / "public.safetensors"
-    sha = build_public_set(folder, public, limit=100)
+    public = orl_public_set(faces_dir, tmp_path)
+    sha = sha256_of(public)
     base = ("device", "calibrate", "--home", str(home), "--far", "0.01", "--dry-run", "--json")
     rc, out, err = ffr(*base)
     alone = json.loads(out)
