@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from edge_client.local_algorithms import LOCAL_ALGORITHMS, LocalRound, local_algorithm
+from edge_client.local_algorithms import LOCAL_ALGORITHMS, local_algorithm
+from edge_client.local_round import LocalRound
 from models.faces.crops import FaceCrops
 from models.networks.dfc import NEGATIVE, fit_dfc
 from models.networks.face_model import FaceModel, load_shareable_state, shareable_state

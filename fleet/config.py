@@ -168,12 +168,18 @@ class SimConfig:
         return {**raw, **server, **self.training.model_dump(exclude={"type"}), **gate}
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=1))
+        path.write_text(json.dumps({"format_version": CONFIG_FORMAT, **self.to_dict()}, indent=1))
 
     @classmethod
     def from_dict(cls, raw: dict) -> SimConfig:
-        """From `to_dict`'s form, or from a run folder written before the spec was nested (`_nested`)."""
-        raw = raw if "server" in raw else _nested(raw)
+        """From `to_dict`'s form, or from a run folder of an older format (`format_version`; before it was written:
+        1 when flat, 2 when nested)."""
+        raw = dict(raw)
+        version = raw.pop("format_version", 2 if "server" in raw else 1)
+        if version not in READERS:
+            raise ValueError(f"config.json format {version!r}: this ffr-edge reads formats 1-{CONFIG_FORMAT} (a newer "
+                             "version wrote it; upgrade ffr-edge to resume or read this run)")
+        raw = READERS[version](raw)
         known = {f.name for f in fields(cls)} - {"server", "gate"}
         config = cls(**{k: v for k, v in raw.items() if k in known}, server=RoundSettings.from_dict(raw["server"]),
                      gate=GateSettings(**raw.get("gate", {})))
@@ -229,6 +235,10 @@ def _nested(raw: dict) -> dict:
             if old_name in raw}
     return {**raw, "server": {**server, "min_clients": 1, "training": training},
             "gate": {**gate, "seed": raw.get("seed", 0)}}
+
+
+CONFIG_FORMAT = 2  # a run folder's config.json: 1 one flat list of options; 2 `server` (with `training`) and `gate`
+READERS = {1: _nested, 2: lambda raw: raw}  # each format's reader, into today's form
 
 
 def _norm(value):

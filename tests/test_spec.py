@@ -107,6 +107,19 @@ def test_a_run_folder_from_before_the_nested_spec_still_loads(tmp_path):
     assert config.training.dfc_weight == 10.0 and config.gate.far == 0.01 and config.gate.limit == 50
 
 
+def test_a_run_folder_says_its_format_and_one_from_a_newer_version_is_refused_plainly(tmp_path):
+    """config.json names its format; each older one has its reader, and a newer one is not half-read."""
+    SimConfig(clients=3).save(tmp_path / "config.json")
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["format_version"] == 2 and SimConfig.load(tmp_path / "config.json").clients == 3
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "format_version": 3}))
+    with pytest.raises(ValueError, match="config.json format 3: this ffr-edge reads formats 1-2 .*upgrade ffr-edge"):
+        SimConfig.load(tmp_path / "config.json")
+    flat = {"clients": 4, "rounds": 6, "method": "fedavg", "format_version": 1}
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    assert SimConfig.load(tmp_path / "config.json").server.rounds == 6
+
+
 def test_each_part_refuses_what_cannot_work_with_the_flag_it_came_from(tmp_path, capsys):
     from ffr.cli import main
 
@@ -146,7 +159,8 @@ def test_method_names_the_aggregation_and_the_local_objective(tmp_path, method, 
                                   '{"split": 5, "server": {}}', '{"server": {"training": {"evil": 1}}}',
                                   '{"server": {"rounds": 2.5}}', '{"server": {"seed": "x"}}',
                                   '{"server": {"max_update_bytes": -1}}', '{"gate": {"threads": [1]}, "server": {}}',
-                                  '{"clients": "many", "server": {}}', '{"server": {"fv": 1}}'])
+                                  '{"clients": "many", "server": {}}', '{"server": {"fv": 1}}',
+                                  '{"format_version": [2], "server": {}}', '{"format_version": "2", "server": {}}'])
 def test_a_hostile_run_config_is_refused_in_one_line(tmp_path, text):
     """config.json is read back from the run folder: whatever is written there, loading refuses it plainly."""
     (tmp_path / "config.json").write_text(text)

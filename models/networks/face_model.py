@@ -105,6 +105,10 @@ class FaceModel(nn.Module):
             logits = self.head.logits(emb)
         return total, logits, parts
 
+    def dfc_term(self, emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """alpha_3 L_BCE (FedFR's eq. 7): the DFC branch's loss at its weight; a NEGATIVE label is nobody's face."""
+        return self.config.dfc_weight * self.dfc.loss(emb, labels)
+
 
 def shareable_state(model: FaceModel) -> dict[str, torch.Tensor]:
     """The embedder's parameters and buffers, keyed `backbone.*`: all that may leave a device."""
