@@ -288,8 +288,8 @@ def _verifier(args, recognizer: Recognizer) -> Verifier:
 
 
 def per_face(args, recognizer: Recognizer, decide) -> tuple[list[dict], list[str]]:
-    """`--images FILE|DIR`: every face of every file answered on its own (`decide(embedding)` -> its record), as
-    face_recognition's command answers a folder: (one record per file, one line per face or per file)."""
+    """`--images FILE|DIR`: every face of every file answered on its own (`decide(a file's embeddings)` -> a record
+    each), as face_recognition's command answers a folder: (one record per file, one line per face or per file)."""
     detector, gate = device_detector(args.detector, args.yunet_model), _gate(args)
     records, lines = [], []
     for frame in frames(images=args.images, max_frames=args.max_frames):
@@ -298,7 +298,7 @@ def per_face(args, recognizer: Recognizer, decide) -> tuple[list[dict], list[str
             lines.append(f"{frame.name}: skipped: {frame.problem}")
             continue
         checks, embeddings = usable_faces(frame.bgr, detector, gate, recognizer)
-        answers = [decide(e) for e in embeddings]
+        answers = decide(embeddings) if len(embeddings) else []
         record = {"file": frame.name, "faces": []}
         for i, check in enumerate(checks):
             face = {"box": list(check.box), "aligned": check.aligned,
@@ -332,10 +332,10 @@ def _per_face_exit(records: list[dict], key: str) -> int:
 
 
 def _verify_files(args, verifier: Verifier, person) -> int:
-    def decide(embedding: np.ndarray) -> dict:
-        answer = verifier.verify(embedding[None], person)
-        return {"match": answer.match, "score": answer.score,
-                "line": f"{'MATCH' if answer.match else 'NO MATCH'}: {args.name} score {answer.score:.3f}"}
+    def decide(embeddings: np.ndarray) -> list[dict]:
+        answers = [verifier.verify(e[None], person) for e in embeddings]
+        return [{"match": a.match, "score": a.score,
+                 "line": f"{'MATCH' if a.match else 'NO MATCH'}: {args.name} score {a.score:.3f}"} for a in answers]
 
     records, lines = per_face(args, verifier.recognizer, decide)
     answered = [f for r in records for f in r["faces"] if "problem" not in f]
@@ -349,11 +349,10 @@ def _verify_files(args, verifier: Verifier, person) -> int:
 
 
 def _identify_files(args, verifier: Verifier, people: list, damaged) -> int:
-    def decide(embedding: np.ndarray) -> dict:
-        answer = verifier.identify(embedding[None], people)
-        return {"identity": answer.name or "unknown", "known": answer.match, "score": answer.score,
-                "closest": answer.closest, "line": f"{answer.name or 'unknown'} score {answer.score:.3f}"
-                + ("" if answer.match else f" (closest: {answer.closest})")}
+    def decide(embeddings: np.ndarray) -> list[dict]:
+        return [{"identity": a.name or "unknown", "known": a.match, "score": a.score, "closest": a.closest,
+                 "line": f"{a.name or 'unknown'} score {a.score:.3f}" + ("" if a.match else f" (closest: {a.closest})")}
+                for a in verifier.each(embeddings, people)]
 
     records, lines = per_face(args, verifier.recognizer, decide)
     answered = [f for r in records for f in r["faces"] if "problem" not in f]

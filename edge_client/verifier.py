@@ -61,19 +61,28 @@ class Verifier:
         return self._answer(people[best].name, float(scores[best]), live)
 
     def each(self, embeddings: np.ndarray, people: list[Person]) -> list[Answer]:
-        """Each face on its own (a group photo answered face by face, as face_recognition does)."""
-        return [self.identify(e[None], people) for e in embeddings]
+        """Each face on its own (a group photo answered face by face, as face_recognition does): one product with the
+        templates for all of them, as `watch` needs on every frame."""
+        if not len(embeddings):
+            return []
+        scores = embeddings @ np.stack([p.template for p in people]).T
+        best = np.argmax(scores, axis=1)
+        return [self._answer(people[b].name, float(row[b]), None) for b, row in zip(best, scores)]
 
     def count_matches(self, faces: np.ndarray, template: np.ndarray) -> int:
         """How many of these faces, each on its own, the template accepts (enrolment checks a new template so)."""
-        return int(np.sum(faces @ template > self.threshold)) if len(faces) else 0
+        return int(np.sum(self._accepts(faces @ template))) if len(faces) else 0
 
     def scores(self, embeddings: np.ndarray, people: list[Person]) -> np.ndarray:
         """The probe's score against each person, in `people`'s order."""
         return probe_scores(embeddings, np.stack([p.template for p in people]))
 
+    def _accepts(self, scores):
+        """The one comparison every answer comes from: above the threshold, not at it."""
+        return scores > self.threshold
+
     def _answer(self, closest: str, score: float, live: bool | None) -> Answer:
-        accepted = score > self.threshold and live is not False
+        accepted = bool(self._accepts(score)) and live is not False
         return Answer(closest if accepted else None, score, closest, self.threshold)
 
 

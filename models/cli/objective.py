@@ -134,8 +134,8 @@ def batchnorm(args) -> str:
 def objective_settings(args) -> dict:
     """TrainingConfig fields for the chosen method and switches: a setting given wins, else the method's term
     (`protocol.methods`), else the spec's default."""
-    terms = {"hard_negatives": False, "contrastive": False, "hfmaml": False, "dfc_weight": SPEC.dfc_weight,
-             "embedding_reg": SPEC.embedding_reg, **method_named(args.method or DEFAULT_METHOD).terms}
+    switched = ("hard_negatives", "contrastive", "hfmaml", "dfc_weight", "embedding_reg")  # what methods set
+    terms = {**{k: getattr(SPEC, k) for k in switched}, **method_named(args.method or DEFAULT_METHOD).terms}
     switches = {k: getattr(args, k) for k in ("hard_negatives", "contrastive") if getattr(args, k) is not None}
     return {**terms, **switches, "imprint_head": args.imprint_head,
             **given(args, ["--alpha-cos", "--dfc-weight", "--embedding-reg", "--t-hn", "--tau", "--alpha-con",
