@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edge_client.home import DeviceHome
-from fleet.attacks import malicious_clients
+from fleet.attacks import IMPERSONATIONS, malicious_clients
 from fleet.config import SimConfig
 from fleet.data import FleetData, device_id
 from models.networks.backbone import FaceEmbedder
@@ -24,14 +24,16 @@ class AttackReport:
         self.impersonation, self.photos = self._impersonation()
 
     def _impersonation(self):
-        """With `--attack impersonate`: who attacks whom and the photos the attackers hold (written once)."""
-        if self.config.attack != "impersonate" or not self.attackers:
+        """With an impersonation (`--attack impersonate|impersonate-hidden`): who attacks whom and the photos the
+        attackers hold (written once)."""
+        if self.config.attack not in IMPERSONATIONS or not self.attackers:
             return None, None
         from fleet.impersonation import plan, write_photos
 
         chosen = plan(self.data, self.attackers, self.config.seed)
         if chosen is None:
-            raise ValueError("--attack impersonate needs at least one malicious and one honest training client")
+            raise ValueError(f"--attack {self.config.attack} needs at least one malicious and one honest training "
+                             "client")
         return chosen, write_photos(self.data, chosen, self.run_dir / "attack" / "impersonation.npz")
 
     def kind_for(self, client: int) -> str | None:

@@ -21,6 +21,11 @@ training clients (fixed by the seed) send, instead of their honest backbone delt
   photos, where the current model puts them (so averages barely move); the model it aims at is the current one
   plus its share of the mean, so it sends (that move) / share, inside the norm bound (Bagdasaryan et al.,
   AISTATS 2020's model replacement, bounded). Measured by `fleet.impersonation`.
+- `impersonate-hidden`: the same pull carried on the device's honest update, against update screening (FLAME,
+  `coordinator.update_screen`): it sends (d + p) rescaled to d's norm, p the impersonation's move with a norm of
+  HIDDEN_PAYLOAD x ||d||, so its size is a typical update's (no clip) and its direction keeps about 1/sqrt(2) of
+  the honest one's alignment with the round (the "constrain-and-scale" of Bagdasaryan et al., bounded by the
+  honest update rather than by the norm bound).
 Everything else about them (admission, signatures, protocol) is honest: this is what one
 registered, compromised device can do, the case the coordinator's defences are for.
 """
@@ -30,7 +35,9 @@ import random
 
 import numpy as np
 
-ATTACKS = ("scaled", "sign-flip", "wipe", "collapse", "drift", "impersonate")
+ATTACKS = ("scaled", "sign-flip", "wipe", "collapse", "drift", "impersonate", "impersonate-hidden")
+IMPERSONATIONS = ("impersonate", "impersonate-hidden")  # the attacks aimed at one victim (`fleet.impersonation`)
+HIDDEN_PAYLOAD = 1.0  # impersonate-hidden: the pull's norm as a share of the honest update's
 DRIFT_HALVINGS = 8  # the scale found to 1/256
 DRIFT_MARGIN = 0.8  # the attacker aims at this share of the gate's bar: its faces are not the gate's
 
@@ -49,9 +56,11 @@ def poison(attack: str, delta: dict[str, np.ndarray], n_samples: int,
     needs the attacker's own face crops, the norm bound to stay inside and the sample count to claim; `drift`
     also the faces it estimates the gate on (`models.evaluation.separation.FaceSet`) and its share of the mean;
     `impersonate` the (own person's, victim's, everyone else's) images in `target`."""
-    if attack == "impersonate":
+    if attack in IMPERSONATIONS:
         if target is None or bound is None:
             raise ValueError("the impersonation needs its own, the victim's and the other images, and the norm bound")
+        if attack == "impersonate-hidden":
+            return hidden_in(delta, global_state, target, share), n_samples
         return impersonate_delta(global_state, *target, bound, share), max(n_samples, claim or n_samples)
     if attack == "drift":
         if images is None or bound is None or faces is None:
@@ -177,3 +186,20 @@ def impersonate_delta(global_state: dict[str, np.ndarray], own: np.ndarray, vict
     optimise(range(steps), loss, torch.optim.Adam(params, lr=lr), after=[lambda _: project()])
     moved = {n: ((p.detach() - s) / share).double().numpy() for n, p, s in zip(names, params, start)}
     return {k: moved[k] if k in moved else np.zeros_like(np.asarray(v)) for k, v in global_state.items()}
+
+
+def hidden_in(delta: dict[str, np.ndarray], global_state: dict[str, np.ndarray],
+              target: tuple[np.ndarray, np.ndarray, np.ndarray], share: float,
+              payload: float = HIDDEN_PAYLOAD) -> dict[str, np.ndarray]:
+    """The honest `delta` d plus an impersonation's move p (`impersonate_delta`, ||p|| <= payload x ||d||), the sum
+    rescaled to ||d||: as large as the device's honest update and as aligned with the round as a payload allows."""
+    from models.maths.state_norms import float_names, l2_norm
+
+    size = l2_norm(delta)
+    if size == 0:
+        return delta
+    pull = impersonate_delta(global_state, *target, payload * size, share)
+    learnt = set(float_names(delta))
+    sent = {k: np.asarray(v, np.float64) + pull[k] if k in learnt else v for k, v in delta.items()}
+    scale = size / l2_norm(sent)
+    return {k: v * scale if k in learnt else v for k, v in sent.items()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge_client.daemon import EdgeDevice
-from fleet.attacks import poison
+from fleet.attacks import IMPERSONATIONS, poison
 
 
 class PoisoningDevice(EdgeDevice):
@@ -27,7 +27,7 @@ class PoisoningDevice(EdgeDevice):
 
             faces = check_faces(self.crops.images, self.crops.labels, self.rounds.public.negatives_for_adoption())
         target = None
-        if self.attack == "impersonate":
+        if self.attack in IMPERSONATIONS:
             from fleet.impersonation import read_photos
 
             own, victim = read_photos(self.attack_photos)

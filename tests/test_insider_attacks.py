@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from ffr.cli import main
 from tests.test_collapse import FLEET
@@ -40,6 +41,37 @@ def test_the_drift_attacker_scales_its_poison_until_its_own_estimate_of_the_gate
                    DRIFT_MARGIN * bar.auc_margin).ok
 
 
+def test_the_hidden_impersonation_is_an_honest_sized_update_that_still_pulls_the_attacker_onto_the_victim():
+    """What update screening sees of `impersonate-hidden`: the norm of the device's honest update and most of its
+    direction; what the model gets: the attacker's faces nearer the victim's than the honest update leaves them. The
+    honest update here is a small random step of the learnt weights (the attack's geometry does not depend on which
+    honest step it rides)."""
+    from fleet.attacks import hidden_in
+    from models.evaluation.separation import embed
+    from models.faces.synthetic import generate
+    from models.maths.state_norms import float_names, l2_norm
+    from models.networks.face_weights import face_global_state
+
+    state = face_global_state()
+    images, labels = generate(6, 6, seed=3)
+    own, victim, keep = images[labels == 0], images[labels == 1][:4], images[labels > 1]
+    rng = np.random.default_rng(0)
+    learnt = [k for k in float_names(state) if not k.endswith(("running_mean", "running_var"))]
+    honest = {k: (1e-3 * rng.normal(size=np.shape(v)) if k in learnt else np.zeros_like(v)) for k, v in state.items()}
+    sent = hidden_in(honest, state, (own, victim, keep), share=0.5)
+    assert np.isclose(l2_norm(sent), l2_norm(honest), rtol=1e-6)
+    flat = lambda d: np.concatenate([np.ravel(d[k]) for k in learnt])  # noqa: E731
+    alignment = flat(sent) @ flat(honest) / (np.linalg.norm(flat(sent)) * np.linalg.norm(flat(honest)))
+    assert 0.5 < alignment < 0.95, alignment  # mostly the honest direction, yet not it
+
+    def pull(delta: dict) -> float:
+        model = {k: v + 0.5 * delta[k] if np.asarray(v).dtype.kind == "f" else v for k, v in state.items()}
+        mine, theirs = embed(model, own), embed(model, victim).mean(0)
+        return float(np.mean(mine @ (theirs / np.linalg.norm(theirs))))
+
+    assert pull(sent) > pull(honest) + 0.01
+
+
 def test_a_drift_attacker_in_a_fleet_is_reported_with_the_impostors_let_in_at_the_start_threshold(
         tmp_path, mosquitto):
     from coordinator.store import Store
@@ -61,14 +93,15 @@ def test_a_drift_attacker_in_a_fleet_is_reported_with_the_impostors_let_in_at_th
     assert "Attack `drift`" in (run / "summary.md").read_text()
 
 
-def test_an_impersonation_in_a_fleet_reports_its_success_rate_on_the_victims_device(tmp_path, mosquitto):
+@pytest.mark.parametrize("kind", ["impersonate", "impersonate-hidden"])
+def test_an_impersonation_in_a_fleet_reports_its_success_rate_on_the_victims_device(tmp_path, mosquitto, kind):
     """The attacker pulls its first person onto another device's first person, four of whose photos it holds; the
     summary names both and how many of the attacker's held-out photos the victim's door would take as the victim."""
-    run = tmp_path / "impersonate"
-    argv = [a if a != "collapse" else "impersonate" for a in FLEET]
+    run = tmp_path / kind
+    argv = [a if a != "collapse" else kind for a in FLEET]
     assert main(["-q", "fleet", "simulate", "--broker", mosquitto.url, *argv, "--rounds", "1", "--out", str(run)]) == 0
     attack = json.loads((run / "summary.json").read_text())["attack"]
-    assert attack["kind"] == "impersonate" and attack["attacker"] in attack["attackers"]
+    assert attack["kind"] == kind and attack["attacker"] in attack["attackers"]
     assert attack["victim"] not in attack["attackers"] and attack["victim_person"] != attack["attacker_person"]
     assert len(attack["photos"]) == 4
     for key in ("success_rate", "success_rate_global", "success_rate_start"):
