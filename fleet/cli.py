@@ -208,7 +208,9 @@ def add_commands(fsub) -> None:
     g.add_argument("--attack", choices=ATTACKS,
                    help="what they send (default scaled): scaled (1000x delta), sign-flip (-10x delta), wipe "
                         "(-global, 10^15 samples), collapse (pull all embeddings together from inside the norm "
-                        "bound, largest accepted sample count)")
+                        "bound, largest accepted sample count), drift (the collapse scaled to pass its own estimate "
+                        "of the gate), impersonate (pull its person onto another device's, whose photos it holds), "
+                        "impersonate-hidden (that pull carried on its honest update, at the honest update's norm)")
     gate = add_gate_options(p)
     gate.add_argument("--gate-identities", type=fraction, default=GATE_IDENTITIES,
                       help="without --gate-data, the share of the people on no device that the coordinator keeps "
