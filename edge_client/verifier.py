@@ -41,6 +41,11 @@ def probe_scores(faces: np.ndarray, templates: np.ndarray) -> np.ndarray:
     return (faces @ np.atleast_2d(templates).T).mean(0)
 
 
+def templates_of(people: list[Person]) -> np.ndarray:
+    """The people's templates as rows, in `people`'s order: what every score against several people is taken on."""
+    return np.stack([p.template for p in people])
+
+
 class Verifier:
     """Decides at the device's calibrated threshold, or at `threshold` when a call gives its own."""
 
@@ -65,7 +70,7 @@ class Verifier:
         templates for all of them, as `watch` needs on every frame."""
         if not len(embeddings):
             return []
-        scores = embeddings @ np.stack([p.template for p in people]).T
+        scores = embeddings @ templates_of(people).T
         best = np.argmax(scores, axis=1)
         return [self._answer(people[b].name, float(row[b]), None) for b, row in zip(best, scores)]
 
@@ -75,7 +80,7 @@ class Verifier:
 
     def scores(self, embeddings: np.ndarray, people: list[Person]) -> np.ndarray:
         """The probe's score against each person, in `people`'s order."""
-        return probe_scores(embeddings, np.stack([p.template for p in people]))
+        return probe_scores(embeddings, templates_of(people))
 
     def _accepts(self, scores):
         """The one comparison every answer comes from: above the threshold, not at it."""

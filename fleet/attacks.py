@@ -23,9 +23,9 @@ training clients (fixed by the seed) send, instead of their honest backbone delt
   AISTATS 2020's model replacement, bounded). Measured by `fleet.impersonation`.
 - `impersonate-hidden`: the same pull carried on the device's honest update, against update screening (FLAME,
   `coordinator.update_screen`): it sends (d + p) rescaled to d's norm, p the impersonation's move with a norm of
-  HIDDEN_PAYLOAD x ||d||, so its size is a typical update's (no clip) and its direction keeps about 1/sqrt(2) of
-  the honest one's alignment with the round (the "constrain-and-scale" of Bagdasaryan et al., bounded by the
-  honest update rather than by the norm bound).
+  HIDDEN_PAYLOAD x ||d||, so its size is a typical update's (no clip) and its direction is part honest, part pull
+  (the "constrain-and-scale" of Bagdasaryan et al., bounded by the honest update rather than by the norm bound);
+  how aligned that leaves it with the round is measured in `bench/results/robust_insider_hidden.md`.
 Everything else about them (admission, signatures, protocol) is honest: this is what one
 registered, compromised device can do, the case the coordinator's defences are for.
 """
