@@ -23,6 +23,7 @@ from pathlib import Path
 
 from edge_client.home import DeviceHome
 from edge_client.link import CoordinatorLink, load_credential
+from edge_client.memory import release_memory
 from edge_client.public_set import DevicePublicSet
 from edge_client.round_runner import RoundRunner
 from edge_client.validator import Validator
@@ -167,16 +168,18 @@ class EdgeDevice:
                 return
             if isinstance(job, ModelRelease):
                 self._take_release(job)
-                continue
-            if job.round_id in self.done_rounds or time.time() > job.deadline_unix:
-                continue
-            try:
-                self.rounds.run(job)
-                self.done_rounds.add(job.round_id)  # last: whoever waits on it finds the round logged
-            except Exception as exc:  # noqa: BLE001 - one failed round must not kill the daemon
-                self.failed_rounds[job.round_id] = f"{type(exc).__name__}: {exc}"
-                self.queued_rounds.discard(job.round_id)  # the coordinator's next announcement may retry it
-                log.exception("%s: round %d failed", self.device_id, job.round_id)
+            elif job.round_id not in self.done_rounds and time.time() <= job.deadline_unix:
+                self._run_round(job)
+            release_memory()  # an idle daemon holds its imports, not its last round's peak
+
+    def _run_round(self, job: RoundAnnouncement) -> None:
+        try:
+            self.rounds.run(job)
+            self.done_rounds.add(job.round_id)  # last: whoever waits on it finds the round logged
+        except Exception as exc:  # noqa: BLE001 - one failed round must not kill the daemon
+            self.failed_rounds[job.round_id] = f"{type(exc).__name__}: {exc}"
+            self.queued_rounds.discard(job.round_id)  # the coordinator's next announcement may retry it
+            log.exception("%s: round %d failed", self.device_id, job.round_id)
 
     def _take_release(self, release: ModelRelease) -> None:
         if self.rounds.adopt_release(release):  # taken (adopted, or refused by this device's own check)

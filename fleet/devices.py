@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_client.memory import release_memory
+
 
 @dataclass(frozen=True)
 class Turn:
@@ -59,21 +61,6 @@ def freeze_imports() -> None:
 
 
 _FROZEN = False
-
-
-def release_memory() -> None:
-    """After a turn: collect the device's reference cycles (paho's callbacks hold the device, so its crops and
-    model wait for a full collection that large arrays alone never trigger) and hand freed heap back to the
-    OS, so a worker that runs many turns stays at one turn's memory (measured: without this, about 1 GB more
-    per CelebA turn until Ray's memory monitor killed the worker)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the collection alone still frees the arrays
-        pass
 
 
 def run_turn(turn: Turn) -> dict:

@@ -290,7 +290,8 @@ def test_a_turns_reference_cycles_are_still_collected_after_the_imports_are_froz
     by paho's callbacks, as here by its own bound method) must still be freed by release_memory."""
     script = """
 import weakref, numpy as np
-from fleet.devices import freeze_imports, release_memory
+from edge_client.memory import release_memory
+from fleet.devices import freeze_imports
 freeze_imports()
 class Device:
     def __init__(self):
