@@ -170,6 +170,8 @@ class EdgeDevice:
                 self._take_release(job)
             elif job.round_id not in self.done_rounds and time.time() <= job.deadline_unix:
                 self._run_round(job)
+            else:  # a stale or repeated announcement: nothing was allocated
+                continue
             release_memory()  # an idle daemon holds its imports, not its last round's peak
 
     def _run_round(self, job: RoundAnnouncement) -> None:

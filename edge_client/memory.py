@@ -1,9 +1,8 @@
 """Freed memory handed back to the operating system after a device's round.
 
 A round's training allocates a few hundred MB (activations, optimiser state, the DFC fit's features) that glibc
-keeps in its heap after they are freed: an idle daemon then holds the peak of its last round (measured on a
-synthetic device: 1.21 GB resident after a round, 0.78 GB once trimmed, the imports alone 0.71 GB), and a fleet
-worker that runs many devices' turns grew by about 1 GB per CelebA turn without it (`fleet.devices`).
+keeps in its heap after they are freed: an idle daemon would hold its last round's peak, and a fleet worker that
+runs many devices' turns would grow by a turn's worth each time (the README gives the measurements).
 """
 from __future__ import annotations
 
