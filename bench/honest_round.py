@@ -123,33 +123,38 @@ def coordinator_gate(data: FleetData, seed: int):
                        GateSettings(seed=seed), "the coordinator's people")
 
 
-def publish(gate, state: dict, aggregate: dict, round_id: int, start: dict) -> tuple[dict, dict]:
+def publish(gate, state: dict, aggregate: dict, round_id: int, start: dict, limit: float) -> tuple[dict, dict]:
     """What the coordinator publishes from the round's aggregate (`coordinator.round_aggregation.publishable`, no
-    leave-out: every device here is honest), anchored on the start; without a gate, the aggregate."""
+    leave-out: every device here is honest; steps up to `limit`), anchored on the start; without a gate, the
+    aggregate."""
     from coordinator.round_aggregation import publishable
 
     if gate is None:
         return aggregate, {}
     gate.anchor_on(lambda: start)
-    chosen, problem, figures = publishable(gate, state, f"round-{round_id}", aggregate)
+    chosen, problem, figures = publishable(gate, state, f"round-{round_id}", aggregate, limit=limit)
     return chosen, {**figures, "rolled_back": problem}
 
 
-def screened_mean(deltas: dict[str, dict], weights: dict[str, float]) -> tuple[dict, dict]:
+def screened_mean(deltas: dict[str, dict], weights: dict[str, float]) -> tuple[dict, dict, float]:
     """The round's mean as the coordinator forms it at its defaults: the update screen (`coordinator.update_screen`)
     admits and clips, then the sample-weighted mean; with what the screen did (every device here is honest, so any
-    update left out is a false exclusion)."""
+    update left out is a false exclusion) and how far past the mean the server step may go (FedExP's eta)."""
+    from coordinator.server_step import extrapolation_limit
     from coordinator.settings import RoundSettings
     from coordinator.update_screen import make_screen
     from models.maths.state_norms import l2_norm
 
     screen = make_screen(RoundSettings().screen)
-    screening = screen.screen(list(deltas), {k: screen.observe(d) for k, d in deltas.items()},
-                              {k: l2_norm(d) for k, d in deltas.items()})
+    norms = {k: l2_norm(d) for k, d in deltas.items()}
+    screening = screen.screen(list(deltas), {k: screen.observe(d) for k, d in deltas.items()}, norms)
     mean = RunningMean()
     for k in screening.admitted:
         mean.add(deltas[k], weights[k], screening.scales.get(k, 1.0))
-    return mean.mean(), screening.metrics
+    mean = mean.mean()
+    limit = extrapolation_limit([norms[k] * screening.scales.get(k, 1.0) for k in screening.admitted],
+                                [weights[k] for k in screening.admitted], l2_norm(mean))
+    return mean, screening.metrics, limit
 
 
 def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs: int, strangers: np.ndarray,
@@ -167,8 +172,8 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
             result = train_round(model, crops, torch_state, config, seed=seed * 1000 + k + r)
             deltas[str(k)], weights[str(k)] = result.delta, result.n_samples
             locals_[k] = model.eval()
-        mean, screened = screened_mean(deltas, weights)
-        state, published = publish(gate, state, apply_delta(state, mean), r, start)
+        mean, screened, limit = screened_mean(deltas, weights)
+        state, published = publish(gate, state, apply_delta(state, mean), r, start, limit)
         published = {**published, **screened}
         scores = score_round(data, state, locals_, strangers, max_pairs, seed, config)
         scores.update(round=r, seconds=time.perf_counter() - started, coordinator=published)
@@ -177,7 +182,8 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
               f"TAR@1e-3 {_n(start_scores['unseen_tar@1e-3'])} -> {_n(scores['unseen_tar@1e-3'])}; own people "
               f"TAR@1e-3 {_n(was['global'])} -> global {_n(own['global'])}, local {_n(own.get('local'))}, local+DFC "
               f"{_n(own.get('local+dfc'))}, global+DFC {_n(own.get('global+dfc'))} ({scores['seconds']:.0f} s)"
-              + (f"; server step {published['server_step']:g}, {published['rolled_back'] or 'published'}"
+              + (f"; server step {published['server_step']:g} (FedExP limit {published['server_step_limit']:.2f}), "
+                 f"{published['rolled_back'] or 'published'}"
                  if "server_step" in published else "")
               + (f"; screen left out {published['screen_excluded']}, clipped {published['screen_clipped']}"
                  if "screen_excluded" in published else ""), flush=True)
@@ -206,7 +212,8 @@ def table(results: dict) -> list[dict]:
         own = scores["own_tar@1e-3"]
         published = scores.get("coordinator") or {}
         step = "-" if "server_step" not in published else (
-            f"{published['server_step']:g}" + (" rolled back" if published["rolled_back"] else ""))
+            f"{published['server_step']:g}" + (" rolled back" if published["rolled_back"] else "")
+            + (f" (limit {published['server_step_limit']:.2f})" if "server_step_limit" in published else ""))
         screened = "-" if "screen_excluded" not in published else (
             f"{published['screen_excluded']} out, {published['screen_clipped']} clipped")
         return {"arm": arm, "settings": settings, "round": r, "server step": step, "screen": screened,

@@ -55,12 +55,12 @@ class QualityGate:
         judged = self._judge(self._current_scores(current_state, current_sha), candidate_state)
         return judged.problem, judged.metrics
 
-    def step(self, current_state: dict[str, np.ndarray], current_sha: str, aggregate: dict[str, np.ndarray]
-             ) -> tuple[dict[str, np.ndarray] | None, str, dict]:
-        """The server's step towards the aggregate: the point that separates these faces best among those that pass
-        (`coordinator.server_step`); (None, why, figures) when none does."""
+    def step(self, current_state: dict[str, np.ndarray], current_sha: str, aggregate: dict[str, np.ndarray],
+             limit: float = 1.0) -> tuple[dict[str, np.ndarray] | None, str, dict]:
+        """The server's step towards the aggregate, at most `limit` of it: the point that separates these faces best
+        among those that pass (`coordinator.server_step`); (None, why, figures) when none does."""
         current = self._current_scores(current_state, current_sha)
-        return best_step(current_state, aggregate, lambda state: self._judge(current, state))
+        return best_step(current_state, aggregate, lambda state: self._judge(current, state), limit=limit)
 
     def start_figures(self) -> dict:
         """The anchor's AUC on these faces, for each round's record: start against now."""

@@ -5,8 +5,8 @@ to what), combine the admitted, clipped updates by the run's rule, let the updat
 noise), step the strategy, check the result (finite, non-negative BatchNorm variances, a step within what the
 bound allows), then the quality gate; a gate refusal may still save the round without its worst updates
 (`leave_out`), else a shorter step of the whole; the model is then reached only as far as separates the gate's
-faces best among the points that pass (`coordinator.server_step`). The engine only hears the outcome: a model to
-publish, or a reason to roll back.
+faces best among the points that pass, or past the aggregate as far as the updates' disagreement allows
+(`coordinator.server_step`). The engine only hears the outcome: a model to publish, or a reason to roll back.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import numpy as np
 from coordinator.aggregation import RunningMean, Strategy, capped_weights
 from coordinator.robust import combine, l2_norm
 from coordinator.round_state import OpenRound
-from coordinator.server_step import fixed_step
+from coordinator.server_step import WHOLE, extrapolation_limit, fixed_step
 from coordinator.settings import RoundSettings
 from coordinator.store import Store
 from coordinator.update_filters import UpdateFilter
@@ -105,6 +105,9 @@ class RoundAggregator:
                             ", ".join(screen_metrics["screen_excluded_devices"]))
         mean_delta = self.combine(current, devices) if mean_delta is None else mean_delta
         mean_delta, filter_metrics, noise_allowance = self.filter.on_mean(mean_delta, len(devices), sampling_rate)
+        # FedExP's premise is the plain mean of these updates: not FV's blend, not a robust rule's pick
+        extrapolates = fresh_mean and self.settings.combine == "mean"
+        limit = self.extrapolation_limit(current, devices, mean_delta, bound) if extrapolates else WHOLE
         new_state, new_server_state = self.strategy.aggregate(global_state, mean_delta, server_state)
         problem = self.check_new_model(global_state, new_state, bound, noise_allowance)
         new_state = non_negative_variances(new_state)
@@ -112,7 +115,7 @@ class RoundAggregator:
         if not problem and self.gate is not None:
             new_state, new_server_state, problem, gate_metrics = self.gate_and_step(
                 current, global_state, global_sha, Trial(new_state, new_server_state), devices, bound, fresh_mean,
-                server_state)
+                server_state, limit)
         elif not problem:  # no faces to choose the step on: the fixed one
             new_state, gate_metrics = fixed_step(global_state, new_state, self.settings.server_step)
         metrics = {**filter_metrics, **current.validation_metrics,
@@ -128,8 +131,8 @@ class RoundAggregator:
         return Outcome(new_state, problem, metrics, kept, new_server_state)
 
     def gate_and_step(self, current: OpenRound, global_state: State, global_sha: str, whole: Trial,
-                      devices: list[str], bound: float, fresh_mean: bool, server_state: State | None
-                      ) -> tuple[State, State | None, str, dict]:
+                      devices: list[str], bound: float, fresh_mean: bool, server_state: State | None,
+                      limit: float = WHOLE) -> tuple[State, State | None, str, dict]:
         """`publishable`, with this round's leave-out (only for a mean formed here: FV's adopted blend has none).
         Returns (model, the strategy state of the trial it came from, '' or why not, the gate's figures)."""
         chosen = whole
@@ -144,11 +147,18 @@ class RoundAggregator:
         self.gate.anchor_on(lambda: self.store.load_model(0))
         usable = fresh_mean and self.filter.allows_leave_out
         state, problem, metrics = publishable(self.gate, global_state, global_sha, whole.model,
-                                              leave_out if usable else None)
+                                              leave_out if usable else None, limit)
         if metrics.get("gate_whole_step_refused") and not problem:
             log.warning("round %d: the whole step failed the gate (%s); published %g of it", current.round_id,
                         metrics["gate_whole_step_refused"], metrics["server_step"])
         return state, chosen.server_state, problem, metrics
+
+    def extrapolation_limit(self, current: OpenRound, devices: list[str], mean_delta: State, bound: float) -> float:
+        """FedExP's eta (`coordinator.server_step`) over the updates as they were combined: clipped to the bound,
+        scaled by the screen, at their capped weights."""
+        norms = [min(current.norms[d], bound) * current.scales.get(d, 1.0) for d in devices]
+        weights = capped_weights([current.weights[d] for d in devices], self.settings.weight_factor)
+        return extrapolation_limit(norms, weights, l2_norm(mean_delta))
 
     def leave_out(self, current: OpenRound, global_state: State, global_sha: str, devices: list[str], bound: float,
                   problem: str, metrics: dict, server_state: State | None) -> tuple[Trial, str, dict]:
@@ -203,17 +213,20 @@ class RoundAggregator:
 
 
 def publishable(gate: QualityGate, global_state: State, global_sha: str, aggregate: State,
-                leave_out: Callable[[str, dict], tuple[State, str, dict]] | None = None) -> tuple[State, str, dict]:
+                leave_out: Callable[[str, dict], tuple[State, str, dict]] | None = None,
+                limit: float = WHOLE) -> tuple[State, str, dict]:
     """What the gate lets the coordinator publish from the round's aggregate: the gate on the whole step; when it
     refuses, first the round without its worst updates (`leave_out`: a poisoner's step), then shorter steps of the
-    whole aggregate (an honest round that overshoots); the server step is then chosen among the points that pass
-    (`coordinator.server_step`). Returns (model, '' or why the round rolls back, the gate's figures)."""
+    whole aggregate (an honest round that overshoots); the server step is then chosen among the points that pass,
+    up to `limit` of the way (`coordinator.server_step`; a round saved by leaving updates out goes no further than
+    its aggregate). Returns (model, '' or why the round rolls back, the gate's figures)."""
     problem, metrics = gate.check(global_state, global_sha, aggregate)
     passed = aggregate
     if problem and leave_out is not None:
         passed, left_problem, metrics = leave_out(problem, metrics)
         passed = aggregate if left_problem else passed
-    stepped, step_problem, figures = gate.step(global_state, global_sha, passed)
+    limit = limit if passed is aggregate else WHOLE
+    stepped, step_problem, figures = gate.step(global_state, global_sha, passed, limit)
     metrics = {**metrics, **figures, **gate.start_figures()}
     if stepped is None:
         return global_state, problem or step_problem, metrics

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.server_step import Judged, best_step
+from coordinator.server_step import STEPS, Judged, best_step, extrapolation_limit, point
 from models.evaluation.bootstrap import people_interval, weighted_tar_at_far
 from models.evaluation.metrics import cosine_scores, make_pairs, tar_at_far
 from models.maths.interpolation import interpolate_arrays
@@ -52,8 +52,12 @@ def test_the_server_step_takes_the_point_that_separates_the_held_faces_best():
     state, problem, figures = best_step(current, aggregate, passes(auc_of))
     assert problem == "" and figures["server_step"] == 0.25 and np.allclose(state["w"], 2.0) and state["n"] == 5
     assert figures["server_step_auc@1"] == pytest.approx(0.84)
-    # a faithful aggregate is taken whole; equal scores go to the smaller move
-    assert best_step(current, aggregate, passes(lambda s: float(s["w"][0])))[2]["server_step"] == 1.0
+    # held faces that like every move: the step goes to the aggregate, and past it (FedExP's extrapolation) only as
+    # far as the updates' disagreement allows (and STEPS go); equal scores go to the smaller move
+    likes_all = passes(lambda s: float(s["w"][0]))
+    assert best_step(current, aggregate, likes_all)[2]["server_step"] == 1.0
+    assert best_step(current, aggregate, likes_all, limit=1.7)[2]["server_step"] == 1.5
+    assert best_step(current, aggregate, likes_all, limit=9.0)[2]["server_step"] == max(STEPS) > 1
     assert best_step(current, aggregate, passes(lambda s: 0.5))[2]["server_step"] == 0.25
     # only points the gate passes are candidates: the best one refused, the next best is taken; none, no step
     refuse_short = lambda s: Judged(auc_of(s), "too far" if s["w"][0] < 3 else "", {})  # noqa: E731
@@ -62,6 +66,39 @@ def test_the_server_step_takes_the_point_that_separates_the_held_faces_best():
     assert state is None and problem == "no" and figures["server_step"] == 0.0 and figures["why"] == 1
     half = interpolate_arrays(current, aggregate, 0.5)
     assert half["w"].dtype == np.float32 and np.allclose(half["w"], 4.0)
+
+
+def test_a_step_past_the_aggregate_extrapolates_weights_but_not_batchnorm_statistics():
+    current = {"w": np.ones(3, np.float32), "bn.running_var": np.full(3, 1.0, np.float32),
+               "bn.running_mean": np.zeros(3, np.float32), "bn.num_batches_tracked": np.array(4)}
+    aggregate = {"w": np.full(3, 2.0, np.float32), "bn.running_var": np.full(3, 0.4, np.float32),
+                 "bn.running_mean": np.ones(3, np.float32), "bn.num_batches_tracked": np.array(9)}
+    far = point(current, aggregate, 2.0)
+    assert np.allclose(far["w"], 3.0) and far["w"].dtype == np.float32
+    # extrapolated, this variance would be -0.2: the statistics stop at the aggregate's
+    assert np.allclose(far["bn.running_var"], 0.4) and np.allclose(far["bn.running_mean"], 1.0)
+    assert far["bn.num_batches_tracked"] == 9
+    assert point(current, aggregate, 1.0) is aggregate
+    assert np.allclose(point(current, aggregate, 0.5)["bn.running_var"], 0.7)
+
+
+def test_fedexp_extrapolates_only_as_far_as_the_updates_disagree():
+    """eta = max(1, sum p_i ||d_i||^2 / (2 ||sum p_i d_i||^2)) on real update vectors."""
+    rng = np.random.default_rng(0)
+    one = rng.normal(size=1000)
+    assert extrapolation_limit([np.linalg.norm(one)], [5.0], np.linalg.norm(one)) == 1.0  # a lone update
+    assert extrapolation_limit([np.linalg.norm(one)] * 4, [1.0] * 4, np.linalg.norm(one)) == 1.0  # agreeing ones
+    # ten nearly orthogonal updates of equal norm: their mean is a tenth as long squared, eta = 10 / 2
+    updates = rng.normal(size=(10, 100_000))
+    norms, mean = np.linalg.norm(updates, axis=1), np.linalg.norm(updates.mean(axis=0))
+    assert extrapolation_limit(norms, [1.0] * 10, mean) == pytest.approx(5.0, rel=0.05)
+    # two opposed updates of unequal weight: the weights enter both the mean and the spread
+    a, b = np.ones(4), -np.ones(4)
+    weights = [3.0, 1.0]
+    mean = (3 * a + b) / 4
+    expected = (0.75 * 4 + 0.25 * 4) / (2 * np.dot(mean, mean))
+    assert extrapolation_limit([2.0, 2.0], weights, np.linalg.norm(mean)) == pytest.approx(expected)
+    assert extrapolation_limit([2.0, 2.0], [1.0, 1.0], 0.0) == 1.0  # updates that cancel: no direction to extend
 
 
 def _one_step(model: FaceEmbedder) -> None:
