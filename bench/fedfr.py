@@ -10,7 +10,7 @@ default `utkface_aligned`); + contrastive; + DFC (= FedFR); the centralised boun
 Generic columns: the global model (the simulator's best round by validation) on people no client has.
 Personalised columns: per-client TAR@FAR=1e-2 (own genuine pairs, impostors from other clients' people)
 with the global model, the local backbone and the local backbone + DFC, mean +- std over clients.
-No row has the coordinator's quality gate (`no_gate`): the FedFR rows carry a public set, which the gate would
+No row has the coordinator's quality gate (`gate.off`): the FedFR rows carry a public set, which the gate would
 otherwise score on, while FedAvg has none; the ablation compares training, and `bench.robust` measures the gate.
 `--gate` runs every row with the gate at its defaults on the public set's faces instead (what `ffr fleet simulate
 --public-data DIR` does), to see which rounds it publishes.
@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from bench.common import faces_dir, round_outcomes, write_results
+from coordinator.quality_gate import GateSetup
 from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.report import mean_std
@@ -54,8 +55,8 @@ def row_config(args, data: Path, partition: str, row: tuple) -> SimConfig:
                      **_partition(partition), method=method, patience=0, workers=args.workers,
                      centralized=args.centralized and method == "fedavg", init="face", mlflow=False,
                      public_data=str(args.public_data) if method == "fedfr" else None,
-                     public_limit=args.public_limit, no_gate=not args.gate,
-                     gate_data=str(args.public_data) if args.gate else None)
+                     public_limit=args.public_limit,
+                     gate=GateSetup(data=str(args.public_data) if args.gate else None, off=not args.gate))
 
 
 def run_one(args, data: Path, partition: str, row: tuple) -> dict:

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from bench.common import face_set, faces_dir, round_outcomes, write_results
-from coordinator.quality_gate import GateSettings
+from coordinator.quality_gate import GateSettings, GateSetup
 from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.simulate import simulate
@@ -81,9 +81,9 @@ def run_collapse(args, set_name: str, clients: int, malicious: float, rule: str,
     server = RoundSettings(rounds=args.rounds, combine=rule, training=TrainingConfig(algorithm="fedavg", dfc=False))
     config = SimConfig(data=str(data), clients=clients, partition="iid", patience=0, workers=args.workers,
                        centralized=False, init="face", malicious=malicious if attack else 0.0,
-                       attack=attack or "scaled", mlflow=False, gate_data=str(public) if gate else None,
-                       no_gate=not gate, holdout_identities=0.2, eval_clients=1, server=server,
-                       gate=GateSettings(far_ratio=args.gate_far_ratio))
+                       attack=attack or "scaled", mlflow=False, holdout_identities=0.2, eval_clients=1,
+                       server=server, gate=GateSetup(data=str(public) if gate else None, off=not gate,
+                                                     bar=GateSettings(far_ratio=args.gate_far_ratio)))
     done = args.runs / name / "summary.json"
     print(f"== {name}", flush=True)
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)

@@ -56,8 +56,7 @@ def serve_spec(args, public: dict | None = None):
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
                            init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls,
-                           public_set=args.public_set, gate_data=args.gate_data, gate=gate_settings(args, args.seed),
-                           no_gate=args.no_gate)
+                           public_set=args.public_set, gate=gate_setup(args, args.seed))
     refuse_unowned(args, SERVE_OWNED, config)
     return config, settings
 
@@ -200,11 +199,13 @@ def add_gate_options(p: argparse.ArgumentParser):
     return g
 
 
-def gate_settings(args, seed: int):
-    from coordinator.quality_gate import GateSettings
+def gate_setup(args, seed: int):
+    """The gate's part of a command's spec (`coordinator.quality_gate.GateSetup`) from `add_gate_options`' flags."""
+    from coordinator.quality_gate import GateSettings, GateSetup
 
-    return GateSettings(far=args.gate_far, far_ratio=args.gate_far_ratio, auc_margin=args.gate_auc_margin,
-                        limit=args.gate_faces, seed=seed)
+    bar = GateSettings(far=args.gate_far, far_ratio=args.gate_far_ratio, auc_margin=args.gate_auc_margin,
+                       limit=args.gate_faces, seed=seed)
+    return GateSetup(data=args.gate_data, off=args.no_gate, bar=bar)
 
 
 def add_commands(csub) -> None:

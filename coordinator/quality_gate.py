@@ -33,6 +33,16 @@ GateSettings = SeparationSettings  # the gate's bar: the spec's defaults
 
 
 @dataclass
+class GateSetup:
+    """The quality gate as a command sets it up (`ffr coordinator serve`, `ffr fleet simulate`): the faces it judges
+    on (`--gate-data`; None: the command's own default source), whether it is off (`--no-gate`) and its bar."""
+
+    data: str | Path | None = None
+    off: bool = False
+    bar: GateSettings = field(default_factory=GateSettings)
+
+
+@dataclass
 class QualityGate:
     """Scores candidates on fixed faces against two references: the current model (its scores kept per version) and
     the anchor, the model the run started from, so that steps each within the bar cannot add up past it."""

@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -27,7 +27,7 @@ from coordinator.aggregation import make_strategy
 from coordinator.broker import EmbeddedBroker, broker_file
 from coordinator.broker_acl import BrokerUsers
 from coordinator.engine import Engine, RoundSettings
-from coordinator.quality_gate import GateSettings, QualityGate
+from coordinator.quality_gate import GateSetup, QualityGate
 from coordinator.store import Store
 from protocol import topics
 from protocol.auth import write_secret
@@ -53,9 +53,7 @@ class ServiceConfig:
     broker_acl: bool = True     # the embedded broker enforces per-device logins and ACLs
     tls: bool = False           # the embedded broker speaks TLS with a CA generated in STATE/tls
     public_set: Path | None = None  # FedFR's D_g, served at GET /public-set (coordinator.public_set)
-    gate_data: Path | None = None   # faces the quality gate scores candidates on; default: the public set
-    gate: GateSettings | None = None  # None: the gate's defaults; the gate runs when it has faces
-    no_gate: bool = False
+    gate: GateSetup = field(default_factory=GateSetup)  # its faces (default: the public set), off or not, its bar
 
     def __post_init__(self) -> None:
         """What would fail only after the broker started, refused first."""
@@ -146,15 +144,15 @@ class Service:
 
     def _gate(self) -> QualityGate | None:
         """The quality gate on --gate-data, else on the public set; none (with a warning) without faces."""
-        faces = self.config.gate_data or self.config.public_set
-        if self.config.no_gate:
+        faces = self.config.gate.data or self.config.public_set
+        if self.config.gate.off:
             log.warning("quality gate off (--no-gate): a model that accepts impostors can be published")
             return None
         if faces is None:
             log.warning("no quality gate: give the coordinator faces to score new models on (--gate-data DIR or "
                         "--public-set FILE); without them a poisoned model that stays inside the bounds is published")
             return None
-        gate = QualityGate.from_path(Path(faces), self.config.gate or GateSettings(seed=self.settings.seed))
+        gate = QualityGate.from_path(Path(faces), self.config.gate.bar)
         log.info("quality gate: %d faces (%s) from %s", len(gate.faces.images),
                  "labelled" if gate.faces.labels is not None else "unlabelled", faces)
         return gate

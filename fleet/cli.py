@@ -77,7 +77,7 @@ def _config(args):
     same functions as `ffr coordinator serve`'s, the rest by name."""
     from dataclasses import fields
 
-    from coordinator.cli import gate_settings, round_settings
+    from coordinator.cli import gate_setup, round_settings
     from fleet.config import SimConfig
     from models.cli.objective import training_config
 
@@ -89,7 +89,7 @@ def _config(args):
         values["crop_cache"] = str(args.cache_dir)
     if hasattr(args, "method"):  # `ffr fleet simulate`; `partition` needs no rounds
         values["server"] = round_settings(args, training_config(args), min_clients=1)
-        values["gate"] = gate_settings(args, args.seed)
+        values["gate"] = gate_setup(args, args.seed)
     else:
         values["server"] = replace(SimConfig().server, seed=args.seed)
     config = SimConfig(**values)

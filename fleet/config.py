@@ -4,9 +4,9 @@ The spec has three parts, each the type the rest of the product uses for it: the
 (data, partition, the fleet's machines, evaluation, attacks) here; `server`, the coordinator's
 `coordinator.settings.RoundSettings` (rounds, combination rule, DP, Federated Validation), which holds the
 local training every device is sent (`server.training`, the wire's `protocol.messages.TrainingConfig`); and
-`gate`, the coordinator's `coordinator.quality_gate.GateSettings`. Each part validates itself when built;
-`validate` checks only what ties the parts to the simulation. `ffr fleet simulate` builds the parts with the same
-functions as `ffr coordinator serve`, so one flag means one thing in both.
+`gate`, the coordinator's `coordinator.quality_gate.GateSetup` (its faces, off or not, its bar). Each part
+validates itself when built; `validate` checks only what ties the parts to the simulation. `ffr fleet simulate`
+builds the parts with the same functions as `ffr coordinator serve`, so one flag means one thing in both.
 
 Defaults follow the design document: 10 clients, weak augmentation, batch 32, Adam at 1e-4, DFC on.
 """
@@ -17,7 +17,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from coordinator.quality_gate import GateSettings
+from coordinator.quality_gate import GateSettings, GateSetup
 from coordinator.settings import RoundSettings
 from models.faces.partition import check_rules, check_scheme
 from models.typed_fields import check_types
@@ -48,7 +48,7 @@ class SimConfig:
     heldout_clients: int = 0
     split: tuple[float, float, float] = (0.7, 0.1, 0.2)
     server: RoundSettings = field(default_factory=RoundSettings)  # the coordinator's rounds and devices' training
-    gate: GateSettings = field(default_factory=GateSettings)      # the coordinator's quality gate
+    gate: GateSetup = field(default_factory=GateSetup)  # the coordinator's quality gate (default faces: its people)
     method: str | None = None          # the CLI's --method (protocol.methods.METHODS), for the run's label
     public_data: str | None = None     # FedFR's D_g: aligned faces of people no client has
     public_limit: int = 2000
@@ -74,8 +74,6 @@ class SimConfig:
     progress: bool = True
     malicious: float = 0.0             # fraction of training clients that poison their updates (fleet.attacks)
     attack: str = "scaled"
-    gate_data: str | None = None       # the coordinator's quality gate faces (default: its own people, see next)
-    no_gate: bool = False
     gate_identities: float = 0.3       # models.cli.common.GATE_IDENTITIES: the share of the people on no device
                                        # the coordinator keeps for its gate (without --gate-data); 0: public set
 
@@ -151,20 +149,23 @@ class SimConfig:
                 raise FileNotFoundError(f"--public-data folder does not exist: {self.public_data}")
             if self.data is not None and public == Path(self.data).resolve():
                 raise ValueError("--public-data must hold other people than --data (D_g is nobody's enrolled people)")
-        if self.gate_data is not None and not Path(self.gate_data).exists():
-            raise FileNotFoundError(f"--gate-data does not exist: {self.gate_data}")
+        if self.gate.data is not None and not Path(self.gate.data).exists():
+            raise FileNotFoundError(f"--gate-data does not exist: {self.gate.data}")
 
     def to_dict(self) -> dict:
         """JSON-ready: the simulation's options, then `server` (with `training`) and `gate` as sections."""
         own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("server", "gate")}
-        return {**json.loads(json.dumps(own)), "server": self.server.to_dict(), "gate": asdict(self.gate)}
+        gate = {"data": None if self.gate.data is None else str(self.gate.data), "off": self.gate.off,
+                "bar": asdict(self.gate.bar)}
+        return {**json.loads(json.dumps(own)), "server": self.server.to_dict(), "gate": gate}
 
     def by_name(self) -> dict:
         """Every option under its own name, one level (the run's summary and MLflow's parameters): the simulation's,
-        the rounds' and the local training's names do not clash; the gate's are `gate.*`."""
+        the rounds' and the local training's names do not clash; the gate's are `gate.*` (its bar's too)."""
         raw = self.to_dict()
         server = {k: v for k, v in raw.pop("server").items() if k != "training"}
-        gate = {f"gate.{k}": v for k, v in raw.pop("gate").items()}
+        gate = raw.pop("gate")
+        gate = {f"gate.{k}": v for k, v in {**gate.pop("bar"), **gate}.items()}
         return {**raw, **server, **self.training.model_dump(exclude={"type"}), **gate}
 
     def save(self, path: Path) -> None:
@@ -181,8 +182,11 @@ class SimConfig:
                              "version wrote it; upgrade ffr-edge to resume or read this run)")
         raw = READERS[version](raw)
         known = {f.name for f in fields(cls)} - {"server", "gate"}
+        gate = dict(raw.get("gate", {}))
+        gate = GateSetup(**{k: gate[k] for k in ("data", "off") if k in gate}, bar=GateSettings(**gate.get("bar", {})))
+        check_types(gate)
         config = cls(**{k: v for k, v in raw.items() if k in known}, server=RoundSettings.from_dict(raw["server"]),
-                     gate=GateSettings(**raw.get("gate", {})))
+                     gate=gate)
         config.split = tuple(config.split)
         check_types(config)
         return config
@@ -204,7 +208,7 @@ def dotted(raw: dict, prefix: str = "") -> dict:
     """{"server.training.lr": ..., ...}: every option by its dotted path."""
     out = {}
     for key, value in raw.items():
-        if isinstance(value, dict) and key in ("server", "training", "gate"):
+        if isinstance(value, dict) and key in ("server", "training", "gate", "bar"):
             out.update(dotted(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
@@ -237,8 +241,17 @@ def _nested(raw: dict) -> dict:
             "gate": {**gate, "seed": raw.get("seed", 0)}}
 
 
-CONFIG_FORMAT = 2  # a run folder's config.json: 1 one flat list of options; 2 `server` (with `training`) and `gate`
-READERS = {1: _nested, 2: lambda raw: raw}  # each format's reader, into today's form
+def _gate_part(raw: dict) -> dict:
+    """Format 2 -> 3: the gate's faces and switch (`gate_data`, `no_gate`) join its bar in the `gate` part."""
+    raw = dict(raw)
+    data, off = raw.pop("gate_data", None), raw.pop("no_gate", False)
+    return {**raw, "gate": {"data": data, "off": off, "bar": raw.get("gate", {})}}
+
+
+# a run folder's config.json: 1 one flat list of options; 2 `server` (with `training`) and `gate` (the bar); 3 `gate`
+# holds the gate's faces, switch and bar
+CONFIG_FORMAT = 3
+READERS = {1: lambda raw: _gate_part(_nested(raw)), 2: _gate_part, 3: lambda raw: raw}  # each into today's form
 
 
 def _norm(value):

@@ -127,7 +127,7 @@ def coordinator_people(unseen: list[str], config: SimConfig) -> tuple[str, ...]:
     """A seeded share (`gate_identities`) of the people on no device, for the coordinator's quality gate when the run
     names no gate faces: faces it never serves, which neither a device nor the evaluation sees. None when the share
     is 0, the gate is off or has faces, or either side would keep fewer than two people."""
-    if config.no_gate or config.gate_data is not None or config.gate_identities <= 0:
+    if config.gate.off or config.gate.data is not None or config.gate_identities <= 0:
         return ()
     n = int(round(len(unseen) * config.gate_identities))
     if n < 2 or len(unseen) - n < 2:

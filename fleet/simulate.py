@@ -135,9 +135,9 @@ class Simulation:
         on --gate-data, else on its own people (`fleet.data.coordinator_people`), else on the public set."""
         c = self.config
         own = write_gate_faces(self.data, self.run_dir / "coordinator_faces")
+        gate = replace(c.gate, data=c.gate.data or own or self.public_set)
         return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, init=c.init,
-                                     start_paused=True, gate_data=c.gate_data or own or self.public_set, gate=c.gate,
-                                     no_gate=c.no_gate), replace(c.server, min_clients=1))
+                                     start_paused=True, gate=gate), replace(c.server, min_clients=1))
 
     def _turn(self, client: int, round_id: int | None) -> Turn:
         root = self.run_dir / "devices" / device_id(client)

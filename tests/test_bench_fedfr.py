@@ -19,7 +19,7 @@ def test_every_ablation_row_runs_the_same_fleet_and_the_same_gate(tmp_path, gate
         config.validate()
     # ungated: no row has the gate, though the FedFR rows' public set would give it faces by default;
     # gated: every row, FedAvg included, scores on the public set's faces
-    assert {(c.no_gate, c.gate_data) for c in configs.values()} == {(not gate, str(public) if gate else None)}
+    assert {(c.gate.off, c.gate.data) for c in configs.values()} == {(not gate, str(public) if gate else None)}
     assert configs["fedavg"].public_data is None
     assert {configs[k].public_data for k in ("hn", "con", "fedfr")} == {str(public)}
     assert [c.training.hard_negatives for c in configs.values()] == [False, True, True, True]

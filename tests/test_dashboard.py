@@ -15,7 +15,7 @@ from conftest import device_datasets
 
 from coordinator.api import create_app
 from coordinator.engine import RoundSettings
-from coordinator.quality_gate import GateSettings
+from coordinator.quality_gate import GateSettings, GateSetup
 from coordinator.service import Service, ServiceConfig
 from edge_client.daemon import EdgeDevice
 from protocol.messages import TrainingConfig
@@ -36,8 +36,8 @@ def live_coordinator(tmp_path):
     port = _free_port()
     datasets = device_datasets(tmp_path / "data", 3, ids_per_device=3, images=5)
     # the coordinator's own faces for the quality gate: the third set, which no device holds
-    service = Service(ServiceConfig(state=tmp_path / "state", http_port=port, gate_data=datasets[2],
-                                    gate=GateSettings(limit=30)),
+    service = Service(ServiceConfig(state=tmp_path / "state", http_port=port,
+                                    gate=GateSetup(data=datasets[2], bar=GateSettings(limit=30))),
                       RoundSettings(rounds=50, min_clients=2, round_timeout_s=300,
                                     training=TrainingConfig(epochs=1, batch_size=8, lr=1e-4, dfc_steps=0)))
     server = uvicorn.Server(uvicorn.Config(create_app(service, docs=True), host="127.0.0.1", port=port,

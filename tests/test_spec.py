@@ -104,20 +104,26 @@ def test_a_run_folder_from_before_the_nested_spec_still_loads(tmp_path):
         (4, 6, 99.0, "median")
     assert config.training.epochs == 2 and config.training.lr == 0.01 and config.seed == 3
     assert config.training.hard_negatives and not config.training.contrastive  # --method fedfr's defaults
-    assert config.training.dfc_weight == 10.0 and config.gate.far == 0.01 and config.gate.limit == 50
+    assert config.training.dfc_weight == 10.0 and config.gate.bar.far == 0.01 and config.gate.bar.limit == 50
 
 
 def test_a_run_folder_says_its_format_and_one_from_a_newer_version_is_refused_plainly(tmp_path):
     """config.json names its format; each older one has its reader, and a newer one is not half-read."""
     SimConfig(clients=3).save(tmp_path / "config.json")
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["format_version"] == 2 and SimConfig.load(tmp_path / "config.json").clients == 3
-    (tmp_path / "config.json").write_text(json.dumps({**saved, "format_version": 3}))
-    with pytest.raises(ValueError, match="config.json format 3: this ffr-edge reads formats 1-2 .*upgrade ffr-edge"):
+    assert saved["format_version"] == 3 and SimConfig.load(tmp_path / "config.json").clients == 3
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "format_version": 4}))
+    with pytest.raises(ValueError, match="config.json format 4: this ffr-edge reads formats 1-3 .*upgrade ffr-edge"):
         SimConfig.load(tmp_path / "config.json")
     flat = {"clients": 4, "rounds": 6, "method": "fedavg", "format_version": 1}
     (tmp_path / "config.json").write_text(json.dumps(flat))
     assert SimConfig.load(tmp_path / "config.json").server.rounds == 6
+    # format 2: the gate's faces and switch were options of their own beside its bar
+    second = {**{k: v for k, v in saved.items() if k != "gate"}, "format_version": 2, "gate_data": str(tmp_path),
+              "no_gate": True, "gate": {**saved["gate"]["bar"], "far_ratio": 3.0}}
+    (tmp_path / "config.json").write_text(json.dumps(second))
+    gate = SimConfig.load(tmp_path / "config.json").gate
+    assert (gate.data, gate.off, gate.bar.far_ratio) == (str(tmp_path), True, 3.0)
 
 
 def test_each_part_refuses_what_cannot_work_with_the_flag_it_came_from(tmp_path, capsys):
@@ -183,7 +189,7 @@ FIXED = {  # spec fields neither command takes a flag for
     "server.weight_factor": "a deployment bound",
     "server.model_dtype": "the wire's weight type",
     "server.dp_noise": "reached with --dp-clip only (DP needs a clipping norm)",
-    "gate.threads": "the machine's",
+    "gate.bar.threads": "the machine's",
 }
 NOT_FLAGS = {  # ... and those `ffr fleet simulate` has none for
     **FIXED,
