@@ -25,7 +25,7 @@ from bench.common import write_results
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"protocol": 0, "models": 1, "coordinator": 2, "edge_client": 2, "fleet": 3, "ffr": 4, "bench": 5}
 MAX_CLASS, MAX_FUNCTION = 300, 60
-CONFIG_NAME = re.compile(r"(Config|Settings|Spec|Objective)$")
+CONFIG_NAME = re.compile(r"(Config|Settings|Spec|Objective|Setup)$")  # GateSetup is one too
 ARGPARSE_CALLS = {"add_argument", "add_parser", "add_argument_group", "add_mutually_exclusive_group"}
 
 
