@@ -181,6 +181,29 @@ def test_a_round_whose_whole_step_overshoots_the_gate_is_published_part_of_the_w
     assert 0 < figures["server_step"] < 1 and published is not overshoot and published is not current
 
 
+def test_a_round_saved_by_leaving_updates_out_is_never_extrapolated():
+    """FedExP's bound is the whole round's; once the gate has left updates out, the model it passed goes no further
+    than itself, whatever the bound said (the candidates past it are not even scored)."""
+    from coordinator.quality_gate import GateSettings, QualityGate
+    from coordinator.round_aggregation import publishable
+    from models.evaluation.separation import FaceSet
+    from models.faces.synthetic import generate
+    from models.networks.face_weights import face_global_state
+
+    images, labels = generate(12, 4, seed=5)
+    gate = QualityGate(FaceSet(images, labels), GateSettings(far=1e-2, seed=0))
+    current = face_global_state()
+    weight = current["backbone.embedding.weight"]
+    rows, columns = (np.random.default_rng(k).permutation(n) for k, n in enumerate(weight.shape, start=1))
+    poisoned = {**current, "backbone.embedding.weight": weight[rows][:, columns]}
+    honest = {**current, "backbone.embedding.weight": (weight * 1.05).astype(weight.dtype)}
+    _, problem, figures = publishable(gate, current, "v0", honest, limit=2.0)
+    assert not problem and figures["server_step_limit"] == 2.0 and "server_step_auc@2" in figures
+    _, problem, figures = publishable(gate, current, "v0", poisoned, lambda why, m: (honest, "", m), limit=2.0)
+    assert not problem and figures["server_step_limit"] == 1.0 and figures["server_step"] <= 1.0
+    assert "server_step_auc@1.5" not in figures and "server_step_auc@2" not in figures
+
+
 def test_the_anchor_refuses_the_third_small_step_of_a_drift_that_passes_each_round():
     """A drift that raises every impostor score a little each round (a shift of the embedding's BatchNorm bias, as an
     insider's update could carry): each step is within the bar against the model before it, but the third takes
