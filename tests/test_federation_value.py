@@ -135,12 +135,11 @@ def test_top_blocks_only_leaves_the_lower_trunk_as_received():
     assert all(p.requires_grad for p in model.parameters())  # everything trains again outside
 
 
-def test_a_degrading_update_is_caught_before_publication_and_a_short_step_keeps_the_faces_apart():
-    """The coordinator's gate and server step on real scoring (ONNX Runtime) of SYNTHETIC faces it holds: an update
-    that scrambles the embedding layer fails the gate taken whole, and the step the coordinator would take towards
-    it is a shorter one, which separates the held faces better."""
+def _gate_and_scrambled():
+    """A gate on SYNTHETIC faces it holds, the shipped model, and that model with its embedding layer scrambled
+    (every feature sent elsewhere): a candidate the gate refuses taken whole."""
     from coordinator.quality_gate import GateSettings, QualityGate
-    from models.evaluation.separation import FaceSet, score
+    from models.evaluation.separation import FaceSet
     from models.faces.synthetic import generate
     from models.networks.face_weights import face_global_state
 
@@ -149,7 +148,16 @@ def test_a_degrading_update_is_caught_before_publication_and_a_short_step_keeps_
     current = face_global_state()
     weight = current["backbone.embedding.weight"]
     rows, columns = (np.random.default_rng(k).permutation(n) for k, n in enumerate(weight.shape, start=1))
-    degraded = {**current, "backbone.embedding.weight": weight[rows][:, columns]}  # every feature sent elsewhere
+    return gate, current, {**current, "backbone.embedding.weight": weight[rows][:, columns]}
+
+
+def test_a_degrading_update_is_caught_before_publication_and_a_short_step_keeps_the_faces_apart():
+    """The coordinator's gate and server step on real scoring (ONNX Runtime) of SYNTHETIC faces it holds: an update
+    that scrambles the embedding layer fails the gate taken whole, and the step the coordinator would take towards
+    it is a shorter one, which separates the held faces better."""
+    from models.evaluation.separation import score
+
+    gate, current, degraded = _gate_and_scrambled()
     problem, figures = gate.check(current, "v0", degraded)
     assert problem.startswith("quality gate: ") and figures["gate_auc_candidate"] < figures["gate_auc_current"]
     stepped, why, step = gate.step(current, "v0", degraded)
@@ -163,18 +171,9 @@ def test_a_degrading_update_is_caught_before_publication_and_a_short_step_keeps_
 def test_a_round_whose_whole_step_overshoots_the_gate_is_published_part_of_the_way():
     """Today's order rolled such a round back (the gate refused the whole step before any shorter one was tried);
     `publishable` tries the shorter steps of the whole aggregate and publishes the best that passes."""
-    from coordinator.quality_gate import GateSettings, QualityGate
     from coordinator.round_aggregation import publishable
-    from models.evaluation.separation import FaceSet
-    from models.faces.synthetic import generate
-    from models.networks.face_weights import face_global_state
 
-    images, labels = generate(12, 4, seed=5)
-    gate = QualityGate(FaceSet(images, labels), GateSettings(far=1e-2, seed=0))
-    current = face_global_state()
-    weight = current["backbone.embedding.weight"]
-    rows, columns = (np.random.default_rng(k).permutation(n) for k, n in enumerate(weight.shape, start=1))
-    overshoot = {**current, "backbone.embedding.weight": weight[rows][:, columns]}
+    gate, current, overshoot = _gate_and_scrambled()
     assert gate.check(current, "v0", overshoot)[0]
     published, problem, figures = publishable(gate, current, "v0", overshoot)
     assert problem == "" and figures["gate_whole_step_refused"].startswith("quality gate")
@@ -184,18 +183,10 @@ def test_a_round_whose_whole_step_overshoots_the_gate_is_published_part_of_the_w
 def test_a_round_saved_by_leaving_updates_out_is_never_extrapolated():
     """FedExP's bound is the whole round's; once the gate has left updates out, the model it passed goes no further
     than itself, whatever the bound said (the candidates past it are not even scored)."""
-    from coordinator.quality_gate import GateSettings, QualityGate
     from coordinator.round_aggregation import publishable
-    from models.evaluation.separation import FaceSet
-    from models.faces.synthetic import generate
-    from models.networks.face_weights import face_global_state
 
-    images, labels = generate(12, 4, seed=5)
-    gate = QualityGate(FaceSet(images, labels), GateSettings(far=1e-2, seed=0))
-    current = face_global_state()
+    gate, current, poisoned = _gate_and_scrambled()
     weight = current["backbone.embedding.weight"]
-    rows, columns = (np.random.default_rng(k).permutation(n) for k, n in enumerate(weight.shape, start=1))
-    poisoned = {**current, "backbone.embedding.weight": weight[rows][:, columns]}
     honest = {**current, "backbone.embedding.weight": (weight * 1.05).astype(weight.dtype)}
     _, problem, figures = publishable(gate, current, "v0", honest, limit=2.0)
     assert not problem and figures["server_step_limit"] == 2.0 and "server_step_auc@2" in figures
