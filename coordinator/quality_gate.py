@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.server_step import Judged, best_step
+from coordinator.server_step import WHOLE, Judged, best_step
 from models.evaluation.separation import FaceSet, Scores, SeparationSettings, Verdict, score
 
 log = logging.getLogger("coordinator")
@@ -66,7 +66,7 @@ class QualityGate:
         return judged.problem, judged.metrics
 
     def step(self, current_state: dict[str, np.ndarray], current_sha: str, aggregate: dict[str, np.ndarray],
-             limit: float = 1.0) -> tuple[dict[str, np.ndarray] | None, str, dict]:
+             limit: float = WHOLE) -> tuple[dict[str, np.ndarray] | None, str, dict]:
         """The server's step towards the aggregate, at most `limit` of it: the point that separates these faces best
         among those that pass (`coordinator.server_step`); (None, why, figures) when none does."""
         current = self._current_scores(current_state, current_sha)

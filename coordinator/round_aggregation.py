@@ -105,8 +105,9 @@ class RoundAggregator:
                             ", ".join(screen_metrics["screen_excluded_devices"]))
         mean_delta = self.combine(current, devices) if mean_delta is None else mean_delta
         mean_delta, filter_metrics, noise_allowance = self.filter.on_mean(mean_delta, len(devices), sampling_rate)
-        # FedExP's premise is the plain mean of these updates: not FV's blend, not a robust rule's pick
-        extrapolates = fresh_mean and self.settings.combine == "mean"
+        # FedExP's premise is the plain mean of these updates: not FV's blend, not a robust rule's pick; and only
+        # the gate's faces can choose a point past it
+        extrapolates = fresh_mean and self.settings.combine == "mean" and self.gate is not None
         limit = self.extrapolation_limit(current, devices, mean_delta, bound) if extrapolates else WHOLE
         new_state, new_server_state = self.strategy.aggregate(global_state, mean_delta, server_state)
         problem = self.check_new_model(global_state, new_state, bound, noise_allowance)
