@@ -104,6 +104,7 @@ def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: i
     device's capture shift under the global model)."""
     overrides = dict(overrides)
     how = str(overrides.pop("dfc_negatives", "none"))
+    vote = overrides.pop("posterior_weight", None)  # gamma of `models.networks.dfc.personalised_embedding`
     if how not in NEGATIVES:
         raise SystemExit(f"dfc_negatives={how!r}: choose one of {', '.join(NEGATIVES)}")
     config = TrainingConfig(**{**BASE, **overrides})
@@ -116,13 +117,16 @@ def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: i
         fitted = crops if check is None else crops.select(~check)
         model = personalised_global(torch_state, fitted, config, seed + k,
                                     personal_negatives(torch_state, fitted, config, fit, how, seed + k))
+        if vote is not None:
+            model.dfc.posterior_weight = float(vote)
         row = own_vs_strangers(data, k, lambda idx: embed(model, images[idx], True), strangers)
         if row is not None:
             per_device[str(k)] = row
         if (gate := door(data, k, lambda x: embed(model, x, True), judge, strangers, seed + k,
                          floors.get(str(k), 0.0))) is not None:
             doors[str(k)] = gate
-    return {"overrides": {**overrides, **({"dfc_negatives": how} if how != "none" else {})},
+    return {"overrides": {**overrides, **({"dfc_negatives": how} if how != "none" else {}),
+                          **({"posterior_weight": vote} if vote is not None else {})},
             "tar@1e-3": _mean([r["tar@1e-3"] for r in per_device.values()]),
             "tar@1e-2": _mean([r["tar@1e-2"] for r in per_device.values()]), "per_client": per_device,
             **door_means(doors)}

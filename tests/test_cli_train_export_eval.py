@@ -130,7 +130,8 @@ def exported(trained_run, tmp_path_factory):
 def test_onnx_matches_pytorch_on_every_image(trained_run, exported, synthetic_dir):
     model, _ = load_checkpoint(trained_run / "best.pt")
     crops = crop_index(load_index(synthetic_dir), CropConfig(detector="none"), use_cache=False, progress=False)
-    for personalised, name, dim in ((False, "generic.onnx", 128), (True, "pers.onnx", 256)):
+    people = model.dfc.classifiers.weight.shape[0]  # one posterior per person the branch was fitted for
+    for personalised, name, dim in ((False, "generic.onnx", 128), (True, "pers.onnx", 256 + people)):
         onnx_emb = OnnxEmbedder(exported / name).embed(crops.images, batch_size=7)  # odd batches: dynamic axis
         torch_emb = TorchEmbedder(model, personalised).embed(crops.images)
         assert onnx_emb.shape == (len(crops), dim)
@@ -139,6 +140,7 @@ def test_onnx_matches_pytorch_on_every_image(trained_run, exported, synthetic_di
         assert cosines.min() >= 0.9999, (name, cosines.min())
     info = OnnxEmbedder(exported / "pers.onnx").info
     assert (info.kind, info.input_size, info.mean, info.std, info.color) == ("personalised", 128, 0.5, 0.5, "RGB")
+    assert info.embedding_dim == 256 + people
 
 
 def test_verifier_runs_without_torch(exported, synthetic_dir):

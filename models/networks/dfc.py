@@ -4,7 +4,8 @@ A device keeps a private fully-connected transform Pi that maps the shared, gene
 embedding Theta(x) into a space customised for its own people, and K one-vs-all binary
 classifiers Omega (one per enrolled person) trained there with SphereFace2's margin-based
 binary cross-entropy (Wen et al., 2022). Nothing in this module ever leaves the device.
-Verification on the device uses the personalised embedding [Theta(x), Pi(Theta(x))].
+Verification on the device uses the personalised embedding [Theta(x), Pi(Theta(x))], extended with
+Omega's posteriors (`personalised_embedding`).
 
 Why `fit_dfc` exists: trained only beside the backbone (one local epoch, the backbone's learning
 rate), Pi never leaves the identity it starts from (||Pi - I|| = 0.02 after a round, measured), so
@@ -70,11 +71,16 @@ class BinaryClassifiers(nn.Module):
         return (pos_term + neg_term).sum(dim=1).mean() / self.r
 
 
+POSTERIOR_WEIGHT = 0.3  # gamma of `personalised_embedding` (0: FedFR's [Theta, Pi] alone)
+
+
 class DFCBranch(nn.Module):
     """Pi (a fully connected transform, initialised to identity) followed by Omega."""
 
-    def __init__(self, dim: int, n_classes: int, lam: float = 0.7, r: float = 30.0, m: float = 0.4, t: float = 3.0):
+    def __init__(self, dim: int, n_classes: int, lam: float = 0.7, r: float = 30.0, m: float = 0.4, t: float = 3.0,
+                 posterior_weight: float = POSTERIOR_WEIGHT):
         super().__init__()
+        self.posterior_weight = posterior_weight
         self.transform = nn.Linear(dim, dim)
         with torch.no_grad():
             self.transform.weight.copy_(torch.eye(dim))
@@ -84,6 +90,15 @@ class DFCBranch(nn.Module):
     def customise(self, generic: torch.Tensor) -> torch.Tensor:
         """Pi(Theta(x)), L2-normalised."""
         return F.normalize(self.transform(generic), dim=1)
+
+    def posteriors(self, generic: torch.Tensor) -> torch.Tensor:
+        """sigma(Omega_k(Pi(Theta(x)))): how surely the face is enrolled person k, one column per person."""
+        return torch.sigmoid(self.classifiers.logits(self.transform(generic)))
+
+    def personalise(self, generic: torch.Tensor) -> torch.Tensor:
+        """The device's verifying embedding of generic embeddings (`personalised_embedding`)."""
+        return personalised_embedding(generic, self.customise(generic), self.posteriors(generic),
+                                      self.posterior_weight)
 
     def loss(self, generic: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.classifiers.loss(self.transform(generic), labels)
@@ -118,6 +133,14 @@ def fit_dfc(branch: DFCBranch, features: torch.Tensor, labels: torch.Tensor, ste
     return last.value
 
 
-def personalised_embedding(generic: torch.Tensor, custom: torch.Tensor) -> torch.Tensor:
-    """[Theta(x), Pi(Theta(x))] as one unit vector: both halves count equally in a cosine."""
-    return F.normalize(torch.cat([F.normalize(generic, dim=1), F.normalize(custom, dim=1)], dim=1), dim=1)
+def personalised_embedding(generic: torch.Tensor, custom: torch.Tensor, posteriors: torch.Tensor | None = None,
+                           weight: float = POSTERIOR_WEIGHT) -> torch.Tensor:
+    """[Theta(x), Pi(Theta(x))] (both halves count equally in a cosine, FedFR), then sqrt(gamma) * Omega's posteriors
+    p(x), as one unit vector: a cosine of two of them adds gamma * sum_k p_k(a) p_k(b), "both are enrolled person
+    k", to the halves' cosine, and a stranger (every p_k near 0) gains nothing. So FedFR's binary classifiers, fitted
+    for the device's people, vote in verification too rather than only shaping Pi (measured:
+    `bench/results/personalisation_posteriors.md`). The width is 2 x dim + K (the people enrolled at the fit)."""
+    halves = torch.cat([F.normalize(generic, dim=1), F.normalize(custom, dim=1)], dim=1) / math.sqrt(2.0)
+    if posteriors is None or weight <= 0:
+        return halves
+    return F.normalize(torch.cat([halves, math.sqrt(weight) * posteriors], dim=1), dim=1)

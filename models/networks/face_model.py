@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.networks.backbone import FaceEmbedder
-from models.networks.dfc import DFCBranch, personalised_embedding
+from models.networks.dfc import DFCBranch
 from models.networks.face_weights import INITS, check_face_init, face_global_state, load_face_embedder
 from models.networks.heads import build_head
 
@@ -75,11 +75,11 @@ class FaceModel(nn.Module):
         return self.backbone(x)
 
     def embed_personalised(self, x: torch.Tensor) -> torch.Tensor:
-        """[Theta(x), Pi(Theta(x))]; needs the DFC branch."""
+        """[Theta(x), Pi(Theta(x)), Omega's posteriors] (`models.networks.dfc.personalised_embedding`); needs the
+        DFC branch."""
         if self.dfc is None:
             raise ValueError("this model has no DFC branch: train it with dfc enabled to personalise")
-        generic = self.backbone(x)
-        return personalised_embedding(generic, self.dfc.customise(generic))
+        return self.dfc.personalise(self.backbone(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.embed(x)
