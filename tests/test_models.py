@@ -111,7 +111,7 @@ def test_the_branchs_classifiers_vote_for_an_enrolled_person_and_not_for_a_stran
     centres = F.normalize(torch.randn(18, 64), dim=1)  # 0-11 enrolled, 12-17 strangers
     faces = lambda person, n: F.normalize(centres[person] + 0.12 * torch.randn(n, 64), dim=1)  # noqa: E731
     enrolled = torch.cat([faces(k, 10) for k in range(12)])
-    branch = DFCBranch(64, 12)
+    branch = DFCBranch(64, 12, posterior_weight=0.3)
     fit_dfc(branch, enrolled, torch.arange(12).repeat_interleave(10), steps=300, lr=1e-2)
     with torch.no_grad():
         a, b, stranger = faces(0, 50), faces(0, 50), torch.cat([faces(k, 10) for k in range(12, 17)])
@@ -127,7 +127,7 @@ def test_the_branchs_classifiers_vote_for_an_enrolled_person_and_not_for_a_stran
 def test_generic_and_personalised_embeddings_are_both_available():
     model = FaceModel(ModelConfig(n_classes=3, width_mult=0.35, pretrained=False, dfc=True)).eval()
     x = torch.randn(2, 3, 128, 128)
-    assert model.embed(x).shape == (2, 128) and model.embed_personalised(x).shape == (2, 256 + 3)  # + 3 posteriors
+    assert model.embed(x).shape == (2, 128) and model.embed_personalised(x).shape == (2, 256)  # no posteriors
     with pytest.raises(ValueError, match="no DFC branch"):
         FaceModel(ModelConfig(n_classes=3, width_mult=0.35, pretrained=False)).embed_personalised(x)
 

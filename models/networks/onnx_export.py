@@ -1,7 +1,7 @@
 """Export a trained model to one self-contained ONNX file a device can run with onnxruntime.
 
 Two kinds: `generic` (the shared embedder Theta) and `personalised` (Theta followed by the
-device's DFC branch, output [Theta, Pi, Omega's posteriors] normalised: `models.networks.dfc`).
+device's DFC branch, output [Theta, Pi] (and Omega's posteriors, if on) normalised: `models.networks.dfc`).
 The batch axis is dynamic and the preprocessing is written into the file's metadata (`ffr.*`), read by `models.runtime`.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def export_onnx(model: FaceModel, out: str | Path, personalised: bool = False, e
         raise ValueError("this model has no DFC branch; export the generic embedder or train with DFC")
     wrapper = (_Personalised if personalised else _Generic)(model).eval()
     proto = _to_onnx(wrapper)
-    with torch.no_grad():  # a personalised width depends on the people its branch was fitted for
+    with torch.no_grad():  # a personalised width depends on the people its branch was fitted for, if they vote
         dim = int(wrapper(torch.zeros(1, 3, INPUT_SIZE, INPUT_SIZE)).shape[1])
     metadata = {"kind": "personalised" if personalised else "generic", "input_size": INPUT_SIZE,
                 "mean": MEAN, "std": STD, "color": "RGB", "layout": "NCHW", "embedding_dim": dim,
