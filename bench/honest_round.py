@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -158,10 +159,12 @@ def screened_mean(deltas: dict[str, dict], weights: dict[str, float]) -> tuple[d
 
 
 def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs: int, strangers: np.ndarray,
-            start_scores: dict, gate=None) -> list[dict]:
+            start_scores: dict, gate=None, on_round: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Train and publish `rounds` honest rounds, scoring each; `on_round` sees the rows so far after every round, so
+    that a run stopped half way keeps what it measured."""
     config = TrainingConfig(**{**BASE, **overrides})
     state = start = initial_global_state()
-    rows = []
+    rows: list[dict] = []
     for r in range(1, rounds + 1):
         locals_, deltas, weights, started = {}, {}, {}, time.perf_counter()
         torch_state = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
@@ -188,6 +191,7 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
               + (f"; screen left out {published['screen_excluded']}, clipped {published['screen_clipped']}"
                  if "screen_excluded" in published else ""), flush=True)
         rows.append(scores)
+        on_round(rows)
     return rows
 
 
@@ -299,13 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.arm or ["today:"]:
         name, overrides = parse_arm(text)
         print(f"arm {name}: {overrides or 'defaults'}", flush=True)
-        results["arms"][name] = {"overrides": overrides,
-                                 "rounds": run_arm(data, overrides, args.rounds, args.seed, args.max_pairs, strangers,
-                                                   start, gate)}
-        write_results(args.out, args.name, results, table(results),
-                      f"Honest rounds, start vs after: {args.clients} CelebA devices, {args.partition} (unseen: people "
-                      "no device holds; own: each device's people against strangers, mean TAR@1e-3 over devices)",
-                      "python -m bench.honest_round " + " ".join(sys.argv[1:]))
+        arm = results["arms"][name] = {"overrides": overrides, "rounds": []}
+
+        def save(rows: list[dict], arm: dict = arm) -> None:
+            arm["rounds"] = list(rows)
+            partial = "" if len(rows) == args.rounds else f" (so far: {len(rows)} of {args.rounds} rounds)"
+            write_results(args.out, args.name, results, table(results),
+                          f"Honest rounds, start vs after: {args.clients} CelebA devices, {args.partition} (unseen: "
+                          "people no device holds; own: each device's people against strangers, mean TAR@1e-3 over "
+                          f"devices){partial}", "python -m bench.honest_round " + " ".join(sys.argv[1:]))
+
+        run_arm(data, overrides, args.rounds, args.seed, args.max_pairs, strangers, start, gate, on_round=save)
     return 0
 
 
