@@ -124,9 +124,12 @@ def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
     scores = normalise(embedder.embed(others.images)) @ templates.T
     cal = settings.calibration
     above = scores > cal.threshold
+    pairs = {f"{others.identities[s]} as {own.identities[p]}": int(np.sum(above[others.labels == s, i]))
+             for s in np.unique(others.labels) for i, p in enumerate(np.unique(own.labels))}
     return {"model": model.name, "threshold": cal.threshold, "far_promised": cal.far_target,
             "far": float(above.mean()), "strangers_photos": int(len(others.images)),
-            "photos_matching_someone": int(above.any(axis=1).sum())}
+            "photos_matching_someone": int(above.any(axis=1).sum()),
+            "matches": {pair: n for pair, n in sorted(pairs.items(), key=lambda kv: -kv[1]) if n}}
 
 
 def _public_set(faces: Path, limit: int, work: Path) -> Path:
@@ -168,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                        f"{UNSEEN} people no device holds", command)
     doors = ["", "Each device's door after the run: the model it verifies with, its threshold, and the photos of the "
              "people no device holds scored against each of its people's templates.", "",
-             "| device | model | threshold | FAR promised | FAR on strangers | strangers' photos matching someone |",
-             "|---|---|---|---|---|---|"]
+             "| device | model | threshold | FAR promised | FAR on strangers | strangers' photos matching someone | "
+             "which stranger as whom (photos) |", "|---|---|---|---|---|---|---|"]
     for name, s in result["strangers"].items():
+        matches = ", ".join(f"{pair}: {n}" for pair, n in s["matches"].items()) or "none"
         doors.append(f"| {name} | {s['model']} | {s['threshold']:.3f} | {s['far_promised']:g} | {s['far']:.4f} | "
-                     f"{s['photos_matching_someone']} of {s['strangers_photos']} |")
+                     f"{s['photos_matching_someone']} of {s['strangers_photos']} | {matches} |")
     doors += ["", "The devices' own log lines (own people: a quarter of each person's images, held out of the "
               "personalised fit):", ""]
     doors += [f"- {name}: {line}" for name, lines in result["choices"].items() for line in lines]
