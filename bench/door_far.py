@@ -1,0 +1,162 @@
+"""Does a device's door keep the false-accept rate it promises? Many simulated devices, calibrated as a device is.
+
+A device calibrates its threshold on its own people and on public faces of nobody it knows, moved to its own
+capture (`edge_client.recognizer.calibrate`); it then promises a FAR (1e-3 unless its owner chose another) to
+strangers it has never seen. A handful of devices says little about that promise: one stranger who resembles one
+of a device's people moves its FAR by several times (in the two-device `serve` run, 10 of one stranger's 21 photos
+matched one enrolled person). So this bench draws many devices of a few people each from a labelled set, holds
+out a quarter of each person's images as the door's own test, calibrates on the rest as the device does after a
+round (`check_split`, templates from all enrolment images, public faces), and tries every image of people of no
+device on each door. Per device size: the FAR it keeps (mean over devices, median, the 90th percentile, the worst),
+the share of devices over twice the promise and, on those, the share of their false accepts one stranger made (near
+1: a lookalike), and the TAR of its own people at that threshold.
+
+    python -m bench.door_far --out bench/results [--people 3 8 20] [--devices 200]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import face_set, faces_dir, write_results
+from edge_client.recognizer import calibrate, normalise, template_of
+from edge_client.verifier_choice import DEFAULT_FAR, check_split
+
+TEST_SHARE = 0.25  # of each person's images, kept out of enrolment and calibration: the door's own test
+
+
+@dataclass
+class Faces:
+    """Unit embeddings of a labelled set and of the public faces, under one model."""
+
+    embeddings: np.ndarray
+    labels: np.ndarray
+    public: np.ndarray
+
+
+def one_door(faces: Faces, people: np.ndarray, strangers: np.ndarray, public: np.ndarray, far: float,
+             rng: np.random.Generator) -> dict | None:
+    """A device holding `people`: enrolled on three quarters of each person's images, calibrated as the device
+    calibrates (its judged share and `public`), tried on its people's last quarter and on every image of
+    `strangers`. None when it cannot be calibrated (fewer than two people with enough images)."""
+    enrolled, tests = [], []
+    for person in people:
+        rows = rng.permutation(np.flatnonzero(faces.labels == person))
+        cut = max(1, round(TEST_SHARE * len(rows))) if len(rows) >= 4 else 0
+        tests.append(rows[:cut])
+        enrolled.append(rows[cut:])
+    own = np.concatenate(enrolled)
+    labels = faces.labels[own]
+    judged = check_split(labels, int(rng.integers(1 << 30)))
+    judged = np.ones(len(own), bool) if judged is None else judged
+    mine = faces.embeddings[own]
+    templates = np.stack([template_of(mine[labels == p]) for p in people])
+    try:
+        cal = calibrate([mine[judged & (labels == p)] for p in people], far, "", public, templates)
+    except ValueError:
+        return None
+    genuine = np.concatenate([faces.embeddings[t] @ templates[i] for i, t in enumerate(tests)])
+    stranger_rows = np.flatnonzero(np.isin(faces.labels, strangers))
+    above = (faces.embeddings[stranger_rows] @ templates.T) > cal.threshold
+    accepts = np.bincount(np.searchsorted(strangers, faces.labels[stranger_rows]), weights=above.sum(1),
+                          minlength=len(strangers))
+    return {"threshold": cal.threshold, "capture_shift": cal.capture_shift, "far": float(above.mean()),
+            "tar": float(np.mean(genuine > cal.threshold)) if len(genuine) else None,
+            "false_accepts": int(above.sum()), "top_stranger_share": float(accepts.max() / max(1, accepts.sum()))}
+
+
+def doors(faces: Faces, size: int, devices: int, strangers: int, public: int, far: float, seed: int) -> list[dict]:
+    """`devices` devices of `size` people each, drawn at random; each with its own strangers (`strangers` people
+    of no device) and its own draw of `public` public faces."""
+    rng = np.random.default_rng(seed)
+    everyone = np.unique(faces.labels)
+    rows = []
+    for _ in range(devices):
+        drawn = rng.permutation(everyone)
+        seen = faces.public[rng.choice(len(faces.public), min(public, len(faces.public)), replace=False)]
+        row = one_door(faces, np.sort(drawn[:size]), np.sort(drawn[size:size + strangers]), seen, far, rng)
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
+def summary(rows: list[dict], far: float) -> dict:
+    """What the promise is worth over these devices."""
+    kept = np.array([r["far"] for r in rows])
+    over = [r for r in rows if r["far"] > 2 * far]
+    tar = [r["tar"] for r in rows if r["tar"] is not None]
+    return {"devices": len(rows), "far_promised": far, "far_mean": float(kept.mean()),
+            "far_median": float(np.median(kept)), "far_p90": float(np.percentile(kept, 90)),
+            "far_worst": float(kept.max()), "share_over_2x": len(over) / len(rows),
+            "over_2x_top_stranger_share": float(np.mean([r["top_stranger_share"] for r in over])) if over else None,
+            "tar_mean": float(np.mean(tar)) if tar else None,
+            "threshold_mean": float(np.mean([r["threshold"] for r in rows])),
+            "capture_shift_mean": float(np.mean([r["capture_shift"] for r in rows]))}
+
+
+def embed_sets(data: Path, public_dir: Path, public_limit: int, seed: int) -> Faces:
+    """The labelled set cropped as a device crops (`ffr device enroll`'s detector) and the public faces read as
+    `ffr edge public-set` reads them, embedded by the shipped model."""
+    from fleet.evaluation import embed
+    from models.faces.crops import CropConfig, crop_index
+    from models.faces.datasets import load_index
+    from models.networks.face_model import global_embedder, initial_global_state
+    from models.public_set import SIZE
+    from models.training.distill_data import list_images, load_crops
+
+    crops = crop_index(load_index(data), CropConfig(detector="auto", fallback_center=True), progress=False)
+    files = list_images([public_dir])
+    chosen = np.random.default_rng(seed).choice(len(files), min(public_limit, len(files)), replace=False)
+    public, _, _ = load_crops([files[i] for i in sorted(chosen)], SIZE, progress=False)
+    model = global_embedder(initial_global_state())
+    return Faces(normalise(embed(model, crops.images)), crops.labels, normalise(embed(model, public)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from models.public_set import HELD_SHARE
+
+    served = round(2000 * (1 - HELD_SHARE))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, help="labelled faces (default: $FFR_FACES_DIR/celeba_subset)")
+    p.add_argument("--public-faces", type=Path,
+                   help="faces of nobody's people (default: $FFR_FACES_DIR/celebahq_aligned)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--name", default="door_far")
+    p.add_argument("--people", type=int, nargs="+", default=[3, 8, 20], help="people per device (default 3 8 20)")
+    p.add_argument("--devices", type=int, default=200, help="simulated devices per size (default 200)")
+    p.add_argument("--strangers", type=int, default=60, help="people of no device tried on each door (default 60)")
+    p.add_argument("--public-limit", type=int, default=2000,
+                   help="public faces read: an operator's public set (default 2000, `ffr edge public-set`'s)")
+    p.add_argument("--public", type=int, default=served,
+                   help=f"of them, the faces each device calibrates on (default {served}: what `ffr coordinator "
+                        "serve` serves of 2,000 after keeping its gate's share)")
+    p.add_argument("--far", type=float, default=DEFAULT_FAR,
+                   help=f"the FAR each door promises (default {DEFAULT_FAR:g})")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    data = face_set(args.data)
+    public_dir = args.public_faces or ((faces_dir() or Path("missing")) / "celebahq_aligned")
+    if data is None or not public_dir.is_dir():
+        print(f"need labelled faces and public faces (no folder at {public_dir})", file=sys.stderr)
+        return 2
+    faces = embed_sets(data, public_dir, args.public_limit, args.seed)
+    results = {"sizes": {}}
+    for size in args.people:
+        rows = doors(faces, size, args.devices, args.strangers, args.public, args.far, args.seed + size)
+        if rows:
+            results["sizes"][str(size)] = {"summary": summary(rows, args.far), "devices": rows}
+    table = [{"people per device": size, **{k: v for k, v in r["summary"].items() if k != "far_promised"}}
+             for size, r in results["sizes"].items()]
+    write_results(args.out, args.name, results, table,
+                  f"The door's promise: FAR {args.far:g} on strangers over {args.devices} simulated devices per size "
+                  f"({data.name}, public faces from {public_dir.name}, the shipped model)",
+                  "python -m bench.door_far " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
