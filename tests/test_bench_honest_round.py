@@ -57,3 +57,33 @@ def test_the_personalisation_bench_scores_each_arm_against_the_start(tmp_path):
         assert same["threshold"] == pytest.approx(gate["threshold"], abs=1e-4) and same["far"] == gate["far"]
         assert 0 <= gate["tar"] <= 1 and gate["far_promised"] == 1e-3 and gate["capture_shift"] >= 0
     assert "| few | dfc_steps=5, dfc_negatives=hard |" in (out / "tiny.md").read_text()
+
+
+def test_the_door_bench_calibrates_many_devices_and_tries_strangers_on_each(tmp_path):
+    from bench.door_far import main as door_far
+    from models.faces.synthetic import write_dataset
+
+    faces = write_dataset(tmp_path / "faces", n_identities=12, n_images=8, seed=4)
+    public = write_dataset(tmp_path / "public", n_identities=30, n_images=2, seed=5)
+    out = tmp_path / "results"
+    assert door_far(["--data", str(faces), "--public-faces", str(public), "--out", str(out), "--name", "tiny",
+                     "--people", "3", "--devices", "4", "--strangers", "5", "--public", "40", "--far", "0.01"]) == 0
+    results = json.loads((out / "tiny.json").read_text())
+    size = results["sizes"]["3"]
+    assert size["summary"]["devices"] == len(size["devices"]) == 4
+    for door in size["devices"]:
+        # 5 strangers x 8 photos x 3 templates scored: the FAR is a count of those, the TAR one of held-out photos
+        assert door["false_accepts"] == round(door["far"] * 5 * 8 * 3)
+        assert 0 <= door["tar"] <= 1 and door["capture_shift"] >= 0
+    assert size["summary"]["far_worst"] == max(d["far"] for d in size["devices"])
+    assert "| 3 | 4 |" in (out / "tiny.md").read_text()
+
+
+def test_the_door_summary_counts_the_devices_over_twice_the_promise():
+    from bench.door_far import summary
+
+    rows = [{"far": f, "tar": 0.9, "threshold": 0.5, "capture_shift": 0.0, "top_stranger_share": s}
+            for f, s in ((0.0, 0.0), (0.001, 0.5), (0.0021, 1.0), (0.004, 0.5))]
+    got = summary(rows, 1e-3)
+    assert got["share_over_2x"] == 0.5 and got["over_2x_top_stranger_share"] == 0.75
+    assert got["far_mean"] == pytest.approx(0.001775) and got["far_worst"] == 0.004
