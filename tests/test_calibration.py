@@ -91,3 +91,17 @@ def test_a_model_fitted_on_the_devices_people_is_given_the_global_models_shift_a
     assert floored.capture_shift == pytest.approx(own.capture_shift + 0.1) and floored.threshold > own.threshold
     kept = calibrate(faces, far=0.01, model_sha256="0" * 64, strangers=public, min_shift=0.0)
     assert kept.capture_shift == own.capture_shift > 0  # never below the model's own
+
+
+def test_the_capture_shift_allows_for_the_error_of_a_few_peoples_median():
+    """A device of few people knows its own place from a few dozen scores; a threshold too low by that error lets in
+    more than one too high keeps out, so the shift adds the median's standard error, which fades with more scores."""
+    from edge_client.recognizer import capture_shift
+
+    rng = np.random.default_rng(3)
+    public = rng.normal(0.10, 0.1, 20_000)
+    few, many = rng.normal(0.15, 0.1, 30), rng.normal(0.15, 0.1, 30_000)
+    gap = float(np.median(few) - np.median(public))
+    assert capture_shift(few, public) == pytest.approx(gap + np.sqrt(np.pi / 2) * few.std() / np.sqrt(30))
+    assert capture_shift(many, public) == pytest.approx(np.median(many) - np.median(public), abs=1e-3)
+    assert capture_shift(public[:30] - 0.2, public) == 0.0  # never moved down
