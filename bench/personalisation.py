@@ -23,9 +23,10 @@ import torch
 from bench.common import faces_dir, write_results
 from bench.honest_round import BASE, _mean, _n, add_fleet_options, device_crops, fleet_data, own_vs_strangers, parse_arm
 from edge_client.local_training import personalised_global
-from edge_client.recognizer import calibrate, normalise, template_of
 from edge_client.verifier_choice import check_split
 from fleet.data import TEST, TRAIN
+from fleet.doors import DoorFaces
+from fleet.doors import door as door_of
 from fleet.evaluation import embed
 from models.networks.face_model import global_embedder, initial_global_state
 from models.public_set import SIZE
@@ -50,37 +51,22 @@ def public_faces(folder: Path | None, limit: int, seed: int) -> tuple[np.ndarray
 
 def door(data, client: int, embedder, public: np.ndarray | None, strangers: np.ndarray, seed: int,
          min_shift: float = 0.0) -> dict | None:
-    """What the device's door does with a model: calibrated as the device does after a round (`calibrate` on the
-    quarter of its images held out of the personalised fit, `check_split`, and the public faces it judges on) at
-    FAR, its templates from all its images; TAR on its own people's test images, FAR on strangers' images (people of
-    no device, never seen by any calibration) against every template. `min_shift`: the global model's capture
-    shift, the personalised model's floor (`edge_client.verifier_choice`)."""
-    def embed_fn(images: np.ndarray) -> np.ndarray:
-        return normalise(embedder(images))  # unit vectors, as a device scores
-
+    """What the device's door does with a model (`fleet.doors.door`): calibrated as the device does after a round
+    (on the quarter of its images held out of the personalised fit, `check_split`, and the public faces it judges
+    on) at FAR, its templates from all its images; TAR on its own people's test images, FAR on strangers' images
+    (people of no device, never seen by any calibration) against every template. `min_shift`: the global model's
+    capture shift, the personalised model's floor (`edge_client.verifier_choice`); `far_own_shift` and
+    `tar_own_shift` are the same door with the model's own shift alone."""
     crops = device_crops(data, client)
-    judged = check_split(crops.labels, seed)
-    judged = np.ones(len(crops.labels), bool) if judged is None else judged
-    mine = embed_fn(crops.images)
-    templates = np.stack([template_of(mine[crops.labels == j]) for j in range(len(crops.identities))])
-    faces, strange = [mine[judged & (crops.labels == j)] for j in range(len(crops.identities))], None
-    if public is not None:
-        strange = embed_fn(public)
-    try:
-        cal = calibrate(faces, FAR, "", strange, templates, min_shift)
-        own_threshold = calibrate(faces, FAR, "", strange, templates).threshold  # with the model's own shift alone
-    except ValueError:
-        return None
     people = np.unique(data.union(TRAIN, [client]).labels)
     test = np.flatnonzero(data.client_mask(client, TEST))
     test = test[np.isin(data.crops.labels[test], people)]
-    own = np.sum(embed_fn(data.crops.images[test]) * templates[np.searchsorted(people, data.crops.labels[test])], 1)
-    stranger_scores = embed_fn(data.crops.images[strangers]) @ templates.T
-    return {"threshold": cal.threshold, "tar_promised": 1 - cal.expected_frr,
-            "tar": float(np.mean(own > cal.threshold)), "far": float(np.mean(stranger_scores > cal.threshold)),
-            "far_promised": FAR, "capture_shift": cal.capture_shift,
-            "far_own_shift": float(np.mean(stranger_scores > own_threshold)),
-            "tar_own_shift": float(np.mean(own > own_threshold))}
+    faces = DoorFaces(crops.images, crops.labels, check_split(crops.labels, seed), data.crops.images[test],
+                      np.searchsorted(people, data.crops.labels[test]), data.crops.images[strangers], public)
+    floored, alone = door_of(embedder, faces, FAR, min_shift), door_of(embedder, faces, FAR)
+    if floored is None or alone is None:
+        return None
+    return {**floored, "far_own_shift": alone["far"], "tar_own_shift": alone["tar"]}
 
 
 def personal_negatives(model_state: dict, crops, config: TrainingConfig, fit: np.ndarray | None, how: str,

@@ -120,16 +120,29 @@ def choose(home: DeviceHome, vault: Vault, images: np.ndarray, labels: np.ndarra
     if not calibrations:
         return None
     tar = {path.stem: 1 - cal.expected_frr for path, cal in calibrations.items()}
-    # without strangers' faces the personalised model cannot be judged where it fails: it learnt to tell this
-    # device's people apart, and its threshold, set on them alone, let in 18% of strangers in a two-device run
-    # (bench/results/two_device_serve.md); the global model keeps the door until the device has a public set
     strangers = negatives is not None and len(negatives) > 0
-    eligible = [p for p in calibrations if strangers or p == home.generic_onnx] or list(calibrations)
-    note = "" if strangers or len(eligible) == len(calibrations) else (
+    note = "" if strangers or len(calibrations) == 1 else (
         "the personalised model is not used without strangers' faces to calibrate it on (a public set)")
-    # the personalised model must beat the global one outright; a tie keeps the model everyone shares
-    best = max(eligible, key=lambda p: (tar[p.stem], p == home.generic_onnx))
+    kind = preferred({KINDS[stem]: t for stem, t in tar.items()}, strangers)
+    best = home.personalised_onnx if kind == "personalised" else home.generic_onnx
+    best = best if best in calibrations else next(iter(calibrations))
     settings.verifier, settings.calibration = best.name, calibrations[best]
     settings.public_set = public_sha256 if strangers else None  # the file `ffr device calibrate` may take them from
     settings.save(home, vault)
     return Choice(best, calibrations[best], tar, previous, note)
+
+
+KINDS = {"generic": "global", "personalised": "personalised"}  # an exported model's file stem, and what it is
+
+
+def preferred(tar: dict[str, float], strangers: bool) -> str:
+    """The model a device verifies with, from each candidate's TAR of its people at its FAR (`global`, and
+    `personalised` when there is one): the personalised model must beat the global one outright, as a tie keeps the
+    model everyone shares; and never without strangers' faces to calibrate it on, for it learnt to tell this
+    device's people apart and its threshold, set on them alone, let in 18% of strangers in a two-device run
+    (bench/results/two_device_serve.md)."""
+    if "global" not in tar:
+        return "personalised"
+    if strangers and tar.get("personalised", -1.0) > tar["global"]:
+        return "personalised"
+    return "global"

@@ -11,9 +11,11 @@ import numpy as np
 from tqdm import tqdm
 
 from edge_client.home import DeviceHome
+from edge_client.verifier_choice import DEFAULT_FAR, check_split
 from fleet import plots
 from fleet.config import SimConfig
 from fleet.data import TEST, TRAIN, FleetData, device_id
+from fleet.doors import DoorFaces, device_doors, door_means
 from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model, tuned_model
 from models.evaluation.evaluate import unseen_people
 from models.faces.splits import relabel
@@ -39,11 +41,13 @@ class Evaluated:
     central_report: dict
     central_metrics: dict | None
     figures: dict = field(default_factory=dict)
+    doors: dict = field(default_factory=dict)
 
 
 class FinalEvaluation:
     def __init__(self, config: SimConfig, data: FleetData, run_dir: Path, holdout):
         self.config, self.data, self.run_dir, self.holdout = config, data, Path(run_dir), holdout
+        self._personal: dict[int, FaceModel | None] = {}
 
     def evaluate(self, history: list[dict], global_model_of: Callable[[int], FaceEmbedder]) -> Evaluated:
         """The federated model is the best trained round's (never the starting one), against the centralised
@@ -66,7 +70,8 @@ class FinalEvaluation:
         clients = evaluate_clients(self.data, self.verifiers(start_model, global_model, central_model),
                                    c.impostor_images, c.seed, c.eval_clients)
         figures = self.plots(history, best, global_curve, central_curve, central_report, clients, global_model)
-        return Evaluated(best, chosen, global_report, clients, central_report, central_metrics, figures)
+        doors = self.doors(start_model, global_model, [r["client"] for r in clients["clients"]])
+        return Evaluated(best, chosen, global_report, clients, central_report, central_metrics, figures, doors)
 
     def summary(self, result: Evaluated, state, mlflow_run_id: str | None, privacy: dict | None,
                 rolled_back: Sequence[dict] = ()) -> dict:
@@ -91,7 +96,8 @@ class FinalEvaluation:
                        "n_genuine_pairs": global_report.get("n_genuine_pairs"),
                        "n_impostor_pairs": global_report.get("n_impostor_pairs")},
             "personalized": {"impostors": result.clients["impostors"], "training_clients": result.clients["training"],
-                             "held_out_clients": result.clients["held_out"], "per_client": result.clients["clients"]},
+                             "held_out_clients": result.clients["held_out"], "per_client": result.clients["clients"],
+                             "doors": result.doors},
             "centralized": None if central is None else {
                 "global": flat(result.central_report), "epochs": central["epochs_run"],
                 "best_epoch": central["best_epoch"],
@@ -139,17 +145,69 @@ class FinalEvaluation:
         return verifiers
 
     def global_personalised(self, global_model: FaceEmbedder, client: int):
-        """What a device exports as its personalised model (`edge_client.round_runner`): the global backbone with a
-        DFC branch fitted on its features of the client's training images (None: held out)."""
+        """What a device exports as its personalised model (`edge_client.round_runner`), as indices -> embeddings
+        (None: held out)."""
+        model = self.personal_model(global_model, client)
+        return None if model is None else (lambda idx: embed(model, self.data.crops.images[idx], True))
+
+    def personal_model(self, global_model: FaceEmbedder, client: int) -> FaceModel | None:
+        """The global backbone with a DFC branch fitted, as the device fits it, on its features of the client's
+        training images less the share its door is judged on (`check_split`); one client's kept at a time, for
+        the per-client figures and the door alike. None: held out."""
         if client in self.data.partition.heldout_clients:
             return None
-        from edge_client.local_training import personalised_global
+        if client not in self._personal:
+            from edge_client.local_training import personalised_global
 
+            crops = self.device_crops(client)
+            check = check_split(crops.labels, self.config.seed + client)
+            state = {f"backbone.{k}": v for k, v in global_model.state_dict().items()}
+            self._personal.clear()
+            self._personal[client] = personalised_global(state, crops if check is None else crops.select(~check),
+                                                         self.config.training, self.config.seed + client)
+        return self._personal[client]
+
+    def device_crops(self, client: int):
+        """The client's training images, its people numbered 0..n-1."""
         crops = self.data.union(TRAIN, [client])
-        state = {f"backbone.{k}": v for k, v in global_model.state_dict().items()}
-        model = personalised_global(state, relabel(crops, np.unique(crops.labels)), self.config.training,
-                                    self.config.seed + client)
-        return lambda idx: embed(model, self.data.crops.images[idx], True)
+        return relabel(crops, np.unique(crops.labels))
+
+    def doors(self, start_model: FaceEmbedder, global_model: FaceEmbedder, clients: list[int]) -> dict:
+        """Each evaluated training device's door (`fleet.doors`) with the starting, the global and its personalised
+        model, at the threshold it calibrates: its people's TAR on their test images and the FAR on `impostor_images`
+        photos of people on no device; calibrated on the run's public set when it has one, as devices are."""
+        c, data = self.config, self.data
+        strangers = np.flatnonzero(data.holdout_mask())
+        if not len(strangers):
+            return {}
+        rows = {}
+        for k in clients:
+            if k in data.partition.heldout_clients:
+                continue
+            crops = self.device_crops(k)
+            people = np.unique(data.union(TRAIN, [k]).labels)
+            test = np.flatnonzero(data.client_mask(k, TEST))
+            test = test[np.isin(data.crops.labels[test], people)]
+            seen = np.sort(np.random.default_rng(c.seed + k).choice(strangers, min(c.impostor_images, len(strangers)),
+                                                                   replace=False))
+            faces = DoorFaces(crops.images, crops.labels, check_split(crops.labels, c.seed + k),
+                              data.crops.images[test], np.searchsorted(people, data.crops.labels[test]),
+                              data.crops.images[seen], self.public_faces())
+            models = {"start": lambda x: embed(start_model, x), "global": lambda x: embed(global_model, x)}
+            personal = self.personal_model(global_model, k) if c.training.dfc else None
+            if personal is not None:
+                models["personalised"] = lambda x, m=personal: embed(m, x, True)
+            rows[str(k)] = device_doors(models, faces)
+        return {"far_promised": DEFAULT_FAR, **door_means(rows), "per_client": rows}
+
+    def public_faces(self) -> np.ndarray | None:
+        """The public set the run served its devices (their strangers' faces to calibrate on), or None."""
+        path = self.run_dir / "public_set.safetensors"
+        if not path.is_file():
+            return None
+        from models.public_set import load_public_set
+
+        return load_public_set(path).images
 
     def tuned(self, global_model: FaceEmbedder, client: int):
         """The global model tuned for `tune_steps` batches on the client's training images (None: held out)."""

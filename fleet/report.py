@@ -114,6 +114,26 @@ def _attack_lines(attack: dict | None) -> list[str]:
             ""]
 
 
+def _door_lines(doors: dict) -> list[str]:
+    """Each device's door at the threshold it calibrates (`fleet.doors`), averaged over devices, start vs now."""
+    if not doors.get("per_client"):
+        return []
+    chosen = doors["chosen"]
+    lines = ["", "## Each device's door (mean over devices)", "",
+             f"At the threshold each device calibrates for FAR {doors['far_promised']:g} (its judged images and the "
+             "public faces it was served): its people's TAR on their test images, and the FAR on photos of people on "
+             f"no device. The device verifies with the personalised model on {chosen['personalised']} of "
+             f"{chosen['devices']}.", "",
+             "| model | devices | TAR | FAR | worst device's FAR |", "|---|---|---|---|---|"]
+    for name, label in (("start", "start (before the federation)"), ("global", "global"),
+                        ("personalised", "personalised"), ("chosen", "what each device verifies with")):
+        d = doors.get(name) or {}
+        if d.get("devices"):
+            lines.append(f"| {label} | {d['devices']} | {_f(d['tar'])} | {_f(d['far'], 5)} | "
+                         f"{_f(d['far_worst'], 5)} |")
+    return lines
+
+
 def summary_markdown(summary: dict) -> str:
     c = summary["config"]
     lines = [f"# Fleet simulation: {Path(summary['run']).name}", "",
@@ -153,6 +173,7 @@ def summary_markdown(summary: dict) -> str:
                     f"{mean_std(s, 'tar@1e-2')} | "
                     f"{mean_std(s, 'tar@1e-3')} |"
                 )
+    lines += _door_lines(summary["personalized"].get("doors") or {})
     b = summary["bytes"]
     lines += [
         "",

@@ -71,6 +71,18 @@ def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
     markdown = (simulated / "summary.md").read_text()
     assert "| federated (round " in markdown and "## Round by round, people no device holds" in markdown
     assert "| 0 (start) |" in markdown and "| start | 3 |" in markdown
+    # each device's door at the threshold it calibrates: start, global and personalised; without a public set no
+    # device may verify with its personalised model, so each keeps the global one
+    doors = summary["personalized"]["doors"]
+    assert set(doors["per_client"]) == {"0", "1", "2"} and doors["far_promised"] == 1e-3
+    for row in doors["per_client"].values():
+        assert row["chosen"] == "global"
+        for name in ("start", "global", "personalised"):
+            assert 0 <= row[name]["tar"] <= 1 and 0 <= row[name]["far"] <= 1 and row[name]["capture_shift"] == 0
+        assert row["start"]["threshold"] != row["global"]["threshold"], "two rounds moved the global model's door"
+    assert doors["chosen"] == {**doors["global"], "personalised": 0} and doors["start"]["devices"] == 3
+    assert "## Each device's door (mean over devices)" in markdown
+    assert "| start (before the federation) | 3 |" in markdown
 
 
 def test_simulation_used_the_real_coordinator_and_devices(simulated):

@@ -147,3 +147,13 @@ def test_the_public_set_a_calibration_took_strangers_from_is_sealed_with_it(tmp_
     assert Settings.load(home, vault).public_set == "ab" * 32
     export_models(_model(_face_state()), home, "dev", _blind_state(), images, labels, None, public_sha256="ab" * 32)
     assert Settings.load(home, vault).public_set is None  # no strangers were used: nothing to take them from
+
+
+def test_the_personalised_model_must_win_outright_and_only_with_strangers_to_calibrate_on():
+    from edge_client.verifier_choice import preferred
+
+    assert preferred({"global": 0.90, "personalised": 0.95}, strangers=True) == "personalised"
+    assert preferred({"global": 0.90, "personalised": 0.90}, strangers=True) == "global"  # a tie keeps the shared one
+    assert preferred({"global": 0.90, "personalised": 0.95}, strangers=False) == "global"
+    assert preferred({"global": 0.90}, strangers=True) == "global"
+    assert preferred({"personalised": 0.80}, strangers=False) == "personalised"  # the only model a device has
