@@ -45,9 +45,18 @@ def run_row(summary: dict) -> dict:
         "central AUC": _f(central.get("auc")), "central EER": _f(central.get("eer")),
         **{f"pers. TAR@1e-3 {v}": mean_std(training.get(v), "tar@1e-3")
            for v in ("start", "global", "local", "local+dfc")},
+        **_door_columns(summary["personalized"].get("doors") or {}),
         "MB/round up": _f(summary["bytes"]["per_round_up_mean"] / 1e6, 1),
         "s/round": _f(summary.get("round_seconds_mean"), 1), "wall s": _f(summary["wall_seconds"], 0),
     }
+
+
+def _door_columns(doors: dict) -> dict:
+    """The devices' doors at the threshold each calibrates, start against what each verifies with now (n/a for a
+    run from before doors were scored)."""
+    start, now = doors.get("start") or {}, doors.get("chosen") or {}
+    return {"door TAR start": _f(start.get("tar")), "door TAR now": _f(now.get("tar")),
+            "door FAR start": _f(start.get("far"), 5), "door FAR now": _f(now.get("far"), 5)}
 
 
 def _with(figures: dict, interval: dict, key: str, digits: int = 3) -> str:
