@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import face_set, faces_dir, write_results
-from edge_client.recognizer import calibrate, normalise, template_of
+from edge_client.recognizer import normalise
 from edge_client.verifier_choice import DEFAULT_FAR, check_split
+from fleet.doors import DoorFaces, door
 
 TEST_SHARE = 0.25  # of each person's images, kept out of enrolment and calibration: the door's own test
 
@@ -40,33 +41,22 @@ class Faces:
 
 def one_door(faces: Faces, people: np.ndarray, strangers: np.ndarray, public: np.ndarray, far: float,
              rng: np.random.Generator) -> dict | None:
-    """A device holding `people`: enrolled on three quarters of each person's images, calibrated as the device
-    calibrates (its judged share and `public`), tried on its people's last quarter and on every image of
-    `strangers`. None when it cannot be calibrated (fewer than two people with enough images)."""
+    """A device holding `people`: enrolled on three quarters of each person's images, its door (`fleet.doors.door`,
+    the embeddings standing in for images) tried on its people's last quarter and on every image of `strangers`.
+    None when it cannot be calibrated (fewer than two people with enough images)."""
     enrolled, tests = [], []
     for person in people:
         rows = rng.permutation(np.flatnonzero(faces.labels == person))
         cut = max(1, round(TEST_SHARE * len(rows))) if len(rows) >= 4 else 0
         tests.append(rows[:cut])
         enrolled.append(rows[cut:])
-    own = np.concatenate(enrolled)
-    labels = faces.labels[own]
-    judged = check_split(labels, int(rng.integers(1 << 30)))
-    judged = np.ones(len(own), bool) if judged is None else judged
-    mine = faces.embeddings[own]
-    templates = np.stack([template_of(mine[labels == p]) for p in people])
-    try:
-        cal = calibrate([mine[judged & (labels == p)] for p in people], far, "", public, templates)
-    except ValueError:
-        return None
-    genuine = np.concatenate([faces.embeddings[t] @ templates[i] for i, t in enumerate(tests)])
-    stranger_rows = np.flatnonzero(np.isin(faces.labels, strangers))
-    above = (faces.embeddings[stranger_rows] @ templates.T) > cal.threshold
-    accepts = np.bincount(np.searchsorted(strangers, faces.labels[stranger_rows]), weights=above.sum(1),
-                          minlength=len(strangers))
-    return {"threshold": cal.threshold, "capture_shift": cal.capture_shift, "far": float(above.mean()),
-            "tar": float(np.mean(genuine > cal.threshold)) if len(genuine) else None,
-            "false_accepts": int(above.sum()), "top_stranger_share": float(accepts.max() / max(1, accepts.sum()))}
+    own, test = np.concatenate(enrolled), np.concatenate(tests)
+    labels = np.searchsorted(people, faces.labels[own])
+    seen = np.flatnonzero(np.isin(faces.labels, strangers))
+    door_faces = DoorFaces(faces.embeddings[own], labels, check_split(labels, int(rng.integers(1 << 30))),
+                           faces.embeddings[test], np.searchsorted(people, faces.labels[test]),
+                           faces.embeddings[seen], public, faces.labels[seen])
+    return door(lambda embeddings: embeddings, door_faces, far)
 
 
 def doors(faces: Faces, size: int, devices: int, strangers: int, public: int, far: float, seed: int) -> list[dict]:
@@ -101,17 +91,14 @@ def summary(rows: list[dict], far: float) -> dict:
 def embed_sets(data: Path, public_dir: Path, public_limit: int, seed: int) -> Faces:
     """The labelled set cropped as a device crops (`ffr device enroll`'s detector) and the public faces read as
     `ffr edge public-set` reads them, embedded by the shipped model."""
+    from bench.personalisation import public_images
     from fleet.evaluation import embed
     from models.faces.crops import CropConfig, crop_index
     from models.faces.datasets import load_index
     from models.networks.face_model import global_embedder, initial_global_state
-    from models.public_set import SIZE
-    from models.training.distill_data import list_images, load_crops
 
     crops = crop_index(load_index(data), CropConfig(detector="auto", fallback_center=True), progress=False)
-    files = list_images([public_dir])
-    chosen = np.random.default_rng(seed).choice(len(files), min(public_limit, len(files)), replace=False)
-    public, _, _ = load_crops([files[i] for i in sorted(chosen)], SIZE, progress=False)
+    public = public_images(public_dir, public_limit, seed)
     model = global_embedder(initial_global_state())
     return Faces(normalise(embed(model, crops.images)), crops.labels, normalise(embed(model, public)))
 

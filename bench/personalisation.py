@@ -24,9 +24,8 @@ from bench.common import faces_dir, write_results
 from bench.honest_round import BASE, _mean, _n, add_fleet_options, device_crops, fleet_data, own_vs_strangers, parse_arm
 from edge_client.local_training import personalised_global
 from edge_client.verifier_choice import check_split
-from fleet.data import TEST, TRAIN
-from fleet.doors import DoorFaces
 from fleet.doors import door as door_of
+from fleet.doors import door_faces
 from fleet.evaluation import embed
 from models.networks.face_model import global_embedder, initial_global_state
 from models.public_set import SIZE
@@ -41,12 +40,18 @@ NEGATIVES = ("none", "all", "hard")  # the arm key `dfc_negatives`: which of the
 def public_faces(folder: Path | None, limit: int, seed: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Faces of nobody's people as a device gets them (a public set the coordinator serves), split in two
     disjoint halves: the share a personalised fit may use as negatives, and the share it is calibrated on."""
+    images = public_images(folder, limit, seed)
+    return None if images is None else (images[0::2], images[1::2])
+
+
+def public_images(folder: Path | None, limit: int, seed: int) -> np.ndarray | None:
+    """A seeded `limit` of the faces under `folder`, read as `ffr edge public-set` reads them; None without it."""
     if folder is None or not folder.is_dir():
         return None
     files = list_images([folder])
     chosen = np.random.default_rng(seed).choice(len(files), min(limit, len(files)), replace=False)
     images, _, _ = load_crops([files[i] for i in sorted(chosen)], SIZE, progress=False)
-    return images[0::2], images[1::2]
+    return images
 
 
 def door(data, client: int, embedder, public: np.ndarray | None, strangers: np.ndarray, seed: int,
@@ -57,12 +62,7 @@ def door(data, client: int, embedder, public: np.ndarray | None, strangers: np.n
     (people of no device, never seen by any calibration) against every template. `min_shift`: the global model's
     capture shift, the personalised model's floor (`edge_client.verifier_choice`); `far_own_shift` and
     `tar_own_shift` are the same door with the model's own shift alone."""
-    crops = device_crops(data, client)
-    people = np.unique(data.union(TRAIN, [client]).labels)
-    test = np.flatnonzero(data.client_mask(client, TEST))
-    test = test[np.isin(data.crops.labels[test], people)]
-    faces = DoorFaces(crops.images, crops.labels, check_split(crops.labels, seed), data.crops.images[test],
-                      np.searchsorted(people, data.crops.labels[test]), data.crops.images[strangers], public)
+    faces = door_faces(data, client, strangers, public, seed)
     floored, alone = door_of(embedder, faces, FAR, min_shift), door_of(embedder, faces, FAR)
     if floored is None or alone is None:
         return None

@@ -263,6 +263,9 @@ def calibration_scores(embeddings: list[np.ndarray], strangers: np.ndarray | Non
     return np.concatenate(genuine) if genuine else np.zeros(0), impostor, shift
 
 
+MEDIAN_EFFICIENCY = float(np.sqrt(np.pi / 2))  # a sample median's standard error over the mean's, normal scores
+
+
 def capture_shift(own: np.ndarray, public: np.ndarray) -> float:
     """How far to move the public faces' impostor scores up to where the device's own people score against each
     other: public faces come from another camera and crop than the strangers at the door, and score lower against
@@ -280,9 +283,6 @@ def capture_shift(own: np.ndarray, public: np.ndarray) -> float:
         return 0.0
     standard_error = MEDIAN_EFFICIENCY * float(np.std(own)) / np.sqrt(len(own))
     return max(0.0, float(np.median(own) - np.median(public)) + standard_error)
-
-
-MEDIAN_EFFICIENCY = float(np.sqrt(np.pi / 2))  # a sample median's standard error over the mean's, normal scores
 
 
 def calibrate(embeddings: list[np.ndarray], far: float, model_sha256: str, strangers: np.ndarray | None = None,

@@ -125,7 +125,6 @@ def choose(home: DeviceHome, vault: Vault, images: np.ndarray, labels: np.ndarra
         "the personalised model is not used without strangers' faces to calibrate it on (a public set)")
     kind = preferred({KINDS[stem]: t for stem, t in tar.items()}, strangers)
     best = home.personalised_onnx if kind == "personalised" else home.generic_onnx
-    best = best if best in calibrations else next(iter(calibrations))
     settings.verifier, settings.calibration = best.name, calibrations[best]
     settings.public_set = public_sha256 if strangers else None  # the file `ffr device calibrate` may take them from
     settings.save(home, vault)

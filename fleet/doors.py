@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge_client.recognizer import calibrate, normalise, template_of
-from edge_client.verifier_choice import DEFAULT_FAR
+from edge_client.verifier_choice import DEFAULT_FAR, check_split, preferred
+from fleet.data import TEST, TRAIN, FleetData
+from models.faces.splits import relabel
 
 Embedder = Callable[[np.ndarray], np.ndarray]  # images -> embeddings (any scale)
 
@@ -31,6 +33,21 @@ class DoorFaces:
     test_labels: np.ndarray
     strangers: np.ndarray         # photos of people of no device
     public: np.ndarray | None     # the public faces it calibrates on (None: a device with no public set)
+    stranger_labels: np.ndarray | None = None  # who each stranger's photo is, to tell a look-alike from many
+
+
+def door_faces(data: FleetData, client: int, strangers: np.ndarray, public: np.ndarray | None,
+               seed: int) -> DoorFaces:
+    """A simulated device's faces: its training images (judged share by `check_split` with `seed`), its people's
+    test images, and the photos `strangers` (indices into `data.crops`) of people of no device."""
+    train = data.union(TRAIN, [client])
+    people = np.unique(train.labels)
+    crops = relabel(train, people)
+    test = np.flatnonzero(data.client_mask(client, TEST))
+    test = test[np.isin(data.crops.labels[test], people)]
+    return DoorFaces(crops.images, crops.labels, check_split(crops.labels, seed), data.crops.images[test],
+                     np.searchsorted(people, data.crops.labels[test]), data.crops.images[strangers], public,
+                     data.crops.labels[strangers])
 
 
 def door(embedder: Embedder, faces: DoorFaces, far: float = DEFAULT_FAR, min_shift: float = 0.0) -> dict | None:
@@ -51,17 +68,20 @@ def door(embedder: Embedder, faces: DoorFaces, far: float = DEFAULT_FAR, min_shi
         return None
     own = np.sum(embed(faces.tests) * templates[faces.test_labels], axis=1) if len(faces.tests) else np.zeros(0)
     strangers = embed(faces.strangers) @ templates.T if len(faces.strangers) else np.zeros((0, len(people)))
-    return {"threshold": cal.threshold, "tar_promised": 1 - cal.expected_frr,
-            "tar": float(np.mean(own > cal.threshold)) if len(own) else None,
-            "far": float(np.mean(strangers > cal.threshold)) if strangers.size else None,
-            "far_promised": far, "capture_shift": cal.capture_shift, "measurable": cal.measurable}
+    above = strangers > cal.threshold
+    out = {"threshold": cal.threshold, "tar_promised": 1 - cal.expected_frr,
+           "tar": float(np.mean(own > cal.threshold)) if len(own) else None,
+           "far": float(above.mean()) if above.size else None, "false_accepts": int(above.sum()),
+           "far_promised": far, "capture_shift": cal.capture_shift, "measurable": cal.measurable}
+    if faces.stranger_labels is not None and above.any():
+        _, who = np.unique(faces.stranger_labels, return_inverse=True)
+        out["top_stranger_share"] = float(np.bincount(who, weights=above.sum(1)).max() / above.sum())
+    return out
 
 
 def device_doors(models: dict[str, Embedder], faces: DoorFaces, far: float = DEFAULT_FAR) -> dict:
     """Each model's door, and the one the device verifies with: `global`, or `personalised` where that keeps more
     of its judged people (`verifier_choice.preferred`). `models`: `start` and `global`, `personalised` optional."""
-    from edge_client.verifier_choice import preferred
-
     doors: dict[str, dict] = {}
     for name in ("start", "global"):
         if name in models and (d := door(models[name], faces, far)) is not None:

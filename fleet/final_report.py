@@ -15,7 +15,7 @@ from edge_client.verifier_choice import DEFAULT_FAR, check_split
 from fleet import plots
 from fleet.config import SimConfig
 from fleet.data import TEST, TRAIN, FleetData, device_id
-from fleet.doors import DoorFaces, device_doors, door_means
+from fleet.doors import device_doors, door_faces, door_means
 from fleet.evaluation import confusion, embed, embed_once, evaluate_clients, flat, load_local_model, tuned_model
 from models.evaluation.evaluate import unseen_people
 from models.faces.splits import relabel
@@ -47,7 +47,8 @@ class Evaluated:
 class FinalEvaluation:
     def __init__(self, config: SimConfig, data: FleetData, run_dir: Path, holdout):
         self.config, self.data, self.run_dir, self.holdout = config, data, Path(run_dir), holdout
-        self._personal: dict[int, FaceModel | None] = {}
+        self._branches: dict[int, object] = {}  # each client's fitted DFC branch (`personal_model`)
+        self._carrier: FaceModel | None = None
 
     def evaluate(self, history: list[dict], global_model_of: Callable[[int], FaceEmbedder]) -> Evaluated:
         """The federated model is the best trained round's (never the starting one), against the centralised
@@ -152,25 +153,23 @@ class FinalEvaluation:
 
     def personal_model(self, global_model: FaceEmbedder, client: int) -> FaceModel | None:
         """The global backbone with a DFC branch fitted, as the device fits it, on its features of the client's
-        training images less the share its door is judged on (`check_split`); one client's kept at a time, for
-        the per-client figures and the door alike. None: held out."""
+        training images less the share its door is judged on (`check_split`). Fitted once per client for the
+        per-client figures and the door alike: the branches are kept (a few hundred KB each), the backbone is one
+        shared model they are put on in turn. None: held out."""
         if client in self.data.partition.heldout_clients:
             return None
-        if client not in self._personal:
+        if client not in self._branches:
             from edge_client.local_training import personalised_global
 
-            crops = self.device_crops(client)
+            train = self.data.union(TRAIN, [client])
+            crops = relabel(train, np.unique(train.labels))
             check = check_split(crops.labels, self.config.seed + client)
             state = {f"backbone.{k}": v for k, v in global_model.state_dict().items()}
-            self._personal.clear()
-            self._personal[client] = personalised_global(state, crops if check is None else crops.select(~check),
-                                                         self.config.training, self.config.seed + client)
-        return self._personal[client]
-
-    def device_crops(self, client: int):
-        """The client's training images, its people numbered 0..n-1."""
-        crops = self.data.union(TRAIN, [client])
-        return relabel(crops, np.unique(crops.labels))
+            self._carrier = personalised_global(state, crops if check is None else crops.select(~check),
+                                                self.config.training, self.config.seed + client)
+            self._branches[client] = self._carrier.dfc
+        self._carrier.dfc = self._branches[client]
+        return self._carrier
 
     def doors(self, start_model: FaceEmbedder, global_model: FaceEmbedder, clients: list[int]) -> dict:
         """Each evaluated training device's door (`fleet.doors`) with the starting, the global and its personalised
@@ -184,15 +183,9 @@ class FinalEvaluation:
         for k in clients:
             if k in data.partition.heldout_clients:
                 continue
-            crops = self.device_crops(k)
-            people = np.unique(data.union(TRAIN, [k]).labels)
-            test = np.flatnonzero(data.client_mask(k, TEST))
-            test = test[np.isin(data.crops.labels[test], people)]
             seen = np.sort(np.random.default_rng(c.seed + k).choice(strangers, min(c.impostor_images, len(strangers)),
                                                                    replace=False))
-            faces = DoorFaces(crops.images, crops.labels, check_split(crops.labels, c.seed + k),
-                              data.crops.images[test], np.searchsorted(people, data.crops.labels[test]),
-                              data.crops.images[seen], self.public_faces())
+            faces = door_faces(data, k, seen, self.public_faces(), c.seed + k)
             models = {"start": lambda x: embed(start_model, x), "global": lambda x: embed(global_model, x)}
             personal = self.personal_model(global_model, k) if c.training.dfc else None
             if personal is not None:
