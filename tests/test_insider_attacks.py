@@ -140,3 +140,51 @@ def test_the_gate_refuses_one_person_pulled_onto_another_when_the_average_holds(
     assert worst_identity(current, current, threshold, 1e-2, 3.0) is None
     same, untouched = _person_pulled_onto_another(-1.0)  # person 3 pushed away from 7: nobody let in
     assert compare(same, untouched, far=1e-2, far_ratio=3.0, auc_margin=0.05).ok
+
+
+def test_the_gate_refuses_one_face_pulled_onto_one_other_when_every_count_holds():
+    """One pair, not one person: a single impostor pair (one face of person 3, one of person 7) moved from its score
+    to 0.99 is 1 crossing, inside the per-person slack; the pair check refuses it, and an even rise of every pair
+    (an honest round's kind of move) is not refused by it."""
+    from models.evaluation.separation import PAIR_JUMP, compare, worst_identity, worst_pair
+    from models.evaluation.thresholds import threshold_at_far
+
+    current, _ = _person_pulled_onto_another(0.0)
+    ids = current.impostor_ids
+    one = int(np.flatnonzero(((ids[:, 0] == 3) & (ids[:, 1] == 7)) | ((ids[:, 0] == 7) & (ids[:, 1] == 3)))[0])
+    moved = current.impostor.copy()
+    moved[one] = 0.99
+    candidate = type(current)(current.genuine, moved, ids)
+    threshold, _ = threshold_at_far(current.impostor, 1e-2)
+    assert current.impostor[one] < threshold < 0.99 and 0.99 - current.impostor[one] > PAIR_JUMP
+    assert worst_identity(current, candidate, threshold, 1e-2, 3.0) is None, "the per-person count lets it pass"
+    verdict = compare(current, candidate, far=1e-2, far_ratio=3.0, auc_margin=0.05)
+    assert not verdict.ok and verdict.reason.startswith(("people 3 and 7", "people 7 and 3")), verdict.reason
+    assert verdict.metrics["pairs_jumped"] == 1
+    lifted = type(current)(current.genuine + 0.05, current.impostor + 0.05, ids)
+    assert worst_pair(current, lifted, threshold) is None
+    assert worst_pair(current, candidate, threshold, jump=1.5) is None, "the jump is the bar"
+
+
+def test_a_pair_pulled_a_little_each_round_is_refused_against_the_anchor_when_the_rises_add_up():
+    """The pair check is held against the model the run started from too (the gate's and a device's anchor): one pair
+    pulled 0.1 a round passes each round's check (0.1 < PAIR_JUMP), and the third step, 0.3 above the start and
+    across the threshold, is refused against the start."""
+    from models.evaluation.separation import PAIR_JUMP, compare
+    from models.evaluation.thresholds import threshold_at_far
+
+    start, _ = _person_pulled_onto_another(0.0)
+    ids = start.impostor_ids
+    one = int(np.flatnonzero(((ids[:, 0] == 3) & (ids[:, 1] == 7)) | ((ids[:, 0] == 7) & (ids[:, 1] == 3)))[0])
+    steps = [start]
+    for _ in range(3):
+        moved = steps[-1].impostor.copy()
+        moved[one] += 0.1
+        steps.append(type(start)(start.genuine, moved, ids))
+    bar = {"far": 1e-2, "far_ratio": 3.0, "auc_margin": 0.05}
+    threshold, _ = threshold_at_far(start.impostor, bar["far"])
+    assert 0.2 < PAIR_JUMP < 0.3 and steps[2].impostor[one] < threshold + 0.1 < steps[3].impostor[one]
+    assert all(compare(a, b, **bar).ok for a, b in zip(steps, steps[1:])), "each round's step passes"
+    assert compare(start, steps[2], **bar).ok, "two steps, 0.2 from the start, pass against it too"
+    against_start = compare(start, steps[3], **bar)
+    assert not against_start.ok and "rose 0.300" in against_start.reason, against_start.reason

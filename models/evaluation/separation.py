@@ -27,6 +27,7 @@ from models.typed_fields import check_types
 BACKBONE_PREFIX = "backbone."
 DEGENERATE_THRESHOLD = 0.98  # a current model whose FAR threshold is this high maps every face to about one point
 DEFAULT_LIMIT = 400  # faces: 80k impostor pairs, a FAR of 1e-3 measured on ~80 of them; ~3 s per model on 2 cores
+PAIR_JUMP = 0.25  # cosine; an honest round moves no impostor pair this far (bench/results/pair_jumps.md)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class SeparationSettings:
     far: float = 1e-3          # the operating point devices calibrate for
     far_ratio: float = 2.0     # the candidate may accept at most this x the current model's impostors there
     auc_margin: float = 0.01   # ... and lose at most this much AUC
+    pair_jump: float = PAIR_JUMP  # no impostor pair may cross the threshold by rising more than this (`worst_pair`)
     limit: int = DEFAULT_LIMIT  # faces scored, at most
     seed: int = 0              # which faces, when there are more than `limit`
     threads: int | None = None
@@ -52,12 +54,14 @@ class SeparationSettings:
             raise ValueError(f"gate FAR ratio must be at least 1, got {self.far_ratio}")
         if not 0 <= self.auc_margin < 1:
             raise ValueError(f"gate AUC margin must be in [0, 1), got {self.auc_margin}")
+        if not 0 < self.pair_jump <= 2:
+            raise ValueError(f"gate pair jump must be in (0, 2], got {self.pair_jump}")
         if self.limit < 3:
             raise ValueError(f"the gate needs at least 3 faces, got a limit of {self.limit}")
 
     def judge(self, current: Scores, candidate: Scores) -> Verdict:
         """`compare` at this bar."""
-        return compare(current, candidate, self.far, self.far_ratio, self.auc_margin)
+        return compare(current, candidate, self.far, self.far_ratio, self.auc_margin, pair_jump=self.pair_jump)
 
 
 @dataclass(frozen=True)
@@ -165,14 +169,15 @@ def auc(genuine: np.ndarray, impostor: np.ndarray) -> float:
 
 
 def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: float = 2.0,
-            auc_margin: float = 0.01, mean_margin: float = 0.15) -> Verdict:
+            auc_margin: float = 0.01, mean_margin: float = 0.15, pair_jump: float = PAIR_JUMP) -> Verdict:
     """May `candidate` replace `current`? Not when, at the current model's threshold for `far`, it accepts more
     than `far_ratio` x the impostors the current model accepts there (never judged below `far` itself), or
     when its AUC is more than `auc_margin` below the current model's. A current model that separates nobody
     (its threshold at or above DEGENERATE_THRESHOLD, e.g. a random initialisation) is not judged: any model
     may replace it, and the figures say so (`skipped`). With too few impostor pairs to measure `far` (a device
     with a handful of people), the false-accept test becomes one on the mean impostor score, which a collapse
-    drives towards 1: it may rise by at most `mean_margin`."""
+    drives towards 1: it may rise by at most `mean_margin`. Then the worst cases, which an average hides: one person
+    (`worst_identity`) and one pair (`worst_pair`, a rise of more than `pair_jump` across the threshold)."""
     threshold, measurable = threshold_at_far(current.impostor, far)
     far_now = float(np.mean(current.impostor > threshold))
     far_new = float(np.mean(candidate.impostor > threshold))
@@ -203,7 +208,8 @@ def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: fl
             f"score {metrics['impostor_mean_current']:.3f} -> {metrics['impostor_mean_candidate']:.3f})",
             metrics,
         )
-    worst = worst_identity(current, candidate, threshold, far, far_ratio)
+    worst = worst_identity(current, candidate, threshold, far, far_ratio) or \
+        worst_pair(current, candidate, threshold, pair_jump)
     if worst is not None:
         metrics.update(worst.metrics)
         return Verdict(False, worst.reason, metrics)
@@ -255,3 +261,29 @@ def worst_identity(current: Scores, candidate: Scores, threshold: float, far: fl
                           f"{pairs[worst]} impostor pairs at the current threshold {threshold:.3f} (current model "
                           f"{now[worst]}, at most {allowed[worst]:.0f}): one person pulled onto others, which the "
                           "average hides", metrics)
+
+
+def worst_pair(current: Scores, candidate: Scores, threshold: float, jump: float = PAIR_JUMP) -> Verdict | None:
+    """The impostor pair the candidate moved furthest across the threshold, as a refusal when it rose by more than
+    `jump`; None otherwise.
+
+    The per-person count (`worst_identity`) allows a handful of crossings for noise, so one face pulled onto one other
+    (an impersonation whose faces happen to be near two of these) passes it. An honest round moves each pair's score
+    a little and all of them together; a pull moves one pair far. So any single impostor pair that is accepted under
+    the candidate and rose by more than `jump` refuses it (`PAIR_JUMP`: above the largest honest rise measured)."""
+    if len(current.impostor) != len(candidate.impostor) or not len(candidate.impostor):
+        return None
+    rise = candidate.impostor - current.impostor
+    flagged = (candidate.impostor > threshold) & (rise > jump)
+    if not flagged.any():
+        return None
+    worst = int(np.argmax(np.where(flagged, rise, -np.inf)))
+    ids = candidate.impostor_ids
+    who = f"people {ids[worst, 0]} and {ids[worst, 1]}" if ids is not None and len(ids) == len(rise) \
+        else f"impostor pair {worst}"
+    metrics = {"pair_worst_rise": float(rise[worst]), "pair_worst_score": float(candidate.impostor[worst]),
+               "pairs_jumped": int(flagged.sum())}
+    return Verdict(False, f"{who}: one impostor pair's score rose {rise[worst]:.3f} to "
+                          f"{candidate.impostor[worst]:.3f}, past the current threshold {threshold:.3f} (an honest "
+                          f"round moves no pair more than {jump:g}): one face pulled onto another, which the "
+                          "averages hide", metrics)
