@@ -96,7 +96,19 @@ def run(data: Path, work: Path, rounds: int, extra: list[str]) -> dict:
         choices[name] = [re.sub(r"^.*?: ", "", line) for line in lines]
     strangers = {name: strangers_let_in(work / f"{name}_home", devices[name], unseen) for name in devices}
     return {"scores": scores, "choices": choices, "strangers": strangers, "people_per_device": PEOPLE_PER_DEVICE,
-            "unseen_people": UNSEEN}
+            "unseen_people": UNSEEN, "rounds": coordinator_rounds(state),
+            "gate": next((re.sub(r"^.*?(quality gate)", r"\1", line) for line in
+                          (work / "serve.log").read_text().splitlines() if "quality gate" in line), "none")}
+
+
+def coordinator_rounds(state: Path) -> list[dict]:
+    """Each round as the coordinator recorded it: published or rolled back and why, its step, its gate's figures."""
+    from coordinator.store import Store
+
+    keep = ("server_step", "gate_far_current", "gate_far_candidate", "gate_far_limit", "gate_auc_current",
+            "gate_auc_candidate")
+    return [{"round": r["round_id"], "status": r["status"], "reason": r.get("reason") or "",
+             **{k: r["metrics"][k] for k in keep if k in r["metrics"]}} for r in Store(state).rounds()]
 
 
 def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
@@ -177,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         matches = ", ".join(f"{pair}: {n}" for pair, n in s["matches"].items()) or "none"
         doors.append(f"| {name} | {s['model']} | {s['threshold']:.3f} | {s['far_promised']:g} | {s['far']:.4f} | "
                      f"{s['photos_matching_someone']} of {s['strangers_photos']} | {matches} |")
+    doors += ["", f"The coordinator's rounds ({result['gate']}):", ""]
+    doors += [f"- round {r['round']}: {r['status']}" + (f" ({r['reason']})" if r["reason"] else "")
+              + "".join(f", {k} {v:.4g}" for k, v in r.items() if k not in ("round", "status", "reason"))
+              for r in result["rounds"]]
     doors += ["", "The devices' own log lines (own people: a quarter of each person's images, held out of the "
               "personalised fit):", ""]
     doors += [f"- {name}: {line}" for name, lines in result["choices"].items() for line in lines]

@@ -121,9 +121,9 @@ def add_round_options(p: argparse.ArgumentParser, validators: str) -> None:
     g.add_argument("--round-timeout", type=float, default=ROUND_TIMEOUT_S,
                    help=f"seconds a round waits for updates (default {ROUND_TIMEOUT_S:g})")
     g.add_argument("--server-step", type=float, default=FIXED_STEP,
-                   help="without a quality gate (no faces to choose on): how far the published model moves towards "
-                        f"the round's aggregate, 1 = all the way (default {FIXED_STEP:g}; with a gate the step is "
-                        "chosen on its faces)")
+                   help="without real faces to choose on: how far the published model moves towards the round's "
+                        f"aggregate, 1 = all the way (default {FIXED_STEP:g}; a gate on real faces chooses the step, "
+                        "one on stand-in faces only judges this one)")
     g = p.add_argument_group("robust aggregation (every update is norm-bounded; the new model is checked)")
     g.add_argument("--combine", choices=COMBINERS, default="mean",
                    help="how updates are combined: the weighted mean (FedAvg), a coordinate-wise trimmed mean or "
@@ -186,7 +186,8 @@ def add_gate_options(p: argparse.ArgumentParser):
                    help="aligned faces to score candidates on: a folder (one sub-folder per person gives TAR/FAR; "
                         "a flat folder of unlabelled faces works too) or a public set file (default: faces the "
                         "coordinator keeps to itself: serve keeps a share of --public-set and never serves it, fleet "
-                        "simulate a share of the people on no device; without any, no gate)")
+                        "simulate a share of the people on no device; serve without any: SYNTHETIC stand-in faces, "
+                        "which judge --server-step but never choose the step)")
     g.add_argument("--gate-far", type=float, default=d.far,
                    help=f"the operating point checked: the current model's threshold for this FAR (default {d.far:g})")
     g.add_argument("--gate-far-ratio", type=float, default=d.far_ratio,

@@ -12,7 +12,10 @@ not the run as a whole, so an insider cannot drift past it a step at a time.
 The faces: the public set the coordinator serves (`--public-set`), or any folder the operator names
 (`--gate-data`: one folder per person gives TAR/FAR over labelled pairs; a flat folder of unlabelled
 faces still shows a collapse as impostor scores rising). They never leave the coordinator, and no
-device's data is involved. Torch-free: the backbone runs as ONNX built from the state dict.
+device's data is involved. Without either, stand-in faces (`stand_in_faces`): SYNTHETIC people drawn from a seed
+only the coordinator's state holds. They show a collapse or a drift of every score, not how real people are kept
+apart, so on them the gate only judges the step the operator set (`--server-step`) and never chooses one.
+Torch-free: the backbone runs as ONNX built from the state dict.
 """
 from __future__ import annotations
 
@@ -23,13 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.server_step import WHOLE, Judged, best_step
+from coordinator.server_step import STEPS, WHOLE, Judged, best_step
 from models.evaluation.separation import FaceSet, Scores, SeparationSettings, Verdict, score
 
 log = logging.getLogger("coordinator")
 
 
 GateSettings = SeparationSettings  # the gate's bar: the spec's defaults
+STAND_IN_PEOPLE, STAND_IN_IMAGES = 40, 10  # 400 faces (the bar's default limit): 78,000 impostor pairs
+SEED_FILE = "gate_faces.seed"  # in the coordinator's state: the stand-in faces stay the same across restarts
 
 
 @dataclass
@@ -50,6 +55,7 @@ class QualityGate:
     faces: FaceSet
     settings: GateSettings = field(default_factory=GateSettings)
     source: str = ""
+    steps: tuple[float, ...] = STEPS  # the server steps it may choose among (`coordinator.server_step`)
     _current: tuple[str, Scores] | None = None
     _anchor: Scores | None = None
     _last: tuple[dict, Scores, Judged] | None = None  # the last candidate judged (the whole step, judged again)
@@ -70,7 +76,7 @@ class QualityGate:
         """The server's step towards the aggregate, at most `limit` of it: the point that separates these faces best
         among those that pass (`coordinator.server_step`); (None, why, figures) when none does."""
         current = self._current_scores(current_state, current_sha)
-        return best_step(current_state, aggregate, lambda state: self._judge(current, state), limit=limit)
+        return best_step(current_state, aggregate, lambda state: self._judge(current, state), self.steps, limit)
 
     def start_figures(self) -> dict:
         """The anchor's AUC on these faces, for each round's record: start against now."""
@@ -103,6 +109,26 @@ class QualityGate:
     def from_path(cls, path: Path, settings: GateSettings | None = None) -> QualityGate:
         settings = settings or GateSettings()
         return cls(load_faces(Path(path), settings.limit, settings.seed), settings, str(path))
+
+
+def stand_in_faces(state: Path) -> FaceSet:
+    """SYNTHETIC people (`models.faces.synthetic`) for a coordinator given no faces: drawn from a random seed kept in
+    its state folder (mode 0600), so no device knows which faces, and a restart judges on the same ones."""
+    import secrets
+
+    from models.faces.synthetic import generate
+
+    path = Path(state) / SEED_FILE
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(secrets.randbits(31)))
+        path.chmod(0o600)
+    try:
+        seed = int(path.read_text().strip())
+    except ValueError:
+        raise ValueError(f"{path} is damaged (not a seed); delete it to draw new stand-in faces") from None
+    images, labels = generate(STAND_IN_PEOPLE, STAND_IN_IMAGES, seed=seed, size=112)
+    return FaceSet(images, labels)
 
 
 def load_faces(path: Path, limit: int, seed: int = 0) -> FaceSet:

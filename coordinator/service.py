@@ -27,7 +27,7 @@ from coordinator.aggregation import make_strategy
 from coordinator.broker import EmbeddedBroker, broker_file
 from coordinator.broker_acl import BrokerUsers
 from coordinator.engine import Engine, RoundSettings
-from coordinator.quality_gate import GateSetup, QualityGate
+from coordinator.quality_gate import GateSetup, QualityGate, stand_in_faces
 from coordinator.store import Store
 from protocol import topics
 from protocol.auth import write_secret
@@ -132,7 +132,7 @@ class Service:
             raise ValueError(f"cannot reach the broker {self.broker_url} ({exc.strerror or exc}); start it first, "
                              "or leave out --broker to run the embedded one") from None
         strategy, store = _strategy(settings), Store(config.state)  # a damaged store: refused before the gate's say
-        self.gate = self._gate()
+        self.gate = self._gate(settings.server_step)
         self.engine = Engine(store, strategy, settings, self._publish, self._initial_model, self.signer, gate=self.gate)
         if config.start_paused:
             self.engine.pause()
@@ -142,16 +142,20 @@ class Service:
         log.info("coordinator: broker %s, state %s, strategy %s", self.broker_url, config.state,
                  settings.training.algorithm)
 
-    def _gate(self) -> QualityGate | None:
-        """The quality gate on --gate-data, else on the public set; none (with a warning) without faces."""
+    def _gate(self, server_step: float) -> QualityGate | None:
+        """The quality gate on --gate-data, else on the public set, else on stand-in faces judging `server_step`
+        only (`coordinator.quality_gate.stand_in_faces`); none with --no-gate."""
         faces = self.config.gate.data or self.config.public_set
         if self.config.gate.off:
             log.warning("quality gate off (--no-gate): a model that accepts impostors can be published")
             return None
         if faces is None:
-            log.warning("no quality gate: give the coordinator faces to score new models on (--gate-data DIR or "
-                        "--public-set FILE); without them a poisoned model that stays inside the bounds is published")
-            return None
+            gate = QualityGate(stand_in_faces(Path(self.config.state)), self.config.gate.bar,
+                               "stand-in faces", steps=(server_step,))
+            log.warning("quality gate on %d SYNTHETIC stand-in faces: they catch a collapse or a drift of every "
+                        "score, not one person pulled onto another; give the coordinator real faces (--gate-data "
+                        "DIR or --public-set FILE)", len(gate.faces.images))
+            return gate
         gate = QualityGate.from_path(Path(faces), self.config.gate.bar)
         log.info("quality gate: %d faces (%s) from %s", len(gate.faces.images),
                  "labelled" if gate.faces.labels is not None else "unlabelled", faces)

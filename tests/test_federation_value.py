@@ -269,3 +269,47 @@ def test_without_faces_the_coordinator_takes_a_quarter_of_the_way_to_the_aggrega
     assert row["status"] == "completed" and row["metrics"]["server_step"] == FIXED_STEP == 0.25
     mean = (honest_delta(0)["backbone.w"] + honest_delta(1)["backbone.w"]) / 2
     assert np.allclose(h.engine.global_state["backbone.w"], GLOBAL["backbone.w"] + FIXED_STEP * mean, atol=1e-6)
+
+
+def test_a_coordinator_given_no_faces_gates_its_fixed_step_on_stand_in_faces_kept_in_its_state(tmp_path):
+    """`serve` without --gate-data or --public-set: SYNTHETIC stand-in faces from a seed in its state folder (0600,
+    the same faces after a restart, others for another coordinator), scored with ONNX Runtime. They refuse a
+    scrambled embedding and pass a small honest-sized change; they judge only the operator's step, never choose."""
+    from coordinator.quality_gate import SEED_FILE, GateSettings, GateSetup, QualityGate, stand_in_faces
+    from coordinator.server_step import FIXED_STEP
+    from coordinator.service import Service, ServiceConfig
+    from coordinator.settings import RoundSettings
+    from protocol.messages import TrainingConfig
+
+    faces = stand_in_faces(tmp_path / "a")
+    assert (tmp_path / "a" / SEED_FILE).stat().st_mode & 0o777 == 0o600
+    assert np.array_equal(stand_in_faces(tmp_path / "a").images, faces.images)
+    assert not np.array_equal(stand_in_faces(tmp_path / "b").images, faces.images)
+    assert len(faces.images) == 400 and len(np.unique(faces.labels)) == 40
+    _, current, scrambled = _gate_and_scrambled()
+    gate = QualityGate(faces, GateSettings(), "stand-in faces", steps=(FIXED_STEP,))
+    assert gate.check(current, "v0", scrambled)[0].startswith("quality gate")
+    weight = current["backbone.embedding.weight"]
+    honest = {**current, "backbone.embedding.weight": (weight * 1.05).astype(weight.dtype)}
+    stepped, why, figures = gate.step(current, "v0", honest, limit=2.0)
+    assert not why and figures["server_step"] == FIXED_STEP
+    assert [k for k in figures if k.startswith("server_step_auc@")] == [f"server_step_auc@{FIXED_STEP:g}"]
+    assert np.allclose(stepped["backbone.embedding.weight"], point(current, honest, FIXED_STEP)[
+        "backbone.embedding.weight"])
+    (tmp_path / "a" / SEED_FILE).write_text("not a seed")
+    with pytest.raises(ValueError, match="damaged"):
+        stand_in_faces(tmp_path / "a")
+
+    service = Service(ServiceConfig(state=tmp_path / "state", init="none"),
+                      RoundSettings(rounds=1, min_clients=5, server_step=0.5, training=TrainingConfig(width_mult=0.25)))
+    try:
+        assert service.gate is not None and service.gate.source == "stand-in faces" and service.gate.steps == (0.5,)
+        assert (tmp_path / "state" / SEED_FILE).is_file()
+    finally:
+        service.close()
+    off = Service(ServiceConfig(state=tmp_path / "off", init="none", gate=GateSetup(off=True)),
+                  RoundSettings(rounds=1, min_clients=5, training=TrainingConfig(width_mult=0.25)))
+    try:
+        assert off.gate is None
+    finally:
+        off.close()
