@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.server_step import STEPS, WHOLE, Judged, best_step
+from coordinator.server_step import STEPS, WHOLE, Judged, best_step, point
 from models.evaluation.separation import FaceSet, Scores, SeparationSettings, Verdict, score
 
 log = logging.getLogger("coordinator")
@@ -67,7 +67,11 @@ class QualityGate:
 
     def check(self, current_state: dict[str, np.ndarray], current_sha: str,
               candidate_state: dict[str, np.ndarray]) -> tuple[str, dict]:
-        """('' or why the candidate must not be published, the figures behind it for the round's record)."""
+        """('' or why the candidate must not be published, the figures behind it for the round's record). A gate that
+        may not take the whole step (stand-in faces) judges the candidate as far as it would publish it."""
+        reach = WHOLE if WHOLE in self.steps else max(self.steps)
+        if reach != WHOLE:
+            candidate_state = point(current_state, candidate_state, reach)
         judged = self._judge(self._current_scores(current_state, current_sha), candidate_state)
         return judged.problem, judged.metrics
 

@@ -286,9 +286,15 @@ def test_a_coordinator_given_no_faces_gates_its_fixed_step_on_stand_in_faces_kep
     assert np.array_equal(stand_in_faces(tmp_path / "a").images, faces.images)
     assert not np.array_equal(stand_in_faces(tmp_path / "b").images, faces.images)
     assert len(faces.images) == 400 and len(np.unique(faces.labels)) == 40
-    _, current, scrambled = _gate_and_scrambled()
+    from fleet.attacks import collapse_delta
+    from models.faces.synthetic import generate
+
+    _, current, _ = _gate_and_scrambled()
     gate = QualityGate(faces, GateSettings(), "stand-in faces", steps=(FIXED_STEP,))
-    assert gate.check(current, "v0", scrambled)[0].startswith("quality gate")
+    whole = collapse_delta(current, generate(20, 6, seed=1)[0], 1.0)  # the attacker's own faces, not the gate's
+    collapsed = {k: v + whole[k] / FIXED_STEP if v.dtype.kind == "f" else v for k, v in current.items()}
+    problem, figures = gate.check(current, "v0", collapsed)  # judged as published: a quarter of the way
+    assert problem.startswith("quality gate") and figures["gate_far_candidate"] > figures["gate_far_limit"], problem
     weight = current["backbone.embedding.weight"]
     honest = {**current, "backbone.embedding.weight": (weight * 1.05).astype(weight.dtype)}
     stepped, why, figures = gate.step(current, "v0", honest, limit=2.0)
