@@ -5,8 +5,9 @@ since the current model: a face pulled onto another moves one pair far, an hones
 The bar must sit above what honest rounds do, or honest rounds are rolled back. This bench reads the published
 models of finished honest runs (`ffr fleet simulate` run folders), scores each on faces (the run's own gate faces and
 any labelled aligned sets given) and reports, for every round step (v_k -> v_k+1) and for the whole run (v0 -> v_k):
-the largest rise of any impostor pair, of one the candidate accepts at the current model's FAR=1e-3 threshold, and
-how many pairs the check at `PAIR_JUMP` would flag (0 for an honest round).
+the largest rise of any impostor pair and of one the candidate accepts at the current model's FAR=1e-3 threshold,
+the largest rise beyond the median one in robust deviations, the check's bar, and how many pairs it would flag (0
+for an honest round).
 
     python -m bench.pair_jumps --run RUN [--run RUN2] [--faces DIR] --out bench/results
 """
@@ -21,21 +22,24 @@ import numpy as np
 from bench.common import face_set, write_results
 from coordinator.quality_gate import load_faces
 from coordinator.store import Store
-from models.evaluation.separation import DEFAULT_LIMIT, PAIR_JUMP, FaceSet, Scores, score
+from models.evaluation.separation import DEFAULT_LIMIT, PAIR_JUMP, PAIR_SIGMAS, FaceSet, Scores, pair_excess, score
 from models.evaluation.thresholds import threshold_at_far
 
 FAR = 1e-3
 
 
-def jumps(current: Scores, candidate: Scores, far: float = FAR, bar: float = PAIR_JUMP) -> dict:
-    """The rises of impostor pair scores from `current` to `candidate`, and those the pair check looks at."""
+def jumps(current: Scores, candidate: Scores, far: float = FAR, jump: float = PAIR_JUMP) -> dict:
+    """The rises of impostor pair scores from `current` to `candidate`, and what the pair check sees of them: each
+    pair's rise beyond the median one, in robust deviations, and the pairs over its bar (`pair_excess`)."""
     threshold, _ = threshold_at_far(current.impostor, far)
     rise = candidate.impostor - current.impostor
+    excess, bar = pair_excess(current, candidate, jump)
+    spread = 1.4826 * float(np.median(np.abs(excess)))
     accepted = candidate.impostor > threshold
-    return {"threshold": float(threshold), "rise_sd": float(rise.std()), "rise_max": float(rise.max()),
-            "rise_p9999": float(np.quantile(rise, 0.9999)),
+    return {"threshold": float(threshold), "rise_median": float(np.median(rise)), "rise_max": float(rise.max()),
             "accepted_rise_max": float(rise[accepted].max()) if accepted.any() else 0.0,
-            "flagged": int((accepted & (rise > bar)).sum()), "pairs": int(len(rise))}
+            "excess_max_in_deviations": float(excess.max() / spread) if spread > 0 else 0.0, "bar": bar,
+            "flagged": int((accepted & (excess > bar)).sum()), "pairs": int(len(rise))}
 
 
 def run_rows(run: Path, sets: dict[str, FaceSet]) -> list[dict]:
@@ -70,11 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("no published model steps to measure", file=sys.stderr)
         return 1
-    worst = max(r["accepted_rise_max"] for r in rows)
-    write_results(args.out, args.name, {"pair_jump": PAIR_JUMP, "far": FAR, "worst_accepted_rise": worst},
-                  rows, f"Honest rounds' largest impostor-pair rises (pair check bar {PAIR_JUMP:g}; worst accepted "
-                  f"rise {worst:.3f})", "python -m bench.pair_jumps " + " ".join(sys.argv[1:] if argv is None
-                                                                                  else argv))
+    worst = max(r["excess_max_in_deviations"] for r in rows)
+    command = "python -m bench.pair_jumps " + " ".join(sys.argv[1:] if argv is None else argv)
+    title = (f"Honest rounds' impostor-pair rises (pair check: {PAIR_JUMP:g}, or {PAIR_SIGMAS:g} robust deviations "
+             f"beyond the median rise; the largest honest excess: {worst:.1f} deviations)")
+    write_results(args.out, args.name, {"pair_jump": PAIR_JUMP, "pair_sigmas": PAIR_SIGMAS, "far": FAR,
+                                        "worst_excess_in_deviations": worst}, rows, title, command)
     return 0
 
 

@@ -28,6 +28,7 @@ BACKBONE_PREFIX = "backbone."
 DEGENERATE_THRESHOLD = 0.98  # a current model whose FAR threshold is this high maps every face to about one point
 DEFAULT_LIMIT = 400  # faces: 80k impostor pairs, a FAR of 1e-3 measured on ~80 of them; ~3 s per model on 2 cores
 PAIR_JUMP = 0.25  # cosine; an honest round moves no impostor pair this far (bench/results/pair_jumps.md)
+PAIR_SIGMAS = 8.0  # ... nor further than this many robust deviations of all pairs' rises (honest: at most about 5)
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def compare(current: Scores, candidate: Scores, far: float = 1e-3, far_ratio: fl
     may replace it, and the figures say so (`skipped`). With too few impostor pairs to measure `far` (a device
     with a handful of people), the false-accept test becomes one on the mean impostor score, which a collapse
     drives towards 1: it may rise by at most `mean_margin`. Then the worst cases, which an average hides: one person
-    (`worst_identity`) and one pair (`worst_pair`, a rise of more than `pair_jump` across the threshold)."""
+    (`worst_identity`) and one pair (`worst_pair`, a rise across the threshold beyond `pair_jump`)."""
     threshold, measurable = threshold_at_far(current.impostor, far)
     far_now = float(np.mean(current.impostor > threshold))
     far_new = float(np.mean(candidate.impostor > threshold))
@@ -263,27 +264,38 @@ def worst_identity(current: Scores, candidate: Scores, threshold: float, far: fl
                           "average hides", metrics)
 
 
+def pair_excess(current: Scores, candidate: Scores, jump: float = PAIR_JUMP) -> tuple[np.ndarray, float]:
+    """Each impostor pair's rise beyond the pairs' common move (the median rise), and the bar it must stay under:
+    `jump`, or PAIR_SIGMAS robust deviations (1.4826 x MAD) of the rises when the model moved further than one
+    round (several rounds, judged against the anchor), so that the bar scales with the move as an honest one does."""
+    rise = candidate.impostor - current.impostor
+    centre = float(np.median(rise))
+    spread = 1.4826 * float(np.median(np.abs(rise - centre)))
+    return rise - centre, max(jump, PAIR_SIGMAS * spread)
+
+
 def worst_pair(current: Scores, candidate: Scores, threshold: float, jump: float = PAIR_JUMP) -> Verdict | None:
-    """The impostor pair the candidate moved furthest across the threshold, as a refusal when it rose by more than
-    `jump`; None otherwise.
+    """The impostor pair the candidate moved furthest across the threshold, as a refusal when it rose beyond the
+    others by more than the bar (`pair_excess`); None otherwise.
 
     The per-person count (`worst_identity`) allows a handful of crossings for noise, so one face pulled onto one other
     (an impersonation whose faces happen to be near two of these) passes it. An honest round moves each pair's score
     a little and all of them together; a pull moves one pair far. So any single impostor pair that is accepted under
-    the candidate and rose by more than `jump` refuses it (`PAIR_JUMP`: above the largest honest rise measured)."""
+    the candidate and rose that far beyond the rest refuses it (bench/results/pair_jumps.md: honest rounds' rises)."""
     if len(current.impostor) != len(candidate.impostor) or not len(candidate.impostor):
         return None
-    rise = candidate.impostor - current.impostor
-    flagged = (candidate.impostor > threshold) & (rise > jump)
+    excess, bar = pair_excess(current, candidate, jump)
+    flagged = (candidate.impostor > threshold) & (excess > bar)
     if not flagged.any():
         return None
-    worst = int(np.argmax(np.where(flagged, rise, -np.inf)))
+    worst = int(np.argmax(np.where(flagged, excess, -np.inf)))
     ids = candidate.impostor_ids
-    who = f"people {ids[worst, 0]} and {ids[worst, 1]}" if ids is not None and len(ids) == len(rise) \
+    who = f"people {ids[worst, 0]} and {ids[worst, 1]}" if ids is not None and len(ids) == len(excess) \
         else f"impostor pair {worst}"
-    metrics = {"pair_worst_rise": float(rise[worst]), "pair_worst_score": float(candidate.impostor[worst]),
+    rise = float(candidate.impostor[worst] - current.impostor[worst])
+    metrics = {"pair_worst_rise": rise, "pair_worst_score": float(candidate.impostor[worst]), "pair_bar": bar,
                "pairs_jumped": int(flagged.sum())}
-    return Verdict(False, f"{who}: one impostor pair's score rose {rise[worst]:.3f} to "
-                          f"{candidate.impostor[worst]:.3f}, past the current threshold {threshold:.3f} (an honest "
-                          f"round moves no pair more than {jump:g}): one face pulled onto another, which the "
-                          "averages hide", metrics)
+    return Verdict(False, f"{who}: one impostor pair's score rose {rise:.3f} to {candidate.impostor[worst]:.3f}, "
+                          f"past the current threshold {threshold:.3f} and {excess[worst]:.3f} beyond the other "
+                          f"pairs' move (bar {bar:.3g}): one face pulled onto another, which the averages hide",
+                   metrics)
