@@ -121,12 +121,11 @@ def stand_in_faces(state: Path) -> FaceSet:
     import secrets
 
     from models.faces.synthetic import generate
+    from protocol.auth import write_secret
 
     path = Path(state) / SEED_FILE
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(str(secrets.randbits(31)))
-        path.chmod(0o600)
+        write_secret(path, str(secrets.randbits(31)))
     try:
         seed = int(path.read_text().strip())
     except ValueError:
