@@ -195,6 +195,9 @@ def add_gate_options(p: argparse.ArgumentParser):
                         f"threshold (default {d.far_ratio:g})")
     g.add_argument("--gate-auc-margin", type=float, default=d.auc_margin,
                    help=f"... or loses more than this much AUC (default {d.auc_margin:g})")
+    g.add_argument("--gate-pair-jump", type=float, default=d.pair_jump,
+                   help="... or accepts any one impostor pair that rose this much beyond the others' median move (or "
+                        f"8 robust deviations of all pairs' rises, if more) (default {d.pair_jump:g})")
     g.add_argument("--gate-faces", type=int, default=d.limit, help=f"faces scored, at most (default {d.limit})")
     g.add_argument("--no-gate", action="store_true", help="publish without the quality gate (not for deployments)")
     return g
@@ -205,7 +208,7 @@ def gate_setup(args, seed: int):
     from coordinator.quality_gate import GateSettings, GateSetup
 
     bar = GateSettings(far=args.gate_far, far_ratio=args.gate_far_ratio, auc_margin=args.gate_auc_margin,
-                       limit=args.gate_faces, seed=seed)
+                       pair_jump=args.gate_pair_jump, limit=args.gate_faces, seed=seed)
     return GateSetup(data=args.gate_data, off=args.no_gate, bar=bar)
 
 
