@@ -25,7 +25,7 @@ class RoundSettings:
     training: TrainingConfig = field(default_factory=TrainingConfig)  # the local round every device is sent;
                                    # its `algorithm` is also how the coordinator aggregates (coordinator.aggregation)
     server_momentum: float = 0.9   # FedAvgM's server momentum
-    server_step: float = FIXED_STEP  # how far towards the round's aggregate, without a gate's faces to choose on
+    server_step: float = FIXED_STEP  # how far towards the round's aggregate without real faces to choose on
     max_update_bytes: int = 64 * 1024 * 1024
     max_inflight_bytes: int = 1024 * 1024 * 1024  # all half-received updates together
     seed: int = 0
