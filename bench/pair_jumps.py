@@ -22,7 +22,16 @@ import numpy as np
 from bench.common import face_set, write_results
 from coordinator.quality_gate import load_faces
 from coordinator.store import Store
-from models.evaluation.separation import DEFAULT_LIMIT, PAIR_JUMP, PAIR_SIGMAS, FaceSet, Scores, pair_excess, score
+from models.evaluation.separation import (
+    DEFAULT_LIMIT,
+    PAIR_JUMP,
+    PAIR_SIGMAS,
+    FaceSet,
+    Scores,
+    pair_excess,
+    robust_deviation,
+    score,
+)
 from models.evaluation.thresholds import threshold_at_far
 
 FAR = 1e-3
@@ -34,7 +43,7 @@ def jumps(current: Scores, candidate: Scores, far: float = FAR, jump: float = PA
     threshold, _ = threshold_at_far(current.impostor, far)
     rise = candidate.impostor - current.impostor
     excess, bar = pair_excess(current, candidate, jump)
-    spread = 1.4826 * float(np.median(np.abs(excess)))
+    spread = robust_deviation(excess)
     accepted = candidate.impostor > threshold
     return {"threshold": float(threshold), "rise_median": float(np.median(rise)), "rise_max": float(rise.max()),
             "accepted_rise_max": float(rise[accepted].max()) if accepted.any() else 0.0,

@@ -268,10 +268,15 @@ def pair_excess(current: Scores, candidate: Scores, jump: float = PAIR_JUMP) -> 
     """Each impostor pair's rise beyond the pairs' common move (the median rise), and the bar it must stay under:
     `jump`, or PAIR_SIGMAS robust deviations (1.4826 x MAD) of the rises when the model moved further than one
     round (several rounds, judged against the anchor), so that the bar scales with the move as an honest one does."""
-    rise = candidate.impostor - current.impostor
-    centre = float(np.median(rise))
-    spread = 1.4826 * float(np.median(np.abs(rise - centre)))
-    return rise - centre, max(jump, PAIR_SIGMAS * spread)
+    excess = candidate.impostor - current.impostor
+    excess -= np.median(excess)
+    return excess, max(jump, PAIR_SIGMAS * robust_deviation(excess))
+
+
+def robust_deviation(centred: np.ndarray) -> float:
+    """1.4826 x the median absolute value of values already centred on their median: a standard deviation that a
+    few pulled pairs do not move."""
+    return 1.4826 * float(np.median(np.abs(centred)))
 
 
 def worst_pair(current: Scores, candidate: Scores, threshold: float, jump: float = PAIR_JUMP) -> Verdict | None:
