@@ -188,3 +188,11 @@ def test_a_pair_pulled_a_little_each_round_is_refused_against_the_anchor_when_th
     assert compare(start, steps[2], **bar).ok, "two steps, 0.2 from the start, pass against it too"
     against_start = compare(start, steps[3], **bar)
     assert not against_start.ok and "rose 0.300" in against_start.reason, against_start.reason
+
+
+@pytest.mark.parametrize("jump", [0.0, -0.1, 2.5, float("nan")])
+def test_a_pair_jump_outside_its_range_is_refused_in_one_line(jump):
+    from models.evaluation.separation import SeparationSettings
+
+    with pytest.raises(ValueError, match="pair.jump must be"):
+        SeparationSettings(pair_jump=jump)
