@@ -50,7 +50,7 @@ def row_config(args, data: Path, partition: str, row: tuple) -> SimConfig:
     _, method, hn, con, dfc = row
     training = TrainingConfig(algorithm="fedavg", hard_negatives=hn, contrastive=con, dfc=dfc,
                               dfc_weight=METHODS[method].terms.get("dfc_weight", TrainingConfig().dfc_weight))
-    return SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients,
+    return SimConfig(data=str(data), holdout_identities=0.1, public_identities=0.0, clients=args.clients,
                      server=RoundSettings(rounds=args.rounds, training=training),
                      **_partition(partition), method=method, patience=0, workers=args.workers,
                      centralized=args.centralized and method == "fedavg", init="face", mlflow=False,

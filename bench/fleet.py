@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{algorithm}-{scheme}" + (f"{alpha}" if alpha else "")
             server = RoundSettings(rounds=args.rounds, training=TrainingConfig(algorithm=algorithm, dfc=True))
             config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, partition=scheme,
-                               alpha=alpha or 0.5, patience=0, workers=args.workers, centralized=central is None,
-                               init=args.init, server=server)
+                               public_identities=0.0, alpha=alpha or 0.5, patience=0, workers=args.workers,
+                               centralized=central is None, init=args.init, server=server)
             print(f"== {name}", flush=True)
             done = args.runs / name / "summary.json"
             reuse = args.reuse and done.exists()
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         name = f"fedavg-iid-{variant}"
         server = RoundSettings(rounds=args.rounds, training=TrainingConfig(algorithm="fedavg", dfc=True, **local))
         config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, partition="iid", alpha=0.5,
-                           patience=0, workers=args.workers, centralized=False, init=args.init, server=server,
-                           **change)
+                           public_identities=0.0, patience=0, workers=args.workers, centralized=False, init=args.init,
+                           server=server, **change)
         print(f"== {name}", flush=True)
         done = args.runs / name / "summary.json"
         summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)

@@ -264,7 +264,7 @@ def fleet_data(args) -> tuple[FleetData, np.ndarray, SimConfig, Path] | None:
         return None
     torch.manual_seed(args.seed)
     sim = SimConfig(data=str(data_dir), clients=args.clients, partition=args.partition, holdout_identities=0.2,
-                    gate_identities=args.gate_identities, progress=False, mlflow=False)
+                    public_identities=0.0, gate_identities=args.gate_identities, progress=False, mlflow=False)
     sim.server.seed = args.seed
     run_dir = args.out / f".{args.name}_data"
     run_dir.mkdir(parents=True, exist_ok=True)

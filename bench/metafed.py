@@ -44,7 +44,7 @@ def _run(args, data: Path, name: str, training: dict, server: dict | None = None
     rounds = RoundSettings(rounds=args.rounds, fraction=args.fraction, training=TrainingConfig(dfc=False, **training),
                            **(server or {}))
     config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, patience=0, workers=args.workers,
-                       init=args.init, server=rounds, **options)
+                       public_identities=0.0, init=args.init, server=rounds, **options)
     print(f"== {name}", flush=True)
     return simulate(config, args.runs / name)
 

@@ -43,7 +43,7 @@ def run_one(args, data: Path, rule: str, attack: str | None, dp_noise: float | N
     name = f"{rule}-{attack or 'clean'}" + (f"-dp{dp_noise:g}" if dp_noise is not None else "")
     training = TrainingConfig(algorithm="fedavg", dfc=False, dp_clip=args.dp_clip if dp_noise is not None else None)
     config = SimConfig(data=str(data), holdout_identities=0.1, clients=args.clients, partition="iid", patience=0,
-                       workers=args.workers, centralized=False, init="face", mlflow=False,
+                       public_identities=0.0, workers=args.workers, centralized=False, init="face", mlflow=False,
                        malicious=args.malicious if attack else 0.0, attack=attack or "scaled",
                        server=RoundSettings(rounds=args.rounds, combine=rule, dp_noise=dp_noise or 0.0,
                                             training=training))
@@ -82,8 +82,9 @@ def run_collapse(args, set_name: str, clients: int, malicious: float, rule: str,
     config = SimConfig(data=str(data), clients=clients, partition="iid", patience=0, workers=args.workers,
                        centralized=False, init="face", malicious=malicious if attack else 0.0,
                        attack=attack or "scaled", mlflow=False, holdout_identities=0.2, eval_clients=1,
-                       server=server, gate=GateSetup(data=str(public) if gate else None, off=not gate,
-                                                     bar=GateSettings(far_ratio=args.gate_far_ratio)))
+                       public_identities=0.0, server=server,
+                       gate=GateSetup(data=str(public) if gate else None, off=not gate,
+                                      bar=GateSettings(far_ratio=args.gate_far_ratio)))
     done = args.runs / name / "summary.json"
     print(f"== {name}", flush=True)
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)
@@ -142,7 +143,7 @@ def run_insider(args, data: Path, attack: str | None, attackers: int) -> dict:
     malicious = attackers / args.clients if attack else 0.0
     config = SimConfig(data=str(data), clients=args.clients, partition="iid", patience=0, workers=args.workers,
                        centralized=False, mlflow=False, malicious=malicious, attack=attack or "scaled",
-                       eval_clients=1, server=RoundSettings(rounds=args.rounds))
+                       eval_clients=1, public_identities=0.0, server=RoundSettings(rounds=args.rounds))
     done = args.runs / name / "summary.json"
     print(f"== {name}", flush=True)
     summary = json.loads(done.read_text()) if args.reuse and done.exists() else simulate(config, args.runs / name)

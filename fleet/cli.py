@@ -12,6 +12,7 @@ from pathlib import Path
 from models.cli.common import (
     GATE_IDENTITIES,
     HOLDOUT_IDENTITIES,
+    PUBLIC_IDENTITIES,
     Owned,
     add_init_option,
     deprecated_alias,
@@ -202,6 +203,11 @@ def add_commands(fsub) -> None:
     g.add_argument("--public-data", help="FedFR's public set D_g: a folder of aligned faces of people no client has "
                                          "(flat or one folder per person), packed once into RUN_DIR/public_set")
     g.add_argument("--public-limit", type=int, default=2000, help="at most this many public faces (default 2000)")
+    g.add_argument("--public-identities", type=fraction, default=PUBLIC_IDENTITIES,
+                   help="without --public-data, the share of the people on no device whose faces every device is "
+                        "served as its public set: the strangers it checks a new model, chooses between its models "
+                        "and calibrates its door on; no unseen-people figure uses them "
+                        f"(default {PUBLIC_IDENTITIES:g}; 0: no public set)")
     g = p.add_argument_group("attacks (malicious devices, against the coordinator's defences)")
     g.add_argument("--malicious", type=float, default=0.0,
                    help="fraction of training clients that poison their updates (default 0)")

@@ -76,6 +76,8 @@ class SimConfig:
     attack: str = "scaled"
     gate_identities: float = 0.3       # models.cli.common.GATE_IDENTITIES: the share of the people on no device
                                        # the coordinator keeps for its gate (without --gate-data); 0: public set
+    public_identities: float = 0.2     # models.cli.common.PUBLIC_IDENTITIES: without --public-data, the share of the
+                                       # people on no device whose faces devices are served as their public set
 
     @property
     def training(self) -> TrainingConfig:
@@ -107,6 +109,9 @@ class SimConfig:
                   (0 <= self.gate_identities < 1,
                    f"--gate-identities is a fraction of the people on no device, in [0, 1) (got "
                    f"{self.gate_identities:g})"),
+                  (0 <= self.public_identities < 1,
+                   f"--public-identities is a fraction of the people on no device, in [0, 1) (got "
+                   f"{self.public_identities:g})"),
                   (0 <= self.holdout_identities < 1,
                    f"--holdout-identities is a fraction of the people, in [0, 1) (got {self.holdout_identities:g})"),
                   *[(value >= 0, f"{flag} must not be negative (got {value})") for flag, value in
@@ -114,9 +119,9 @@ class SimConfig:
                      ("--tune-steps", self.tune_steps), ("--patience", self.patience))],
                   (self.eval_clients is None or self.eval_clients >= 1, "--eval-clients must be at least 1"),
                   (0 <= self.min_delta < float("inf"), f"--min-delta must be a number >= 0 (got {self.min_delta})"),
-                  (not self.training.hard_negatives or self.public_data is not None,
+                  (not self.training.hard_negatives or self.public_data is not None or self.public_identities > 0,
                    "hard negatives need a public set: --public-data DIR (aligned faces of people no client has, "
-                   "e.g. ../shared/faces/utkface_aligned), or --no-hard-negatives")]
+                   "e.g. ../shared/faces/utkface_aligned), --public-identities above 0, or --no-hard-negatives")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -248,10 +253,16 @@ def _gate_part(raw: dict) -> dict:
     return {**raw, "gate": {"data": data, "off": off, "bar": raw.get("gate", {})}}
 
 
+def _no_public_people(raw: dict) -> dict:
+    """Format 3 -> 4: a run from before `public_identities` served its devices no public set of its own people."""
+    return {"public_identities": 0.0, **raw}
+
+
 # a run folder's config.json: 1 one flat list of options; 2 `server` (with `training`) and `gate` (the bar); 3 `gate`
-# holds the gate's faces, switch and bar
-CONFIG_FORMAT = 3
-READERS = {1: lambda raw: _gate_part(_nested(raw)), 2: _gate_part, 3: lambda raw: raw}  # each into today's form
+# holds the gate's faces, switch and bar; 4 `public_identities`
+CONFIG_FORMAT = 4
+READERS = {1: lambda raw: _no_public_people(_gate_part(_nested(raw))),  # each into today's form
+           2: lambda raw: _no_public_people(_gate_part(raw)), 3: _no_public_people, 4: lambda raw: raw}
 
 
 def _norm(value):

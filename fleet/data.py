@@ -66,7 +66,8 @@ class FleetData:
     split: np.ndarray         # TRAIN/VAL/TEST per crop (held-out identities: all TEST)
     partition: Partition
     detector: str
-    gate_people: tuple[str, ...] = ()  # people on no device whom the coordinator keeps for its quality gate
+    gate_people: tuple[str, ...] = ()    # people on no device whom the coordinator keeps for its quality gate
+    public_people: tuple[str, ...] = ()  # people on no device whose faces every device is served (its public set)
 
     @cached_property
     def names(self) -> np.ndarray:
@@ -78,11 +79,15 @@ class FleetData:
         return mask if part is None else mask & (self.split == part)
 
     def holdout_mask(self) -> np.ndarray:
-        """The people on no device that the evaluation uses: the unseen people (the coordinator's own left out)."""
-        return np.isin(self.names, self.partition.holdout_identities) & ~self.gate_mask()
+        """The people on no device that the evaluation uses: the unseen people, less the coordinator's own and the
+        public set's (faces a device has seen are no stranger's)."""
+        return np.isin(self.names, self.partition.holdout_identities) & ~self.gate_mask() & ~self.public_mask()
 
     def gate_mask(self) -> np.ndarray:
         return np.isin(self.names, self.gate_people)
+
+    def public_mask(self) -> np.ndarray:
+        return np.isin(self.names, self.public_people)
 
     def holdout(self) -> FaceCrops | None:
         """Images of the people on no device: the global model's unseen identities."""
@@ -115,7 +120,8 @@ def prepare(config: SimConfig, run_dir: Path) -> FleetData:
         part = make_partition(index, crops.identities, config)
         part.save(saved)
     split = stratified_split(crops.labels, tuple(config.split), config.seed)
-    data = FleetData(crops, split, part, detector, coordinator_people(part.holdout_identities, config))
+    gate = coordinator_people(part.holdout_identities, config)
+    data = FleetData(crops, split, part, detector, gate, public_people(part.holdout_identities, gate, config))
     split[data.holdout_mask()] = TEST
     empty = [k for k in data.training_clients if not data.client_mask(k, TRAIN).any()]
     if empty:
@@ -136,19 +142,39 @@ def coordinator_people(unseen: list[str], config: SimConfig) -> tuple[str, ...]:
     return tuple(sorted(str(name) for name in chosen))
 
 
+def public_people(unseen: list[str], gate: tuple[str, ...], config: SimConfig) -> tuple[str, ...]:
+    """Without --public-data, a seeded share (`public_identities`) of the people on no device, the coordinator's
+    left out: the public set every device is served, its strangers' faces for the adoption check, the choice
+    between its models and the calibration of its door. None when the share is 0, --public-data is given, or
+    either side would keep fewer than two people."""
+    if config.public_data is not None or config.public_identities <= 0:
+        return ()
+    rest = sorted(set(unseen) - set(gate))
+    n = int(round(len(unseen) * config.public_identities))
+    if n < 2 or len(rest) - n < 2:
+        return ()
+    chosen = np.random.default_rng(config.seed + 11).choice(rest, n, replace=False)
+    return tuple(sorted(str(name) for name in chosen))
+
+
 def write_gate_faces(data: FleetData, out: Path) -> Path | None:
     """The coordinator's people's face crops as a folder per person (what `--gate-data DIR` reads), written once."""
-    if not data.gate_people:
+    return write_people(data, data.gate_people, out)
+
+
+def write_people(data: FleetData, people: tuple[str, ...], out: Path) -> Path | None:
+    """`people`'s face crops as a folder per person, written once; None for no people."""
+    if not people:
         return None
     done = out / ".complete"
     if not done.exists():
         import cv2
 
-        for i in np.flatnonzero(data.gate_mask()):
+        for i in np.flatnonzero(np.isin(data.names, people)):
             person = out / data.crops.identities[data.crops.labels[i]]
             person.mkdir(parents=True, exist_ok=True)
             cv2.imwrite(str(person / f"{i:06d}.png"), cv2.cvtColor(data.crops.images[i], cv2.COLOR_RGB2BGR))
-        done.write_text(json.dumps({"people": list(data.gate_people)}))
+        done.write_text(json.dumps({"people": list(people)}))
     return out
 
 

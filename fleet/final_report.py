@@ -88,6 +88,7 @@ class FinalEvaluation:
             "data_kind": "synthetic" if self.data.crops.synthetic else "real",
             "config": self.config.by_name(),
             "partition": self.data.partition.summary(self.images_per_identity()),
+            "people_on_no_device": self.people_on_no_device(),
             "rounds_completed": len(trained), "best_round": result.best,
             "rolled_back": [{"round_id": r["round_id"], "reason": r["reason"],
                              "bytes_up": int(r["metrics"].get("bytes_received", 0))} for r in rolled_back],
@@ -192,6 +193,13 @@ class FinalEvaluation:
                 models["personalised"] = lambda x, m=personal: embed(m, x, True)
             rows[str(k)] = device_doors(models, faces)
         return {"far_promised": DEFAULT_FAR, **door_means(rows), "per_client": rows}
+
+    def people_on_no_device(self) -> dict[str, int]:
+        """How the people on no device are used: the unseen people of the figures, the coordinator's gate's and the
+        public set's (served to every device, so no stranger to any)."""
+        d = self.data
+        unseen = {str(n) for n in d.names[d.holdout_mask()]}
+        return {"unseen": len(unseen), "gate": len(d.gate_people), "public": len(d.public_people)}
 
     def public_faces(self) -> np.ndarray | None:
         """The public set the run served its devices (their strangers' faces to calibrate on), or None."""

@@ -143,13 +143,22 @@ def _door_lines(doors: dict) -> list[str]:
     return lines
 
 
+def _people_lines(people: dict | None) -> list[str]:
+    """Who the people on no device are used for (absent from runs before it was recorded)."""
+    if not people:
+        return []
+    return [f"People on no device: {people['unseen']} unseen (the figures below), {people['gate']} kept for the "
+            f"coordinator's quality gate, {people['public']} served to every device as its public set.", ""]
+
+
 def summary_markdown(summary: dict) -> str:
     c = summary["config"]
     lines = [f"# Fleet simulation: {Path(summary['run']).name}", "",
              f"{'SYNTHETIC faces' if summary['data_kind'] == 'synthetic' else 'data: ' + str(c['data'])}; "
              f"{c['clients']} clients, {c['partition']} partition, {method_label(c)}, "
              f"{summary['rounds_completed']} rounds ({summary['status']}), "
-             f"best round {summary['best_round']}.", "", *_rolled_back_lines(summary.get("rolled_back", [])),
+             f"best round {summary['best_round']}.", "", *_people_lines(summary.get("people_on_no_device")),
+             *_rolled_back_lines(summary.get("rolled_back", [])),
              *_attack_lines(summary.get("attack")),
              "## Global model on unseen people", "",
              "[low, high]: 95% bootstrap interval over people.", "",

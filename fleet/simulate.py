@@ -32,6 +32,7 @@ from fleet.data import (
     prepare,
     write_device_folders,
     write_gate_faces,
+    write_people,
 )
 from fleet.devices import DevicePool, Turn
 from fleet.evaluation import flat
@@ -118,15 +119,18 @@ class Simulation:
 
     # setup ------------------------------------------------------------------
     def _public_set(self) -> Path | None:
-        """D_g packed once per run (models.public_set); every device reads the same read-only file."""
+        """D_g packed once per run (models.public_set) from --public-data, else from the public people
+        (`fleet.data.public_people`); every device reads the same read-only file."""
         c = self.config
-        if c.public_data is None:
+        source = (Path(c.public_data) if c.public_data is not None
+                  else write_people(self.data, self.data.public_people, self.run_dir / "public_faces"))
+        if source is None:
             return None
         path = self.run_dir / "public_set.safetensors"
         if not path.exists():
             from models.public_set import build_public_set
 
-            build_public_set(Path(c.public_data), path, c.public_limit, c.seed, progress=c.progress)
+            build_public_set(source, path, c.public_limit, c.seed, progress=c.progress)
         return path
 
     def _service(self) -> Service:

@@ -347,3 +347,36 @@ def test_a_taken_dashboard_port_is_refused_before_the_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--dashboard-port {port} on 127.0.0.1 cannot be used" in err and err.count("\n") == 1, err
     assert not (tmp_path / "r" / "devices").exists()
+
+
+def test_the_people_on_no_device_split_between_the_figures_the_gate_and_every_devices_public_set(tmp_path):
+    """Without --public-data a seeded share of the people on no device is packed into the public set devices are
+    served (their strangers to calibrate on); no unseen-people figure uses them, nor the gate's people."""
+    from fleet.config import SimConfig
+    from fleet.simulate import Simulation
+    from models.public_set import load_public_set
+
+    def config(**change) -> SimConfig:
+        c = SimConfig(synthetic_identities=30, synthetic_images=4, holdout_identities=0.5, clients=3, progress=False,
+                      mlflow=False, centralized=False, **change)
+        c.server.training = c.training.model_copy(update={"width_mult": 0.35})
+        return c
+
+    sim = Simulation(config(), tmp_path / "run")
+    data = sim.data
+    unseen = set(data.partition.holdout_identities)
+    gate, public = set(data.gate_people), set(data.public_people)
+    figures = {str(n) for n in data.names[data.holdout_mask()]}
+    assert len(unseen) == 15 and len(public) == 3 and len(gate) >= 2
+    assert gate | public | figures == unseen and not (gate & public or gate & figures or public & figures)
+    packed = load_public_set(sim.public_set)
+    assert len(packed) == int(data.public_mask().sum()) and len(np.unique(packed.labels)) == 3
+    assert Simulation(config(), tmp_path / "run").data.public_people == data.public_people  # resumed: the same
+    assert Simulation(config(public_identities=0.0), tmp_path / "none").public_set is None
+    given = tmp_path / "given"
+    (given / "someone").mkdir(parents=True)
+    import cv2
+
+    cv2.imwrite(str(given / "someone" / "a.png"), np.full((128, 128, 3), 90, np.uint8))
+    other = Simulation(config(public_data=str(given)), tmp_path / "given_run")
+    assert other.data.public_people == () and len(load_public_set(other.public_set)) == 1

@@ -111,13 +111,19 @@ def test_a_run_folder_says_its_format_and_one_from_a_newer_version_is_refused_pl
     """config.json names its format; each older one has its reader, and a newer one is not half-read."""
     SimConfig(clients=3).save(tmp_path / "config.json")
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["format_version"] == 3 and SimConfig.load(tmp_path / "config.json").clients == 3
-    (tmp_path / "config.json").write_text(json.dumps({**saved, "format_version": 4}))
-    with pytest.raises(ValueError, match="config.json format 4: this ffr-edge reads formats 1-3 .*upgrade ffr-edge"):
+    assert saved["format_version"] == 4 and SimConfig.load(tmp_path / "config.json").clients == 3
+    assert SimConfig.load(tmp_path / "config.json").public_identities == 0.2
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "format_version": 5}))
+    with pytest.raises(ValueError, match="config.json format 5: this ffr-edge reads formats 1-4 .*upgrade ffr-edge"):
         SimConfig.load(tmp_path / "config.json")
     flat = {"clients": 4, "rounds": 6, "method": "fedavg", "format_version": 1}
     (tmp_path / "config.json").write_text(json.dumps(flat))
     assert SimConfig.load(tmp_path / "config.json").server.rounds == 6
+    assert SimConfig.load(tmp_path / "config.json").public_identities == 0.0
+    # format 3: no public people; a run resumed from it keeps serving its devices none
+    third = {**{k: v for k, v in saved.items() if k != "public_identities"}, "format_version": 3}
+    (tmp_path / "config.json").write_text(json.dumps(third))
+    assert SimConfig.load(tmp_path / "config.json").public_identities == 0.0
     # format 2: the gate's faces and switch were options of their own beside its bar
     second = {**{k: v for k, v in saved.items() if k != "gate"}, "format_version": 2, "gate_data": str(tmp_path),
               "no_gate": True, "gate": {**saved["gate"]["bar"], "far_ratio": 3.0}}

@@ -71,6 +71,7 @@ def deprecated_alias(parser, old: str, target: argparse.Action, note: str = "", 
 
 HOLDOUT_IDENTITIES = 0.2  # fraction of identities kept out of training for evaluation, in `ffr train` and `ffr fleet`
 GATE_IDENTITIES = 0.3  # `ffr fleet`: share of those people (on no device) the coordinator keeps for its gate
+PUBLIC_IDENTITIES = 0.2  # `ffr fleet`: share of those people whose faces devices are served (without --public-data)
 SELECT_IDENTITIES = 0.2  # fraction of `ffr train`'s training identities kept out to choose how far fine-tuning moves
 DETECTOR_CHOICES = ("auto", "yunet", "haar", "none")
 
