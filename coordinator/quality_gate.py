@@ -19,6 +19,7 @@ Torch-free: the backbone runs as ONNX built from the state dict.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ log = logging.getLogger("coordinator")
 
 GateSettings = SeparationSettings  # the gate's bar: the spec's defaults
 STAND_IN_PEOPLE, STAND_IN_IMAGES = 40, 10  # 400 faces (the bar's default limit): 78,000 impostor pairs
+JUDGED_KEPT = 16  # candidates' verdicts kept against one current model (a round judges at most len(STEPS) + 1)
 SEED_FILE = "gate_faces.seed"  # in the coordinator's state: the stand-in faces stay the same across restarts
 
 
@@ -58,12 +60,13 @@ class QualityGate:
     steps: tuple[float, ...] = STEPS  # the server steps it may choose among (`coordinator.server_step`)
     _current: tuple[str, Scores] | None = None
     _anchor: Scores | None = None
-    _last: tuple[dict, Scores, Judged] | None = None  # the last candidate judged (the whole step, judged again)
+    _judged: dict[bytes, Judged] = field(default_factory=dict)  # against the current scores, by the candidate's content
 
     def anchor_on(self, start_state: Callable[[], dict[str, np.ndarray] | None]) -> None:
         """Fix the anchor (loaded and scored once; nothing to anchor on when it cannot be loaded)."""
         if self._anchor is None and (state := start_state()) is not None:
             self._anchor = score(state, self.faces, self.settings.threads)
+            self._judged.clear()  # judged without it
 
     def check(self, current_state: dict[str, np.ndarray], current_sha: str,
               candidate_state: dict[str, np.ndarray]) -> tuple[str, dict]:
@@ -89,12 +92,16 @@ class QualityGate:
     def _current_scores(self, state: dict[str, np.ndarray], sha: str) -> Scores:
         if self._current is None or self._current[0] != sha:
             self._current = (sha, score(state, self.faces, self.settings.threads))
+            self._judged.clear()
         return self._current[1]
 
     def _judge(self, current: Scores, candidate_state: dict[str, np.ndarray]) -> Judged:
         """The bar against the current model, then the same bar against the anchor (the run's whole budget)."""
-        if self._last is not None and self._last[0] is candidate_state and self._last[1] is current:
-            return self._last[2]
+        key = state_digest(candidate_state)  # `check`'s candidate, judged again among `step`'s points
+        if key in self._judged:
+            return self._judged[key]
+        if len(self._judged) >= JUDGED_KEPT:  # rounds rolled back keep the current model: forget, not grow
+            self._judged.clear()
         candidate = score(candidate_state, self.faces, self.settings.threads)
         verdict = self.settings.judge(current, candidate)
         metrics = {f"gate_{k}": v for k, v in verdict.metrics.items()}
@@ -106,13 +113,23 @@ class QualityGate:
                              ("far_candidate", "far_candidate"), ("far_limit", "far_limit"))})
             if not problem and not anchored.ok:
                 problem = f"quality gate, against the model the run started from: {anchored.reason}"
-        self._last = (candidate_state, current, Judged(candidate.auc, problem, metrics))
-        return self._last[2]
+        self._judged[key] = Judged(candidate.auc, problem, metrics)
+        return self._judged[key]
 
     @classmethod
     def from_path(cls, path: Path, settings: GateSettings | None = None) -> QualityGate:
         settings = settings or GateSettings()
         return cls(load_faces(Path(path), settings.limit, settings.seed), settings, str(path))
+
+
+def state_digest(state: dict[str, np.ndarray]) -> bytes:
+    """What a state dict holds (names, dtypes, shapes, values), in 16 bytes: the same point built twice is one."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        array = np.ascontiguousarray(state[name])
+        digest.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(array.data)
+    return digest.digest()
 
 
 def stand_in_faces(state: Path) -> FaceSet:

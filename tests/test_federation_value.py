@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.server_step import STEPS, Judged, best_step, extrapolation_limit, point
+from coordinator.server_step import FIXED_STEP, STEPS, WHOLE, Judged, best_step, extrapolation_limit, point
 from models.evaluation.bootstrap import people_interval, weighted_tar_at_far
 from models.evaluation.metrics import cosine_scores, make_pairs, tar_at_far
 from models.maths.interpolation import interpolate_arrays
@@ -178,6 +178,28 @@ def test_a_round_whose_whole_step_overshoots_the_gate_is_published_part_of_the_w
     published, problem, figures = publishable(gate, current, "v0", overshoot)
     assert problem == "" and figures["gate_whole_step_refused"].startswith("quality gate")
     assert 0 < figures["server_step"] < 1 and published is not overshoot and published is not current
+
+
+@pytest.mark.parametrize("steps", [(FIXED_STEP,), STEPS])
+def test_a_round_scores_each_point_it_judges_once(monkeypatch, steps):
+    """`publishable` judges the candidate as it would publish it, then the steps among which that point is one
+    again (built anew): each point is scored once, the current model once (a spy on the real ONNX scoring)."""
+    import coordinator.quality_gate as quality_gate
+    from coordinator.round_aggregation import publishable
+
+    gate, current, _ = _gate_and_scrambled()
+    gate.steps = steps
+    weight = current["backbone.embedding.weight"]
+    honest = {**current, "backbone.embedding.weight": (weight * 1.05).astype(weight.dtype)}
+    real, scored = quality_gate.score, []
+    monkeypatch.setattr(quality_gate, "score", lambda state, *a, **k: scored.append(1) or real(state, *a, **k))
+    points = len([a for a in steps if a <= WHOLE])  # publishable's limit: the whole step
+    _, problem, figures = publishable(gate, current, "v0", honest)
+    assert not problem and len(scored) == 1 + points, figures
+    assert gate.check(current, "v0", dict(honest)) == gate.check(current, "v0", honest)
+    assert len(scored) == 1 + points  # the same weights in another dict: judged before
+    gate.check(current, "v0", {**honest, "backbone.embedding.weight": weight * 1.04})
+    assert len(scored) == 2 + points  # other weights: scored
 
 
 def test_a_round_saved_by_leaving_updates_out_is_never_extrapolated():
