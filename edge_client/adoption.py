@@ -4,7 +4,8 @@ The coordinator's quality gate can be off, fooled by its own faces, or the coord
 wrong; the device is the one that opens the door. So before a device lets a new global model (or
 anything trained from it) decide a match, it scores the model on faces only it holds: its enrolled
 people (genuine pairs) and public negatives (`models.evaluation.separation`), against the last model
-it adopted. When the new model would accept clearly more impostors at the old threshold, or separates
+it adopted, on face pairs and on faces against each person's template (what its door decides on). When the new
+model would accept clearly more impostors at the old threshold, in all or for one person or one pair, or separates
 its people clearly worse, the device keeps its last good model and reports only that fact (one
 number in its next update's metrics: no score, no embedding).
 
@@ -21,7 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
-from models.evaluation.separation import FaceSet, SeparationSettings, Verdict, score
+from models.evaluation.separation import (
+    FaceSet,
+    Scores,
+    SeparationSettings,
+    Verdict,
+    embed,
+    pair_scores,
+    template_scores,
+)
 
 log = logging.getLogger("edge_client")
 ADOPTED_METRIC = "global_adopted"  # 1: the announced model passed the device's check, 0: it kept its last
@@ -57,6 +66,27 @@ def check_faces(images: np.ndarray, labels: np.ndarray, public: np.ndarray | Non
     if len(faces) < 3 or len(np.unique(names)) < 2 or len(own) < 2:
         return None
     return FaceSet(np.ascontiguousarray(faces), names)
+
+
+def door_scores(state: dict[str, np.ndarray], faces: FaceSet) -> tuple[Scores, Scores]:
+    """(face-pair scores, face-to-template scores) of the device's check faces (labelled: `check_faces`), embedded
+    once."""
+    emb = embed(state, faces.images)
+    return pair_scores(emb, faces.labels), template_scores(emb, faces.labels)
+
+
+def door_verdict(reference: tuple[Scores, Scores], candidate: tuple[Scores, Scores],
+                 settings: SeparationSettings = ADOPTION) -> Verdict:
+    """The bar on face pairs, then on faces against templates, what the door decides on (`door_scores`): one person
+    pulled onto another's template is refused there even while their face pairs and the averages hold."""
+    pairs = settings.judge(reference[0], candidate[0])
+    if not pairs.ok or not len(reference[1].impostor):
+        return pairs
+    templates = settings.judge(reference[1], candidate[1])
+    metrics = {**pairs.metrics, **{f"template_{k}": v for k, v in templates.metrics.items()}}
+    if not templates.ok:
+        return Verdict(False, f"faces against the enrolled people's templates: {templates.reason}", metrics)
+    return Verdict(True, "", metrics)
 
 
 class Adoption:
@@ -97,10 +127,10 @@ class Adoption:
             return Verdict(True, "", {})
         verdict = Verdict(True, "", {})
         if faces is not None and last is not None:
-            candidate = score(state, faces)
-            verdict = self.settings.judge(score(last[1], faces), candidate)
+            candidate = door_scores(state, faces)
+            verdict = door_verdict(door_scores(last[1], faces), candidate, self.settings)
             if verdict.ok and anchor[0] != last[0]:  # the whole run's move, once it is more than one step
-                anchored = self.settings.judge(score(anchor[1], faces), candidate)
+                anchored = door_verdict(door_scores(anchor[1], faces), candidate, self.settings)
                 if not anchored.ok:
                     return Verdict(False, f"against the first model this device adopted: {anchored.reason}",
                                    anchored.metrics)

@@ -196,3 +196,40 @@ def test_a_pair_jump_outside_its_range_is_refused_in_one_line(jump):
 
     with pytest.raises(ValueError, match="pair.jump must be"):
         SeparationSettings(pair_jump=jump)
+
+
+def _embeddings_with_a_pull(share: float) -> tuple[np.ndarray, np.ndarray]:
+    """8 people x 20 faces and 80 public negatives in 128-d, face-pair genuine cosine about 0.45 (CelebA-like): person
+    0's faces moved `share` of the way from their own centre onto person 1's."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(8, 128))
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    noise = rng.normal(size=(8, 20, 128)) * 1.1 / np.sqrt(128)
+    public = rng.normal(size=(80, 128))
+    means = np.repeat(centres[:, None], 20, axis=1)
+    means[0] = (1 - share) * centres[0] + share * centres[1]
+    emb = np.concatenate([(means + noise).reshape(-1, 128), public])
+    labels = np.concatenate([np.repeat(np.arange(8), 20), 8 + np.arange(80)])
+    return emb / np.linalg.norm(emb, axis=1, keepdims=True), labels
+
+
+def test_a_device_refuses_one_person_pulled_part_way_onto_anothers_template_while_face_pairs_hold():
+    """The door decides on a face against a person's template, the mean of their faces, which the noise of single
+    faces does not blur: person 0 pulled 30% of the way onto person 1 passes every check on face pairs (overall, per
+    person, per pair) at the device's bar, and is refused on faces against templates; honest-sized (no pull) is not."""
+    from edge_client.adoption import ADOPTION, door_verdict
+    from models.evaluation.separation import pair_scores, template_scores
+
+    def door(share: float):
+        emb, labels = _embeddings_with_a_pull(share)
+        return pair_scores(emb, labels), template_scores(emb, labels)
+
+    current, pulled = door(0.0), door(0.3)
+    assert ADOPTION.judge(current[0], pulled[0]).ok, "the face pairs alone would let it in"
+    verdict = door_verdict(current, pulled)
+    assert not verdict.ok and verdict.reason.startswith("faces against the enrolled people's templates: person"), \
+        verdict.reason
+    assert door_verdict(current, door(0.0)).ok
+    templates = pulled[1]
+    assert len(templates.genuine) == 160 and len(templates.impostor) == 160 * 7 + 80 * 8
+    assert set(templates.impostor_ids[:, 0]) == set(range(8)), "public negatives are probes, never templates"

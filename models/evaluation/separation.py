@@ -146,6 +146,28 @@ def pair_scores(emb: np.ndarray, labels: np.ndarray | None, mirrored: np.ndarray
     return Scores(sim[upper][same], sim[upper][~same], ids)
 
 
+def template_scores(emb: np.ndarray, labels: np.ndarray) -> Scores:
+    """The scores a device's door decides on: a face against a person's template (the normalised mean of their faces,
+    `edge_client.recognizer.template_of`). People: the labels with two faces or more; any other face (a public
+    negative) is only a probe. Genuine: each of a person's faces against their template made without it; impostor:
+    each face against every other person's template, `impostor_ids` (the template's person, the face's). Averaging
+    cancels the noise a pair has, so one person pulled part of the way onto another's template crosses the threshold
+    here before their face pairs do."""
+    people = [k for k in np.unique(labels) if np.sum(labels == k) >= 2]
+    genuine, impostor, ids = [], [], []
+    for k in people:
+        own = emb[labels == k]
+        without_each = own.sum(0, keepdims=True) - own  # row i: the template made without face i
+        genuine.append(np.sum(own * without_each, axis=1) / np.maximum(np.linalg.norm(without_each, axis=1), 1e-12))
+        template = own.sum(0) / max(float(np.linalg.norm(own.sum(0))), 1e-12)
+        others = labels != k
+        impostor.append(emb[others] @ template)
+        ids.append(np.stack([np.full(int(others.sum()), k), labels[others]], axis=1))
+    if not people:
+        return Scores(np.zeros(0), np.zeros(0), np.zeros((0, 2), labels.dtype))
+    return Scores(np.concatenate(genuine), np.concatenate(impostor), np.concatenate(ids))
+
+
 def score(state: dict[str, np.ndarray], faces: FaceSet, threads: int | None = 1) -> Scores:
     """The model's genuine and impostor scores on `faces`."""
     session = embedder_session(state, threads)  # built once for the images and their mirror images
