@@ -112,6 +112,20 @@ def test_devices_hold_only_their_training_images(simulated):
         assert not linked & tests
 
 
+def test_the_device_checks_bench_replays_each_devices_adoption_check_on_the_published_models(simulated, tmp_path):
+    """bench.device_checks rebuilds every training device's check faces and judges each published step (and the run
+    against v0) on face pairs and on faces against templates, as the device does."""
+    from bench.device_checks import main as bench_main
+
+    assert bench_main(["--run", str(simulated), "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "device_checks.json").read_text())
+    rows = result["table"]
+    assert {r["device"] for r in rows} == {0, 1, 2}
+    assert sorted({r["step"] for r in rows}) == ["v0 -> v1", "v0 -> v2", "v1 -> v2"] and len(rows) == 9
+    assert result["refused"] == {"pairs": sum(not r["pairs_ok"] for r in rows),
+                                 "templates": sum(not r["templates_ok"] for r in rows)}
+
+
 def test_mlflow_has_the_run(simulated):
     db = sqlite3.connect(simulated / "mlflow.db")
     steps = {r[0] for r in db.execute("SELECT step FROM metrics WHERE key='holdout_auc'")}
