@@ -44,7 +44,7 @@ def run_row(summary: dict) -> dict:
         "global EER": _f(g.get("eer")), "global TAR@1e-2": _f(g.get("tar@1e-2")),
         "central AUC": _f(central.get("auc")), "central EER": _f(central.get("eer")),
         **{f"pers. TAR@1e-3 {v}": mean_std(training.get(v), "tar@1e-3")
-           for v in ("start", "global", "local", "local+dfc")},
+           for v in ("start", "global", "local", "local+dfc", "global+dfc")},
         **_door_columns(summary["personalized"].get("doors") or {}),
         "MB/round up": _f(summary["bytes"]["per_round_up_mean"] / 1e6, 1),
         "s/round": _f(summary.get("round_seconds_mean"), 1), "wall s": _f(summary["wall_seconds"], 0),

@@ -140,6 +140,7 @@ def test_report_puts_runs_side_by_side(simulated, capsys):
     table = capsys.readouterr().out.strip().splitlines()
     assert table[0].startswith("| run |") and len(table) == 4
     assert "| start AUC | global AUC |" in table[0] and "pers. TAR@1e-3 start" in table[0]
+    assert "| pers. TAR@1e-3 local+dfc | pers. TAR@1e-3 global+dfc |" in table[0]  # what a device personalises
     assert "| door TAR start | door TAR now | door FAR start | door FAR now |" in table[0]
     doors = json.loads((simulated / "summary.json").read_text())["personalized"]["doors"]
     assert f"| {doors['start']['tar']:.3f} | {doors['chosen']['tar']:.3f} |" in table[2]
