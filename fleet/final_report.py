@@ -199,7 +199,8 @@ class FinalEvaluation:
         public set's (served to every device, so no stranger to any)."""
         d = self.data
         unseen = {str(n) for n in d.names[d.holdout_mask()]}
-        return {"unseen": len(unseen), "gate": len(d.gate_people), "public": len(d.public_people)}
+        return {"unseen": len(unseen), "gate": len(d.gate_people), "public": len(d.public_people),
+                "public_data": self.config.public_data}
 
     def public_faces(self) -> np.ndarray | None:
         """The public set the run served its devices (their strangers' faces to calibrate on), or None."""

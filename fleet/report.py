@@ -147,8 +147,10 @@ def _people_lines(people: dict | None) -> list[str]:
     """Who the people on no device are used for (absent from runs before it was recorded)."""
     if not people:
         return []
+    public = (f"the devices' public set is --public-data ({people['public_data']})" if people.get("public_data")
+              else f"{people['public']} served to every device as its public set")
     return [f"People on no device: {people['unseen']} unseen (the figures below), {people['gate']} kept for the "
-            f"coordinator's quality gate, {people['public']} served to every device as its public set.", ""]
+            f"coordinator's quality gate, {public}.", ""]
 
 
 def summary_markdown(summary: dict) -> str:

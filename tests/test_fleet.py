@@ -41,6 +41,8 @@ def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
     summary = json.loads((simulated / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
     assert summary["data_kind"] == "synthetic"
+    # 3 people on no device: too few to keep any for the gate or the public set, so all are unseen
+    assert summary["people_on_no_device"] == {"unseen": 3, "gate": 0, "public": 0, "public_data": None}
     pngs = sorted(simulated.glob("*.png"))
     assert {"rounds.png", "client_tar.png", "partition.png"} <= {p.name for p in pngs}
     assert all("SYNTHETIC" in Image.open(p).text.get("Description", "") for p in pngs), "SYNTHETIC plots say so"
@@ -295,6 +297,7 @@ def test_fedfr_through_the_cli_with_two_devices(tmp_path, mosquitto):
     assert summary["config"]["algorithm"] == "fedavg" and summary["config"]["method"] == "fedfr"
     assert all(0.0 <= h["hn_fraction"] <= 1.0 for h in summary["history"][1:])
     assert (out / "public_set.safetensors").exists()
+    assert f"the devices' public set is --public-data ({public})" in (out / "summary.md").read_text()
     personalised = summary["personalized"]["training_clients"]
     assert {"global", "local", "local+dfc"} <= set(personalised)
     assert "fedfr +HN +con +DFC" in compare([out])
