@@ -102,6 +102,11 @@ class Simulation:
         self.val = self.data.union(VAL, self.data.training_clients)  # evaluation sets, built once
         self.holdout = self.data.holdout()
         self.public_set = self._public_set()
+        if self.public_set is None and config.training.hard_negatives:
+            raise ValueError(f"hard negatives need a public set: the {len(self.data.partition.holdout_identities)} "
+                             "people on no device are too few to spare --public-identities "
+                             f"{config.public_identities:g} of them for one; give --public-data DIR (aligned faces of "
+                             "people no client has) or --no-hard-negatives")
         config.save(self.run_dir / "config.json")
         self.state_path = self.run_dir / "state.json"
         self.state = RunState.load(self.state_path)
