@@ -24,6 +24,7 @@ import numpy as np
 
 from edge_client.home import DeviceHome
 from edge_client.vault import Person, Vault, VaultError, new_person
+from models.evaluation.separation import leave_one_out_scores
 from models.evaluation.thresholds import gaussian_tail, threshold_at_far
 from models.runtime import OnnxEmbedder
 
@@ -252,8 +253,7 @@ def calibration_scores(embeddings: list[np.ndarray], strangers: np.ndarray | Non
     genuine, own = [], []
     for i, faces in enumerate(embeddings):
         if len(faces) >= 2:
-            without_each = normalise(faces.sum(0, keepdims=True) - faces)  # row k: template_of(faces but k)
-            genuine.append(np.sum(faces * without_each, axis=1))
+            genuine.append(leave_one_out_scores(faces))
         own.extend(faces @ t for j, t in enumerate(templates) if j != i)
     impostor, shift = np.concatenate(own) if own else np.zeros(0), 0.0
     if strangers is not None and len(strangers) and len(templates):

@@ -157,13 +157,9 @@ def public_people(unseen: list[str], gate: tuple[str, ...], config: SimConfig) -
     return tuple(sorted(str(name) for name in chosen))
 
 
-def write_gate_faces(data: FleetData, out: Path) -> Path | None:
-    """The coordinator's people's face crops as a folder per person (what `--gate-data DIR` reads), written once."""
-    return write_people(data, data.gate_people, out)
-
-
 def write_people(data: FleetData, people: tuple[str, ...], out: Path) -> Path | None:
-    """`people`'s face crops as a folder per person, written once; None for no people."""
+    """`people`'s face crops as a folder per person (what `--gate-data DIR` and a public set's builder read), written
+    once; None for no people."""
     if not people:
         return None
     done = out / ".complete"

@@ -31,7 +31,6 @@ from fleet.data import (
     device_id,
     prepare,
     write_device_folders,
-    write_gate_faces,
     write_people,
 )
 from fleet.devices import DevicePool, Turn
@@ -143,7 +142,7 @@ class Simulation:
         the simulator opens them, and any one device's update may close a round (the quorum of one). Its gate judges
         on --gate-data, else on its own people (`fleet.data.coordinator_people`), else on the public set."""
         c = self.config
-        own = write_gate_faces(self.data, self.run_dir / "coordinator_faces")
+        own = write_people(self.data, self.data.gate_people, self.run_dir / "coordinator_faces")
         gate = replace(c.gate, data=c.gate.data or own or self.public_set)
         return Service(ServiceConfig(state=self.run_dir / "coordinator", broker=c.broker, init=c.init,
                                      start_paused=True, gate=gate), replace(c.server, min_clients=1))

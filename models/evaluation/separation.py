@@ -146,6 +146,13 @@ def pair_scores(emb: np.ndarray, labels: np.ndarray | None, mirrored: np.ndarray
     return Scores(sim[upper][same], sim[upper][~same], ids)
 
 
+def leave_one_out_scores(faces: np.ndarray) -> np.ndarray:
+    """Each of one person's face embeddings (two or more, normalised) against their template made without it: the
+    genuine scores of a face-to-template decision, none of them flattered by the face itself."""
+    without_each = faces.sum(0, keepdims=True) - faces  # row i: the template made without face i, unnormalised
+    return np.sum(faces * without_each, axis=1) / np.maximum(np.linalg.norm(without_each, axis=1), 1e-12)
+
+
 def template_scores(emb: np.ndarray, labels: np.ndarray) -> Scores:
     """The scores a device's door decides on: a face against a person's template (the normalised mean of their faces,
     `edge_client.recognizer.template_of`). People: the labels with two faces or more; any other face (a public
@@ -157,8 +164,7 @@ def template_scores(emb: np.ndarray, labels: np.ndarray) -> Scores:
     genuine, impostor, ids = [], [], []
     for k in people:
         own = emb[labels == k]
-        without_each = own.sum(0, keepdims=True) - own  # row i: the template made without face i
-        genuine.append(np.sum(own * without_each, axis=1) / np.maximum(np.linalg.norm(without_each, axis=1), 1e-12))
+        genuine.append(leave_one_out_scores(own))
         template = own.sum(0) / max(float(np.linalg.norm(own.sum(0))), 1e-12)
         others = labels != k
         impostor.append(emb[others] @ template)
