@@ -172,7 +172,9 @@ def test_method_names_the_aggregation_and_the_local_objective(tmp_path, method, 
                                   '{"server": {"rounds": 2.5}}', '{"server": {"seed": "x"}}',
                                   '{"server": {"max_update_bytes": -1}}', '{"gate": {"threads": [1]}, "server": {}}',
                                   '{"clients": "many", "server": {}}', '{"server": {"fv": 1}}',
-                                  '{"format_version": [2], "server": {}}', '{"format_version": "2", "server": {}}'])
+                                  '{"format_version": [2], "server": {}}', '{"format_version": "2", "server": {}}',
+                                  '{"format_version": 4, "public_identities": "all", "server": {}}',
+                                  '{"format_version": 3, "public_identities": [0.2], "server": {}}'])
 def test_a_hostile_run_config_is_refused_in_one_line(tmp_path, text):
     """config.json is read back from the run folder: whatever is written there, loading refuses it plainly."""
     (tmp_path / "config.json").write_text(text)
