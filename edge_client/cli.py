@@ -11,7 +11,7 @@ def cmd_edge_run(args) -> int:
 
     return run(args.credential, args.data, args.home, until_finished=args.exit_when_done, broker=args.broker,
                detector=args.detector, ca_file=args.ca_file, export_onnx=not args.no_export, seed=args.seed,
-               public_set=args.public_set, validation=args.validation)
+               public_set=args.public_set, validation=args.validation, in_process=args.in_process)
 
 
 def cmd_edge_public_set(args) -> int:
@@ -43,6 +43,9 @@ def add_commands(esub) -> None:
     p.add_argument("--ca-file", help="CA certificate for mqtts:// brokers (default: the one in the credential)")
     add_detector_option(p)
     p.add_argument("--no-export", action="store_true", help="do not export ONNX models after each round")
+    p.add_argument("--in-process", action="store_true",
+                   help="train in the daemon's own process (default: a child process for each round, so that the "
+                        "daemon holds no torch between rounds: about 0.1 GB idle instead of 0.9 GB)")
     p.add_argument("--seed", type=int, default=0, help="seed of local training")
     p.add_argument("--exit-when-done", action="store_true", help="exit after the coordinator's last round")
     p.add_argument("--public-set", type=Path,

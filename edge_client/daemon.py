@@ -1,8 +1,10 @@
 """`ffr edge run`: the device daemon. Joins with its credential, then trains one round per announcement.
 
 The device in parts: its session with the coordinator (`edge_client.link`: broker, signatures, admission,
-uploads), the round runner (`edge_client.round_runner`: fetch, adoption check, local algorithm, upload),
-the local algorithms (`edge_client.local_algorithms`), the exporter (`edge_client.exporter`) and, for
+uploads), the round runner (`edge_client.round_runner`: fetch, upload, ack) and the round's work
+(`edge_client.round_work`: adoption check, local algorithm, export; in a child process per round unless
+`in_process`, `edge_client.child_work`), the local algorithms (`edge_client.local_algorithms`), the exporter
+(`edge_client.exporter`) and, for
 FedFace's validators, `edge_client.validator`. This class wires them and routes the coordinator's signed
 messages to them. Training settings outside the protocol's bounds are refused by schema.
 
@@ -21,6 +23,8 @@ import time
 from functools import cached_property
 from pathlib import Path
 
+from edge_client.child_work import ChildWork, WorkSpec, log_levels
+from edge_client.device_faces import DeviceFaces
 from edge_client.home import DeviceHome
 from edge_client.link import CoordinatorLink, load_credential
 from edge_client.memory import release_memory
@@ -39,16 +43,17 @@ class EdgeDevice:
     def __init__(self, credential: Credential | Path | str, data: Path | None, home: Path, detector: str | None = None,
                  broker: str | None = None, ca_file: str | None = None, export_onnx: bool = True, seed: int = 0,
                  crop_cache: Path | None = None, public_set: Path | None = None,
-                 validation: Path | FaceCrops | None = None):
+                 validation: Path | FaceCrops | None = None, in_process: bool = True):
         """`public_set`: FedFR's D_g (models.public_set), read when a round asks for hard negatives.
         `validation`: this device's private validation images (a folder, or crops): it then scores FedFace's
         candidate models (Federated Validation) and sends only the score. `data` None: the people enrolled in the
         home's store (`edge_client.enrolled_faces`), read again for every round. No image is read here: the faces
-        are decoded on first use (`prepare`, or `start`)."""
+        are decoded on first use (`prepare`, or `start`). `in_process` False: each round's torch work runs in a child
+        process (`edge_client.child_work`; `ffr edge run`), so that the idle daemon never holds torch."""
         self.credential = load_credential(credential)
         self.device_id, self.home = self.credential.device_id, DeviceHome(home)
         self._data, self._detector, self._validation = None if data is None else Path(data), detector, validation
-        self._crop_cache = crop_cache or self.home.root / "crops"
+        self.faces = DeviceFaces(self._data, detector, crop_cache or self.home.root / "crops", self.home)
         self.last_config = TrainingConfig()
         self.jobs: queue.Queue[RoundAnnouncement | ModelRelease | None] = queue.Queue()
         self.queued_rounds: set[int] = set()  # an announcement can arrive twice (retained + re-sent on hello)
@@ -58,41 +63,34 @@ class EdgeDevice:
         self.stop_event = threading.Event()
         self.finished = threading.Event()
         self.link = CoordinatorLink(self.credential, self.home, self._on_body, self._hello_facts, broker, ca_file)
-        self.rounds = RoundRunner(self.link, self.home, lambda: self.crops,
-                                  DevicePublicSet(public_set, self.home.root / "public", self.device_id), seed,
-                                  export_onnx, self.outgoing, lambda: not self.jobs.empty(), self.stop_event)
+        public = DevicePublicSet(public_set, self.home.root / "public", self.device_id)
+        self.rounds = RoundRunner(self.link, self.home, self._round_work(public, seed, in_process), public, export_onnx,
+                                  lambda: not self.jobs.empty(), self.stop_event)
         self.validator: Validator | None = None
 
-    # the device's faces, decoded on first use -------------------------------
-    @cached_property
-    def _crop_config(self) -> CropConfig:
-        return CropConfig(detector=resolve_detector(self._detector, self._index), fallback_center=True)
+    def _round_work(self, public: DevicePublicSet, seed: int, in_process: bool):
+        """The round's torch side: here (with the `outgoing` seam), or in a child process per round (the update as
+        trained: a subclass that overrides `outgoing` must train in process)."""
+        if in_process:
+            from edge_client.round_work import RoundWork
 
-    @cached_property
-    def _index(self):
-        return load_index(self._data)
+            return RoundWork(self.home, lambda: self.crops, public, seed, self.device_id, self.outgoing)
+        if type(self).outgoing is not EdgeDevice.outgoing:
+            raise ValueError(f"{type(self).__name__} overrides `outgoing`: it trains in process")
+        return ChildWork(WorkSpec(self.home, self.faces, public, seed, self.device_id, log_levels()), self.stop_event)
 
     @property
     def crops(self) -> FaceCrops:
-        """The faces a round trains on: the `--data` folder's (decoded once), or the enrolled people's as they are
-        now (decrypted in memory for each use)."""
-        if self._data is None:
-            from edge_client.enrolled_faces import enrolled_crops
-
-            return enrolled_crops(self.home)
-        return self._folder_crops
-
-    @cached_property
-    def _folder_crops(self) -> FaceCrops:
-        return decoded_crops(self._index, self._crop_config, self._crop_cache, self.home.root / "crops")
+        """The faces a round trains on (`edge_client.device_faces`)."""
+        return self.faces.crops
 
     @cached_property
     def validation_crops(self) -> FaceCrops | None:
         if self._validation is None or isinstance(self._validation, FaceCrops):
             return self._validation
-        config = self._crop_config if self._data is not None else CropConfig(detector=resolve_detector(
+        config = self.faces.crop_config if self._data is not None else CropConfig(detector=resolve_detector(
             self._detector, load_index(self._validation)), fallback_center=True)
-        return decoded_crops(load_index(self._validation), config, self._crop_cache,
+        return decoded_crops(load_index(self._validation), config, self.faces.crop_cache,
                              self.home.root / "validation", min_images=2)
 
     def prepare(self) -> None:
@@ -181,7 +179,10 @@ class EdgeDevice:
         except Exception as exc:  # noqa: BLE001 - one failed round must not kill the daemon
             self.failed_rounds[job.round_id] = f"{type(exc).__name__}: {exc}"
             self.queued_rounds.discard(job.round_id)  # the coordinator's next announcement may retry it
-            log.exception("%s: round %d failed", self.device_id, job.round_id)
+            if self.stop_event.is_set():
+                log.info("%s: round %d left unfinished: the device is stopping", self.device_id, job.round_id)
+            else:
+                log.exception("%s: round %d failed", self.device_id, job.round_id)
 
     def _take_release(self, release: ModelRelease) -> None:
         if self.rounds.adopt_release(release):  # taken (adopted, or refused by this device's own check)
@@ -193,9 +194,10 @@ class EdgeDevice:
             self.released = None
 
 
-def run(credential: Path, data: Path | None, home: Path, until_finished: bool = False, **options) -> int:
+def run(credential: Path, data: Path | None, home: Path, until_finished: bool = False, in_process: bool = False,
+        **options) -> int:
     DeviceHome(home).hold_daemon()  # one daemon per home: two would replay each other's sequence numbers forever
-    device = EdgeDevice(credential, data, home, **options)
+    device = EdgeDevice(credential, data, home, in_process=in_process, **options)
     if threading.current_thread() is threading.main_thread():  # a service manager's stop: the same clean end
         signal.signal(signal.SIGTERM, lambda *_: device.stop_event.set())
     device.start()

@@ -73,6 +73,18 @@ class DevicePublicSet:
         self._set = None  # models.public_set.PublicSet, once read
         self._sha: str | None = None  # the hash of the coordinator's set held in self._set
 
+    def fetch(self, cfg) -> bool:
+        """Download the set the round's (signed) configuration announces, if this device does not hold it yet (the
+        daemon does this; its round's work reads it, `follow`). A failure is said, and False returned."""
+        if self.path is not None or cfg.public_set_sha256 is None:
+            return False
+        try:
+            fetch_public_set(cfg.public_set_url, cfg.public_set_sha256, cfg.public_set_bytes, self.folder)
+            return True
+        except PublicSetError as exc:
+            log.warning("%s: no public set this round: %s", self.device_id, exc)
+            return False
+
     def follow(self, cfg) -> None:
         """Hold the set the round's (signed) configuration announces, whatever the round trains with: the device's
         adoption check and its calibration need strangers' faces as much as FedFR's hard negatives do (without them
@@ -82,11 +94,17 @@ class DevicePublicSet:
 
         if self.path is not None or cfg.public_set_sha256 is None or self._sha == cfg.public_set_sha256:
             return
+        if not self.fetch(cfg):
+            return
         try:
-            path = fetch_public_set(cfg.public_set_url, cfg.public_set_sha256, cfg.public_set_bytes, self.folder)
-            self._set, self._sha = load_public_set(path, cfg.public_set_sha256), cfg.public_set_sha256
+            self._set = load_public_set(cached_path(self.folder, cfg.public_set_sha256), cfg.public_set_sha256)
+            self._sha = cfg.public_set_sha256
         except PublicSetError as exc:
             log.warning("%s: no public set this round: %s", self.device_id, exc)
+
+    def __getstate__(self) -> dict:
+        """Pickled without the faces read (a round's child process reads them from the file again)."""
+        return {**self.__dict__, "_set": None, "_sha": None}
 
     def for_round(self, cfg):
         """D_g, only when the round samples hard negatives; None (and why, in the log) when there is none."""

@@ -1,9 +1,9 @@
-"""One federated round on a device: fetch the announced model, judge it, train, send the delta, await the ack.
+"""One federated round on a device, its network side: fetch the announced model, hand it to the round's work (judge,
+train, encode: `edge_client.round_work`), send the update, await the ack, then have the models exported.
 
 An update is written to the device's home before it is sent and deleted only when acknowledged, so a
-dropped connection resumes it instead of losing it. The device's own adoption check (edge_client.adoption)
-decides whether a model trained from the round's global one may verify a face here; only its outcome is
-reported. The local steps are `edge_client.local_algorithms`', the exports `edge_client.exporter`'s.
+dropped connection resumes it instead of losing it. Nothing here imports torch: `ffr edge run` runs the work in a
+child process per round (`edge_client.child_work`), a simulation in its own.
 """
 from __future__ import annotations
 
@@ -12,50 +12,47 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-
-import torch
-from safetensors.torch import load_file as load_torch
+from dataclasses import dataclass
 
 from edge_client.adoption import ADOPTED_METRIC
-from edge_client.error_feedback import ErrorFeedback
-from edge_client.exporter import export_models
 from edge_client.home import DeviceHome
 from edge_client.link import CoordinatorLink
-from edge_client.local_training import LocalResult, RoundInputs, personalised_global, train_round
 from edge_client.public_set import DevicePublicSet
-from edge_client.verifier_choice import check_split
-from models.maths.state_norms import clip_to_norm, without_running_stats
-from models.networks.face_model import (
-    FaceModel,
-    ModelConfig,
-    from_numpy_state,
-    load_shareable_state,
-    private_state,
-    shareable_state,
-)
 from protocol import topics
 from protocol.messages import ModelRelease, RoundAnnouncement, UpdateHeader
-from protocol.tensors import PayloadError, decode
 
 log = logging.getLogger("edge_client")
 
-Outgoing = Callable[[dict, int, dict], tuple[dict, int]]
+
+@dataclass(frozen=True)
+class Trained:
+    """A round's update as it is sent (encoded), and what the round's log says about it: what the work gives back
+    (defined here, torch-free, so that a daemon reading it from its child imports no torch)."""
+
+    data: bytes
+    sha256: str
+    n_samples: int
+    metrics: dict        # sent with the update
+    private_metrics: dict  # kept in the device's round log only
+    momentum_tensors: int  # PFM's global momentum tensors received
 
 
 class RoundRunner:
-    def __init__(self, link: CoordinatorLink, home: DeviceHome, crops: Callable[[], object],
-                 public: DevicePublicSet, seed: int, export_onnx: bool, outgoing: Outgoing,
+    def __init__(self, link: CoordinatorLink, home: DeviceHome, work, public: DevicePublicSet, export_onnx: bool,
                  superseded: Callable[[], bool], stop: threading.Event):
-        """`crops()`: the device's faces; `outgoing`: the update as sent (the one seam a fleet experiment's
-        attacker overrides); `superseded()`: whether a newer job waits, and `stop` whether the daemon is
-        stopping (either way an ack is no longer awaited)."""
+        """`work`: the round's torch side (`edge_client.round_work.RoundWork`, or `edge_client.child_work.ChildWork`
+        for the same in a child process); `superseded()`: whether a newer job waits, and `stop` whether the daemon
+        is stopping (either way an ack is no longer awaited)."""
         self.link, self.home, self.device_id = link, home, link.device_id
-        self._crops, self.public, self.seed, self.export_onnx = crops, public, seed, export_onnx
-        self._outgoing, self._superseded = outgoing, superseded
-        self.model: FaceModel | None = None
+        self.work, self.public, self.export_onnx = work, public, export_onnx
+        self._superseded, self.stop = superseded, stop
         self.adopted = True  # whether the round's global model passed the device's adoption check
         self.acked: dict[int, threading.Event] = {}
-        self.stop = stop
+
+    @property
+    def model(self):
+        """The device's model after its last round (None while the work runs in a child process)."""
+        return self.work.model
 
     # the round ---------------------------------------------------------------
     def run(self, job: RoundAnnouncement) -> None:
@@ -63,80 +60,47 @@ class RoundRunner:
             raise RuntimeError("not registered with the coordinator")
         started = time.perf_counter()
         self.link.drop_stale_pending(job.round_id)
-        self.public.follow(job.config)  # strangers' faces for the adoption check and the calibration, too
-        global_state = self.fetch_global(job)
-        fetched = time.perf_counter()
-        model = self.ensure_model(job)
-        result, momentum = self._train(job, model, global_state)
-        delta, n_samples = result.delta, result.n_samples
-        if job.config.dp_clip is not None:  # DP-FedAvg: the coordinator adds the noise (coordinator.dp)
-            delta, _ = clip_to_norm(without_running_stats(delta), job.config.dp_clip)
-        delta, n_samples = self._outgoing(delta, n_samples, global_state)
-        timing = {"fetch_seconds": fetched - started, "train_seconds": time.perf_counter() - fetched}
-        header, acked, sent, upload_seconds = self._upload(job, delta, n_samples, {**result.metrics, **timing})
-        chosen = None
-        if self.export_onnx and self.adopted:  # a model the device's check refused never verifies a face here
-            chosen = self._export(model, global_state, job.config)
+        self.public.fetch(job.config)  # strangers' faces for the adoption check and the calibration, too
+        with self.work.session():
+            self.adopted = self.work.judge(job, self.fetch_model(job))
+            momentum = self._fetch_momentum(job) if job.config.algorithm == "pfm" else None
+            fetched = time.perf_counter()
+            trained = self.work.train(job, momentum)
+            timing = {"fetch_seconds": fetched - started, "train_seconds": time.perf_counter() - fetched}
+            acked, upload_seconds = self._upload(job, trained, {**trained.metrics, **timing})
+            chosen = None
+            if self.export_onnx and self.adopted:  # a model the device's check refused never verifies a face here
+                chosen = self.work.export(job)
         self.home.log_round({"round_id": job.round_id, "base_version": job.model_version, "acked": acked,
-                             "adopted": self.adopted, "bytes_sent": sent, **timing, "upload_seconds": upload_seconds,
-                             "verifier": chosen,
-                             "global_momentum_tensors": len(momentum or {}),
-                             **result.metrics, **result.private_metrics})
+                             "adopted": self.adopted, "bytes_sent": len(trained.data), **timing,
+                             "upload_seconds": upload_seconds, "verifier": chosen,
+                             "global_momentum_tensors": trained.momentum_tensors,
+                             **trained.metrics, **trained.private_metrics})
         log.info("%s: round %d: picked; model v%d fetched in %.1f s; trained %d samples in %.1f s (loss %.3f); "
                  "sent %.2f MB; %s; %s", self.device_id, job.round_id, job.model_version, timing["fetch_seconds"],
-                 n_samples, timing["train_seconds"], result.metrics.get("train_loss", float("nan")), sent / 1e6,
-                 "acked" if acked else "not acked (kept to resend)",
+                 trained.n_samples, timing["train_seconds"], trained.metrics.get("train_loss", float("nan")),
+                 len(trained.data) / 1e6, "acked" if acked else "not acked (kept to resend)",
                  "adopted" if self.adopted else "kept the last good model (this device's check refused it)")
         if chosen:
             log.info("%s: round %d: %s", self.device_id, job.round_id, chosen)
 
-    def _export(self, model: FaceModel, global_state: dict[str, torch.Tensor], config) -> str | None:
-        """The device's verifying models from this round: the global one, and its personalised one (the global
-        backbone with a DFC branch fitted on its features: measured on 10 CelebA devices, Dirichlet, own people
-        against strangers at FAR 1e-3, 0.754 against 0.692 for the local backbone with its branch,
-        `bench/results/federation_value_dirichlet.md`); the better one chosen and recalibrated on its faces."""
-        crops = self._crops()
-        check = check_split(crops.labels, self.seed)  # judged on images the branch was not fitted on
-        personal = None
-        if model.dfc is not None and config.dfc_steps > 0:
-            personal = personalised_global(global_state, crops if check is None else crops.select(~check), config,
-                                           self.seed)
-        with self.home.writing():  # `ffr device` commands wait meanwhile (one enrolment for verifying and federating)
-            return export_models(model, self.home, self.device_id, global_state, crops.images, crops.labels,
-                                 self.public.negatives_for_adoption(), personal, check, self.public.sha256)
-
-    def _train(self, job: RoundAnnouncement, model: FaceModel,
-               global_state: dict[str, torch.Tensor]) -> tuple[LocalResult, dict | None]:
-        """The local algorithm the round names, from the global backbone; the private parts stay in the home."""
+    def _upload(self, job: RoundAnnouncement, trained: Trained, metrics: dict) -> tuple[bool, float]:
+        """Keep the encoded update on disk, send it, await the ack."""
         cfg = job.config
-        previous = self._private(self.home.local_backbone, shareable_state(model)) if cfg.contrastive else None
-        pfm = cfg.algorithm == "pfm"
-        momentum = self._fetch_momentum(job, global_state) if pfm else None
-        result = train_round(model, self._crops(), global_state, cfg, seed=self.seed + job.round_id,
-                             inputs=RoundInputs(self.public.for_round(cfg), previous, momentum))
-        self.home.save_tensors(self.home.private_state, private_state(model))
-        self.home.save_tensors(self.home.local_backbone, shareable_state(model))  # the personalised model's Theta
-        return result, momentum
-
-    def _upload(self, job: RoundAnnouncement, delta: dict, n_samples: int,
-                metrics: dict) -> tuple[UpdateHeader, bool, int, float]:
-        """Encode (error feedback keeps what a sparse codec left out), keep on disk, send, await the ack."""
-        cfg = job.config
-        encoded = ErrorFeedback(self.home.codec_residual).encode(delta, cfg.codec, cfg.topk_fraction)
-        header = UpdateHeader(round_id=job.round_id, base_version=job.model_version, n_samples=n_samples,
-                              transfer_id=f"{self.device_id}-r{job.round_id}-{encoded.sha256[:12]}",
-                              payload_sha256=encoded.sha256, payload_bytes=len(encoded.data), codec=cfg.codec,
+        header = UpdateHeader(round_id=job.round_id, base_version=job.model_version, n_samples=trained.n_samples,
+                              transfer_id=f"{self.device_id}-r{job.round_id}-{trained.sha256[:12]}",
+                              payload_sha256=trained.sha256, payload_bytes=len(trained.data), codec=cfg.codec,
                               metrics={**metrics, ADOPTED_METRIC: float(self.adopted)})
         payload_path, header_path = self.home.pending_paths(job.round_id)
-        payload_path.write_bytes(encoded.data)
+        payload_path.write_bytes(trained.data)
         header_path.write_text(json.dumps({"header": header.model_dump(), "chunk_bytes": cfg.chunk_bytes}))
         uploading = time.perf_counter()
-        self.link.send_update(header, encoded.data, cfg.chunk_bytes)
-        acked = self._await_ack(job, header, encoded.data)
+        self.link.send_update(header, trained.data, cfg.chunk_bytes)
+        acked = self._await_ack(job, header, trained.data)
         if acked:
             payload_path.unlink(missing_ok=True)
             header_path.unlink(missing_ok=True)
-        return header, acked, len(encoded.data), time.perf_counter() - uploading
+        return acked, time.perf_counter() - uploading
 
     def on_ack(self, round_id: int) -> None:
         self.acked.setdefault(round_id, threading.Event()).set()
@@ -156,94 +120,34 @@ class RoundRunner:
         return True
 
     # models ------------------------------------------------------------------
-    def fetch_global(self, job: RoundAnnouncement | ModelRelease) -> dict[str, torch.Tensor]:
-        """The announced model, from the device's cache when it already holds that version (a resent or resumed
-        round), else downloaded; refused unless its sha256 is the announced one. Then judged by the device's
-        adoption check (edge_client.adoption) before anything trained from it may verify a face."""
+    def fetch_model(self, job: RoundAnnouncement | ModelRelease) -> bytes:
+        """The announced model's bytes, from the device's cache when it already holds that version (a resent or
+        resumed round), else downloaded; refused unless its sha256 is the announced one. The work judges it (the
+        device's adoption check, `edge_client.adoption`) before anything trained from it may verify a face."""
         payload = self.home.cached_model(job.model_version, job.model_sha256)
         if payload is None:
             payload = self.link.downloads.fetch(topics.model_chunks(job.model_version), f"model-{job.model_version}",
                                                 job.model_sha256, job.model_bytes, f"model v{job.model_version}")
             self.home.cache_model(job.model_version, job.model_sha256, payload)
-        state = decode(payload, job.model_sha256)
-        self.adopted = self._adopt(job, payload, state)
-        return from_numpy_state(state)
+        return payload
 
-    def _adopt(self, job, payload: bytes, state: dict) -> bool:
-        """The device's own check of the announced model on its people and public negatives (only the
-        outcome is reported, as one metric of its update)."""
-        from edge_client.adoption import Adoption, check_faces
-        from edge_client.recognizer import Settings
-        from edge_client.vault import Vault
-
-        crops = self._crops()
-        faces = check_faces(crops.images, crops.labels, self.public.negatives_for_adoption(), seed=self.seed)
-        with self.home.writing():  # the sealed settings are shared with `ffr device` commands
-            vault = Vault.open(self.home.root / "store")
-            settings = Settings.load(self.home, vault)
-            adoption = Adoption(self.home.root / "models", sealed=settings.models)
-            verdict = adoption.judge(job.model_sha256, payload, state, faces)
-            seals = adoption.seals()  # the references the next model is judged against
-            if verdict.ok and any(settings.models.get(name) != sha for name, sha in seals.items()):
-                settings.models.update(seals)
-                settings.save(self.home, vault)
-        if not verdict.ok:
-            log.warning("%s: keeping the last good model, not v%d: %s", self.device_id, job.model_version,
-                        verdict.reason)
-        return verdict.ok
-
-    def _fetch_momentum(self, job: RoundAnnouncement, model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """PFM's global momentum for the announced version (None before the first aggregation); its tensors must
-        be the model's floating parameters, shape for shape."""
+    def _fetch_momentum(self, job: RoundAnnouncement) -> bytes | None:
+        """PFM's global momentum for the announced version (None before the first aggregation); the work checks
+        its tensors against the model's."""
         if job.momentum_sha256 is None:
             return None
-        payload = self.link.downloads.fetch(topics.momentum_chunks(job.model_version), f"momentum-{job.model_version}",
-                                            job.momentum_sha256, job.momentum_bytes, f"momentum v{job.model_version}")
-        momentum = decode(payload, job.momentum_sha256)
-        for name, value in momentum.items():
-            if name not in model or tuple(model[name].shape) != value.shape or value.dtype.kind != "f":
-                raise PayloadError(f"momentum tensor {name[:80]} is not one of the model's floating tensors")
-        return from_numpy_state(momentum)
-
-    def ensure_model(self, job: RoundAnnouncement | ModelRelease) -> FaceModel:
-        """The device's model for this architecture, its private head and DFC branch restored from the home."""
-        cfg = job.config
-        if self.model is None or self.model.config.dfc != cfg.dfc:
-            self.model = FaceModel(ModelConfig(n_classes=len(self._crops().identities),
-                                               embedding_dim=cfg.embedding_dim, width_mult=cfg.width_mult,
-                                               pretrained=False, dfc=cfg.dfc, dfc_weight=cfg.dfc_weight))
-            saved = self._private(self.home.private_state, private_state(self.model))
-            if saved is not None:
-                self.model.load_state_dict(saved, strict=False)
-        return self.model
-
-    def _private(self, path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """A private part this device saved (its head and DFC branch, or its last local backbone) if it matches
-        `like` key for key and shape for shape; a damaged or outgrown file is skipped with a warning (the next
-        round writes it anew), so one bad file costs that part's personalisation, not every round after it."""
-        if not path.exists():
-            return None
-        try:
-            saved = load_torch(str(path))
-            if set(saved) == set(like) and all(saved[k].shape == like[k].shape for k in like):
-                return saved
-            problem = "it does not fit this model"
-        except Exception as exc:  # noqa: BLE001 - safetensors says a damaged file many ways
-            problem = " ".join(str(exc).split())[:120] or type(exc).__name__
-        log.warning("%s: %s is not used (%s); starting that part afresh", self.device_id, path.name, problem)
-        return None
+        return self.link.downloads.fetch(topics.momentum_chunks(job.model_version), f"momentum-{job.model_version}",
+                                         job.momentum_sha256, job.momentum_bytes, f"momentum v{job.model_version}")
 
     def adopt_release(self, release: ModelRelease) -> bool:
         """The federation's final model: fetched, checked like every global model, and (if it passes) what this
-        device verifies with from now on (its own DFC branch on top, `_export`). One log line says which; False if it
-        could not be taken (the release is retained: the next connection tries again)."""
+        device verifies with from now on (its own DFC branch on top). One log line says which; False if it could
+        not be taken (the release is retained: the next connection tries again)."""
         try:
-            global_state = self.fetch_global(release)
-            chosen = None
-            if self.adopted and self.export_onnx:
-                model = self.ensure_model(release)
-                load_shareable_state(model, global_state)
-                chosen = self._export(model, global_state, release.config)
+            self.public.fetch(release.config)
+            with self.work.session():
+                self.adopted = self.work.judge(release, self.fetch_model(release))
+                chosen = self.work.export(release, trained=False) if self.adopted and self.export_onnx else None
             log.info("%s: final model v%d %s%s", self.device_id, release.model_version,
                      "adopted" if self.adopted else "refused by this device's check; keeping the last good model",
                      f"; {chosen}" if chosen else "")

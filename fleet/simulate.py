@@ -298,15 +298,6 @@ class Simulation:
                 engine.close_round(round_id)
             time.sleep(0.1)
 
-    def _privacy(self) -> dict | None:
-        """DP-FedAvg's privacy spent after the last completed round (None when DP is off)."""
-        if self.config.training.dp_clip is None:
-            return None
-        done = [r for r in self.service.engine.view.rounds() if r["status"] == "completed"]
-        last = done[-1]["metrics"] if done else {}
-        return {k.removeprefix("dp_"): last.get(k) for k in ("dp_epsilon", "dp_delta", "dp_noise_multiplier",
-                                                                 "dp_clip", "dp_q")}
-
     def _catch_up(self, tracker, wall_s: float | None = None) -> None:
         """Evaluate every aggregated round not yet in the history (also the one a Ctrl-C interrupted)."""
         seen = {h["round_id"] for h in self.state.history}
@@ -383,7 +374,8 @@ class Simulation:
         self.state.elapsed_s += time.time() - started
         self.state.save(self.state_path)
         rolled_back = [r for r in self.service.engine.view.rounds() if r["status"] == "rolled_back"]
-        summary = final.summary(result, self.state, tracker.run_id, self._privacy(), rolled_back)
+        privacy = None if self.config.training.dp_clip is None else privacy_spent(self.service.engine.view.rounds())
+        summary = final.summary(result, self.state, tracker.run_id, privacy, rolled_back)
         if self.config.malicious > 0:
             summary["attack"] = self.attacks.summary(self.state.history)
         paths = write_summary(summary, self.run_dir)
@@ -391,6 +383,14 @@ class Simulation:
         for path in [*result.figures.values(), *paths]:
             tracker.log_artifact(path)
         return summary
+
+
+def privacy_spent(rounds: list[dict]) -> dict:
+    """DP-FedAvg's privacy spent after the last completed round, from the round log's metrics."""
+    done = [r for r in rounds if r["status"] == "completed"]
+    last = done[-1]["metrics"] if done else {}
+    return {k.removeprefix("dp_"): last.get(k) for k in ("dp_epsilon", "dp_delta", "dp_noise_multiplier", "dp_clip",
+                                                         "dp_q")}
 
 
 def impostors_at_start(raw: tuple | None, history: list[dict]) -> dict:

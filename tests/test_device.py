@@ -363,22 +363,18 @@ def test_a_damaged_pending_update_is_dropped_not_resent_and_stray_files_are_left
 def test_a_damaged_private_part_is_skipped_with_a_warning_not_every_round(tmp_path, caplog, content):
     """The head and DFC branch a device saved are read back each time its model is built: a damaged file or one
     of other shapes costs that personalisation (said in the log), not the rounds that follow."""
-    import threading
     from types import SimpleNamespace
 
     import torch
     from safetensors.torch import save_file
 
-    from coordinator.admission import admit
     from edge_client.home import DeviceHome
-    from edge_client.link import CoordinatorLink
-    from edge_client.round_runner import RoundRunner
+    from edge_client.round_work import RoundWork
     from protocol.messages import TrainingConfig
 
     home = DeviceHome(tmp_path / "home")
-    link = CoordinatorLink(admit(tmp_path / "state", "dev0", "mqtt://127.0.0.1:1"), home, lambda body: None, dict)
-    runner = RoundRunner(link, home, lambda: SimpleNamespace(identities=["a", "b", "c"]), public=None, seed=0,
-                         export_onnx=False, outgoing=None, superseded=lambda: False, stop=threading.Event())
+    runner = RoundWork(home, lambda: SimpleNamespace(identities=["a", "b", "c"]), public=None, seed=0,
+                       device_id="dev0")
     job = SimpleNamespace(config=TrainingConfig(width_mult=0.35, dfc=True))
     if content == "damaged":
         home.private_state.write_bytes(b"\x10\0\0\0\0\0\0\0{cut")
