@@ -72,7 +72,7 @@ def _device(work: Path, credential: Path, data: Path, extra: list[str]) -> dict:
         raise RuntimeError("the device did not take the final model:\n" + "".join(said[-30:]))
     return {"idle_mb": round(idle, 1), "peak_daemon_mb": round(peak_daemon, 1),
             "peak_round_child_mb": round(peak_child, 1) if peak_child else None,
-            "final": next(line.strip() for line in said if "final model v" in line)}
+            "final": next(line.strip() for line in said if "final model v" in line).split(";")[0]}
 
 
 def run(data: Path, work: Path, mode: str) -> dict:

@@ -45,7 +45,7 @@ def add_commands(esub) -> None:
     p.add_argument("--no-export", action="store_true", help="do not export ONNX models after each round")
     p.add_argument("--in-process", action="store_true",
                    help="train in the daemon's own process (default: a child process for each round, so that the "
-                        "daemon holds no torch between rounds: about 0.1 GB idle instead of 0.9 GB)")
+                        "daemon holds no torch between rounds: 133 MB idle instead of 938 MB, bench.daemon_memory)")
     p.add_argument("--seed", type=int, default=0, help="seed of local training")
     p.add_argument("--exit-when-done", action="store_true", help="exit after the coordinator's last round")
     p.add_argument("--public-set", type=Path,
