@@ -9,6 +9,9 @@ builds them (its training crops, the run's public set, its seed) and reports, fo
 as the device judges against its last model) and the whole run (v0 -> v_k, against its anchor), whether each check
 passes, and why not.
 
+The coordinator's quality gate is replayed on the same steps: on its faces' pairs, and on each of its people's
+template probed by every other face (its identity canaries).
+
     python -m bench.device_checks --run RUN [--run RUN2] --out bench/results
 """
 from __future__ import annotations
@@ -19,9 +22,10 @@ from pathlib import Path
 
 from bench.common import write_results
 from coordinator.store import Store
-from edge_client.adoption import ADOPTION, check_faces, door_scores
+from edge_client.adoption import ADOPTION, check_faces
 from fleet.config import SimConfig
 from fleet.data import TRAIN, prepare
+from models.evaluation.separation import door_scores
 
 
 def run_rows(run: Path) -> list[dict]:
@@ -53,6 +57,28 @@ def run_rows(run: Path) -> list[dict]:
     return rows
 
 
+def gate_rows(run: Path) -> list[dict]:
+    """The same steps at the coordinator's quality gate on the run's gate faces (`coordinator_faces`, people of no
+    device, labelled: face pairs and their templates, the identity canaries), at the run's gate bar."""
+    from coordinator.quality_gate import load_faces
+
+    folder = run / "coordinator_faces"
+    if not folder.is_dir():
+        return []
+    bar = SimConfig.load(run / "config.json").gate.bar
+    faces = load_faces(folder, bar.limit, bar.seed)
+    store = Store(run / "coordinator")
+    versions = [m["version"] for m in store.models()]
+    scored = {v: door_scores(store.load_model(v), faces) for v in versions}
+    rows = []
+    for a, b in [(a, b) for a, b in zip(versions, versions[1:])] + [(versions[0], v) for v in versions[2:]]:
+        pairs, templates = bar.judge(scored[a][0], scored[b][0]), bar.judge(scored[a][1], scored[b][1])
+        rows.append({"run": run.name, "device": "gate", "step": f"v{a} -> v{b}", "pairs_ok": pairs.ok,
+                     "templates_ok": templates.ok, "pairs_far": _far(pairs.metrics),
+                     "templates_far": _far(templates.metrics), "why": pairs.reason or templates.reason})
+    return rows
+
+
 def _far(metrics: dict) -> str:
     return f"{metrics.get('far_current', 0):.4f} -> {metrics.get('far_candidate', 0):.4f}"
 
@@ -63,16 +89,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--name", default="device_checks")
     args = p.parse_args(argv)
-    rows = [row for run in args.run for row in run_rows(run)]
-    if not rows:
+    devices = [row for run in args.run for row in run_rows(run)]
+    gate = [row for run in args.run for row in gate_rows(run)]
+    if not devices:
         print("no published model steps to measure", file=sys.stderr)
         return 1
-    refused = {"pairs": sum(not r["pairs_ok"] for r in rows), "templates": sum(not r["templates_ok"] for r in rows)}
+
+    def refused(rows: list[dict]) -> dict:
+        return {"pairs": sum(not r["pairs_ok"] for r in rows), "templates": sum(not r["templates_ok"] for r in rows)}
+
     command = "python -m bench.device_checks " + " ".join(sys.argv[1:] if argv is None else argv)
-    title = (f"Honest rounds at the devices' adoption checks: {len(rows)} device steps, refused on face pairs "
-             f"{refused['pairs']}, on faces against templates {refused['templates']}")
-    write_results(args.out, args.name, {"checks": len(rows), "refused": refused, "far": ADOPTION.far,
-                                        "far_ratio": ADOPTION.far_ratio}, rows, title, command)
+    title = (f"Honest rounds at the devices' adoption checks: {len(devices)} device steps, refused on face pairs "
+             f"{refused(devices)['pairs']}, on faces against templates {refused(devices)['templates']}; at the "
+             f"quality gate: {len(gate)} steps, refused on face pairs {refused(gate)['pairs']}, on its people's "
+             f"templates {refused(gate)['templates']}")
+    write_results(args.out, args.name, {"checks": len(devices), "refused": refused(devices), "far": ADOPTION.far,
+                                        "far_ratio": ADOPTION.far_ratio, "gate_checks": len(gate),
+                                        "gate_refused": refused(gate)}, gate + devices, title, command)
     return 0
 
 

@@ -28,12 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.server_step import STEPS, WHOLE, Judged, best_step, point
-from models.evaluation.separation import FaceSet, Scores, SeparationSettings, Verdict, score
+from models.evaluation.separation import FaceSet, Scores, SeparationSettings, Verdict, door_scores, door_verdict
 
 log = logging.getLogger("coordinator")
 
 
 GateSettings = SeparationSettings  # the gate's bar: the spec's defaults
+Scored = tuple[Scores, Scores]  # a model's (face-pair, face-to-template) scores on the gate's faces
+TEMPLATES = "its people's templates (identity canaries)"
 STAND_IN_PEOPLE, STAND_IN_IMAGES = 40, 10  # 400 faces (the bar's default limit): 78,000 impostor pairs
 JUDGED_KEPT = 16  # candidates' verdicts kept against one current model (a round judges at most len(STEPS) + 1)
 SEED_FILE = "gate_faces.seed"  # in the coordinator's state: the stand-in faces stay the same across restarts
@@ -52,20 +54,25 @@ class GateSetup:
 @dataclass
 class QualityGate:
     """Scores candidates on fixed faces against two references: the current model (its scores kept per version) and
-    the anchor, the model the run started from, so that steps each within the bar cannot add up past it."""
+    the anchor, the model the run started from, so that steps each within the bar cannot add up past it. On labelled
+    faces each person is also enrolled as a device would enrol them, and every other face probes their template
+    (identity canaries: one person pulled onto another crosses there before their face pairs do), the bar held on
+    both as a device's adoption check holds it (`models.evaluation.separation.door_verdict`). `scorer`: the scores of
+    a state on the faces (`door_scores`; a test's stand-in for a pull no real update can be made to show)."""
 
     faces: FaceSet
     settings: GateSettings = field(default_factory=GateSettings)
     source: str = ""
     steps: tuple[float, ...] = STEPS  # the server steps it may choose among (`coordinator.server_step`)
-    _current: tuple[str, Scores] | None = None
-    _anchor: Scores | None = None
+    scorer: Callable[[dict[str, np.ndarray], FaceSet, int | None], Scored] = door_scores
+    _current: tuple[str, Scored] | None = None
+    _anchor: Scored | None = None
     _judged: dict[bytes, Judged] = field(default_factory=dict)  # against the current scores, by the candidate's content
 
     def anchor_on(self, start_state: Callable[[], dict[str, np.ndarray] | None]) -> None:
         """Fix the anchor (loaded and scored once; nothing to anchor on when it cannot be loaded)."""
         if self._anchor is None and (state := start_state()) is not None:
-            self._anchor = score(state, self.faces, self.settings.threads)
+            self._anchor = self.scorer(state, self.faces, self.settings.threads)
             self._judged.clear()  # judged without it
 
     def check(self, current_state: dict[str, np.ndarray], current_sha: str,
@@ -87,33 +94,35 @@ class QualityGate:
 
     def start_figures(self) -> dict:
         """The anchor's AUC on these faces, for each round's record: start against now."""
-        return {} if self._anchor is None else {"gate_auc_start": self._anchor.auc}
+        return {} if self._anchor is None else {"gate_auc_start": self._anchor[0].auc}
 
-    def _current_scores(self, state: dict[str, np.ndarray], sha: str) -> Scores:
+    def _current_scores(self, state: dict[str, np.ndarray], sha: str) -> Scored:
         if self._current is None or self._current[0] != sha:
-            self._current = (sha, score(state, self.faces, self.settings.threads))
+            self._current = (sha, self.scorer(state, self.faces, self.settings.threads))
             self._judged.clear()
         return self._current[1]
 
-    def _judge(self, current: Scores, candidate_state: dict[str, np.ndarray]) -> Judged:
+    def _judge(self, current: Scored, candidate_state: dict[str, np.ndarray]) -> Judged:
         """The bar against the current model, then the same bar against the anchor (the run's whole budget)."""
         key = state_digest(candidate_state)  # `check`'s candidate, judged again among `step`'s points
         if key in self._judged:
             return self._judged[key]
         if len(self._judged) >= JUDGED_KEPT:  # rounds rolled back keep the current model: forget, not grow
             self._judged.clear()
-        candidate = score(candidate_state, self.faces, self.settings.threads)
-        verdict = self.settings.judge(current, candidate)
+        candidate = self.scorer(candidate_state, self.faces, self.settings.threads)
+        verdict = door_verdict(current, candidate, self.settings, TEMPLATES)
         metrics = {f"gate_{k}": v for k, v in verdict.metrics.items()}
         problem = "" if verdict.ok else f"quality gate: {verdict.reason}"
         if self._anchor is not None:
-            anchored: Verdict = self.settings.judge(self._anchor, candidate)
-            metrics.update({f"gate_anchor_{name}": anchored.metrics[k] for name, k in
+            anchored: Verdict = door_verdict(self._anchor, candidate, self.settings, TEMPLATES)
+            metrics.update({f"gate_anchor_{prefix}{name}": anchored.metrics[f"{prefix}{k}"]
+                            for prefix in ("", "template_") for name, k in
                             (("threshold", "threshold"), ("far_start", "far_current"),
-                             ("far_candidate", "far_candidate"), ("far_limit", "far_limit"))})
+                             ("far_candidate", "far_candidate"), ("far_limit", "far_limit"))
+                            if f"{prefix}{k}" in anchored.metrics})
             if not problem and not anchored.ok:
                 problem = f"quality gate, against the model the run started from: {anchored.reason}"
-        self._judged[key] = Judged(candidate.auc, problem, metrics)
+        self._judged[key] = Judged(candidate[0].auc, problem, metrics)
         return self._judged[key]
 
     @classmethod

@@ -22,15 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from models.evaluation.separation import (
-    FaceSet,
-    Scores,
-    SeparationSettings,
-    Verdict,
-    embed,
-    pair_scores,
-    template_scores,
-)
+from models.evaluation import separation
+from models.evaluation.separation import FaceSet, Scores, SeparationSettings, Verdict, door_scores
 
 log = logging.getLogger("edge_client")
 ADOPTED_METRIC = "global_adopted"  # 1: the announced model passed the device's check, 0: it kept its last
@@ -68,25 +61,10 @@ def check_faces(images: np.ndarray, labels: np.ndarray, public: np.ndarray | Non
     return FaceSet(np.ascontiguousarray(faces), names)
 
 
-def door_scores(state: dict[str, np.ndarray], faces: FaceSet) -> tuple[Scores, Scores]:
-    """(face-pair scores, face-to-template scores) of the device's check faces (labelled: `check_faces`), embedded
-    once."""
-    emb = embed(state, faces.images)
-    return pair_scores(emb, faces.labels), template_scores(emb, faces.labels)
-
-
 def door_verdict(reference: tuple[Scores, Scores], candidate: tuple[Scores, Scores],
                  settings: SeparationSettings = ADOPTION) -> Verdict:
-    """The bar on face pairs, then on faces against templates, what the door decides on (`door_scores`): one person
-    pulled onto another's template is refused there even while their face pairs and the averages hold."""
-    pairs = settings.judge(reference[0], candidate[0])
-    if not pairs.ok or not len(reference[1].impostor):
-        return pairs
-    templates = settings.judge(reference[1], candidate[1])
-    metrics = {**pairs.metrics, **{f"template_{k}": v for k, v in templates.metrics.items()}}
-    if not templates.ok:
-        return Verdict(False, f"faces against the enrolled people's templates: {templates.reason}", metrics)
-    return Verdict(True, "", metrics)
+    """The device's bar on face pairs, then on faces against its enrolled people's templates."""
+    return separation.door_verdict(reference, candidate, settings)
 
 
 class Adoption:

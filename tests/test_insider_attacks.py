@@ -198,19 +198,45 @@ def test_a_pair_jump_outside_its_range_is_refused_in_one_line(jump):
         SeparationSettings(pair_jump=jump)
 
 
-def _embeddings_with_a_pull(share: float) -> tuple[np.ndarray, np.ndarray]:
-    """8 people x 20 faces and 80 public negatives in 128-d, face-pair genuine cosine about 0.45 (CelebA-like): person
-    0's faces moved `share` of the way from their own centre onto person 1's."""
+def _embeddings_with_a_pull(share: float, people: int = 8, faces: int = 20,
+                            public: int = 80) -> tuple[np.ndarray, np.ndarray]:
+    """`people` x `faces` and `public` public negatives in 128-d, face-pair genuine cosine about 0.45 (CelebA-like):
+    person 0's faces moved `share` of the way from their own centre onto person 1's."""
     rng = np.random.default_rng(0)
-    centres = rng.normal(size=(8, 128))
+    centres = rng.normal(size=(people, 128))
     centres /= np.linalg.norm(centres, axis=1, keepdims=True)
-    noise = rng.normal(size=(8, 20, 128)) * 1.1 / np.sqrt(128)
-    public = rng.normal(size=(80, 128))
-    means = np.repeat(centres[:, None], 20, axis=1)
+    noise = rng.normal(size=(people, faces, 128)) * 1.1 / np.sqrt(128)
+    negatives = rng.normal(size=(public, 128))
+    means = np.repeat(centres[:, None], faces, axis=1)
     means[0] = (1 - share) * centres[0] + share * centres[1]
-    emb = np.concatenate([(means + noise).reshape(-1, 128), public])
-    labels = np.concatenate([np.repeat(np.arange(8), 20), 8 + np.arange(80)])
+    emb = np.concatenate([(means + noise).reshape(-1, 128), negatives])
+    labels = np.concatenate([np.repeat(np.arange(people), faces), people + np.arange(public)])
     return emb / np.linalg.norm(emb, axis=1, keepdims=True), labels
+
+
+def test_the_gate_refuses_one_of_its_people_pulled_onto_anothers_template_while_face_pairs_hold():
+    """Identity canaries at the coordinator: each labelled person of the gate's faces is enrolled as a template and
+    probed by every other face, as a device's door decides. 40 people x 10 faces (the gate's 400): person 0 pulled
+    30% of the way onto person 1 passes the gate's bar on face pairs (overall, per person, per pair) and is refused on
+    templates; no pull passes. The scorer stands in for the ONNX embedding of a real model: no real update can be
+    made to move exactly one person and nothing else (a fake for a fault not otherwise caused)."""
+    from coordinator.quality_gate import GateSettings, QualityGate
+    from models.evaluation.separation import FaceSet, pair_scores, template_scores
+
+    def scorer(state, faces, threads):
+        emb, labels = _embeddings_with_a_pull(float(state["pull"]), people=40, faces=10, public=0)
+        return pair_scores(emb, labels), template_scores(emb, labels)
+
+    labels = np.repeat(np.arange(40), 10)
+    gate = QualityGate(FaceSet(np.zeros((400, 2, 2, 3), np.uint8), labels), GateSettings(), "canaries",
+                       steps=(1.0,), scorer=scorer)
+    current, pulled = {"pull": np.array(0.0)}, {"pull": np.array(0.3)}
+    assert GateSettings().judge(scorer(current, None, 1)[0], scorer(pulled, None, 1)[0]).ok, "pairs alone pass it"
+    problem, figures = gate.check(current, "v0", pulled)
+    said = "quality gate: faces against its people's templates (identity canaries): people 0 and 1"
+    assert problem.startswith(said), problem
+    assert figures["gate_template_far_candidate"] >= figures["gate_template_far_current"]
+    assert gate.check(current, "v0", {"pull": np.array(0.0)})[0] == ""
 
 
 def test_a_device_refuses_one_person_pulled_part_way_onto_anothers_template_while_face_pairs_hold():

@@ -176,10 +176,33 @@ def template_scores(emb: np.ndarray, labels: np.ndarray) -> Scores:
 
 def score(state: dict[str, np.ndarray], faces: FaceSet, threads: int | None = 1) -> Scores:
     """The model's genuine and impostor scores on `faces`."""
+    return door_scores(state, faces, threads)[0]
+
+
+def door_scores(state: dict[str, np.ndarray], faces: FaceSet, threads: int | None = 1) -> tuple[Scores, Scores]:
+    """(face-pair scores, face-to-template scores) of `faces` under the model in `state`, embedded once: what a door
+    decides on is a face against a person's template. An unlabelled set has no templates (empty scores)."""
     session = embedder_session(state, threads)  # built once for the images and their mirror images
     emb = _embed(session, faces.images)
-    mirrored = _embed(session, faces.images[:, :, ::-1]) if faces.labels is None else None
-    return pair_scores(emb, faces.labels, mirrored)
+    if faces.labels is None:
+        none = Scores(np.zeros(0), np.zeros(0))
+        return pair_scores(emb, None, _embed(session, faces.images[:, :, ::-1])), none
+    return pair_scores(emb, faces.labels), template_scores(emb, faces.labels)
+
+
+def door_verdict(reference: tuple[Scores, Scores], candidate: tuple[Scores, Scores], settings: SeparationSettings,
+                 templates_of: str = "the enrolled people's templates") -> Verdict:
+    """The bar on face pairs, then on faces against templates (`door_scores`): one person pulled onto another's
+    template is refused there even while their face pairs and the averages hold. The device's adoption check and the
+    coordinator's quality gate (its people's templates are its identity canaries) both judge with it."""
+    pairs = settings.judge(reference[0], candidate[0])
+    if not pairs.ok or not len(reference[1].impostor):
+        return pairs
+    templates = settings.judge(reference[1], candidate[1])
+    metrics = {**pairs.metrics, **{f"template_{k}": v for k, v in templates.metrics.items()}}
+    if not templates.ok:
+        return Verdict(False, f"faces against {templates_of}: {templates.reason}", metrics)
+    return Verdict(True, "", metrics)
 
 
 def auc(genuine: np.ndarray, impostor: np.ndarray) -> float:
