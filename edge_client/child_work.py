@@ -1,9 +1,10 @@
 """A device's round work (`edge_client.round_work`) in a child process started for the round and ended with it.
 
-Why: torch and torchvision are most of an edge daemon's memory (0.7 GB of imports); a daemon that trains in its own
-process holds them between rounds forever. Here the daemon stays torch-free: each round spawns one child (a fresh
-interpreter, not a fork of a process with MQTT threads), calls it over a pipe, and lets it exit. The child ignores
-Ctrl-C; the daemon ends it when it stops. `InProcess` is the same seam without the child (a simulation's devices).
+Why: torch and torchvision's imports are most of an edge daemon's memory; a daemon that trains in its own process
+holds them between rounds forever (938 MB idle, 133 MB with this: `bench/results/daemon_memory.md`). Here the daemon
+stays torch-free: each round spawns one child (a fresh interpreter, not a fork of a process with MQTT threads), calls
+it over a pipe, and lets it exit. The child ignores Ctrl-C; the daemon ends it when it stops. `RoundWork` itself is
+the same seam without the child (`--in-process`, a simulation's devices).
 """
 from __future__ import annotations
 
