@@ -14,7 +14,6 @@ import multiprocessing
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from edge_client.device_faces import DeviceFaces
 from edge_client.home import DeviceHome
@@ -24,30 +23,16 @@ log = logging.getLogger("edge_client")
 POLL_S = 0.5
 
 
-@dataclass(frozen=True)
-class WorkSpec:
-    """What a child needs to build the device's `RoundWork`: all of it picklable."""
-
-    home: DeviceHome
-    faces: DeviceFaces
-    public: DevicePublicSet
-    seed: int
-    device_id: str
-    log_levels: dict[str, int]  # the daemon's loggers, so the child says what the daemon would
-
-    def build(self):
-        from edge_client.round_work import RoundWork
-
-        return RoundWork(self.home, lambda: self.faces.crops, self.public, self.seed, self.device_id)
-
-
 class ChildWork:
     """The round's work in a child process, one per `session` (a round, or taking the final model)."""
 
     model = None  # the model lives in the child, for one round
 
-    def __init__(self, spec: WorkSpec, stop: threading.Event):
-        self.spec, self.stop = spec, stop
+    def __init__(self, home: DeviceHome, faces: DeviceFaces, public: DevicePublicSet, seed: int, device_id: str,
+                 stop: threading.Event):
+        """What the child builds its `RoundWork` from (all of it picklable), and the daemon's stop."""
+        self._args = (home, faces, public, seed, device_id, log_levels())
+        self.device_id, self.stop = device_id, stop
         self._process: multiprocessing.Process | None = None
         self._conn = None
 
@@ -55,8 +40,8 @@ class ChildWork:
     def session(self) -> Iterator[None]:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, self.spec), daemon=True,
-                                        name=f"ffr-round-{self.spec.device_id}")
+        self._process = context.Process(target=_serve, args=(child, *self._args), daemon=True,
+                                        name=f"ffr-round-{self.device_id}")
         self._process.start()
         child.close()
         try:
@@ -104,13 +89,17 @@ class ChildWork:
         self._process, self._conn = None, None
 
 
-def _serve(conn, spec: WorkSpec) -> None:
-    """The child: build the work, answer calls until told to stop or the daemon is gone."""
+def _serve(conn, home: DeviceHome, faces: DeviceFaces, public: DevicePublicSet, seed: int, device_id: str,
+           levels: dict[str, int]) -> None:
+    """The child: build the work, answer calls until told to stop or the daemon is gone. `levels`: the daemon's
+    loggers' levels, so that the child says what the daemon would."""
+    from edge_client.round_work import RoundWork
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the daemon decides
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    for name, level in spec.log_levels.items():
+    for name, level in levels.items():
         logging.getLogger(name).setLevel(level)
-    work = spec.build()
+    work = RoundWork(home, lambda: faces.crops, public, seed, device_id)
     while True:
         try:
             request = conn.recv()

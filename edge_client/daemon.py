@@ -23,7 +23,7 @@ import time
 from functools import cached_property
 from pathlib import Path
 
-from edge_client.child_work import ChildWork, WorkSpec, log_levels
+from edge_client.child_work import ChildWork
 from edge_client.device_faces import DeviceFaces
 from edge_client.home import DeviceHome
 from edge_client.link import CoordinatorLink, load_credential
@@ -77,7 +77,7 @@ class EdgeDevice:
             return RoundWork(self.home, lambda: self.crops, public, seed, self.device_id, self.outgoing)
         if type(self).outgoing is not EdgeDevice.outgoing:
             raise ValueError(f"{type(self).__name__} overrides `outgoing`: it trains in process")
-        return ChildWork(WorkSpec(self.home, self.faces, public, seed, self.device_id, log_levels()), self.stop_event)
+        return ChildWork(self.home, self.faces, public, seed, self.device_id, self.stop_event)
 
     @property
     def crops(self) -> FaceCrops:
