@@ -17,10 +17,6 @@ from models.cli.objective import (
 from protocol.messages import MAX_CHUNK_BYTES
 from protocol.methods import method_named
 
-NO_PUBLIC_SET = ("no public set (--public-set): devices get no strangers' faces, so each calibrates its door on its "
-                 "own people only and verifies with the global model, never its personalised one; pack faces of "
-                 "nobody's people with `ffr edge public-set --data FACES --out FILE`")
-
 
 def cmd_coordinator_serve(args) -> int:
     from coordinator.service import serve
@@ -41,8 +37,6 @@ def cmd_coordinator_serve(args) -> int:
     if settings.training.hard_negatives and not public:
         print("hard negatives are on but this coordinator serves no public set (--public-set): each device needs "
               "its own (`ffr edge run --public-set FILE`)", flush=True)
-    elif not public:
-        print(NO_PUBLIC_SET, flush=True)
     if args.exit_grace is not None and not (args.exit_when_done and args.exit_grace >= 0):
         raise ValueError("--exit-grace is how long --exit-when-done waits (seconds, not negative): give both")
     grace = {} if args.exit_grace is None else {"exit_grace_s": args.exit_grace}

@@ -322,8 +322,17 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+NO_PUBLIC_SET = ("no public set (--public-set): devices get no strangers' faces, so each calibrates its door on its "
+                 "own people only and verifies with the global model, never its personalised one; pack faces of "
+                 "nobody's people with `ffr edge public-set --data FACES --out FILE`")
+
+
 def _print_start(service: Service, config: ServiceConfig, docs: bool) -> None:
+    """What an operator needs once everything started: the addresses, the key devices pin, where the API token is,
+    and what serving no public set costs (said once the settings were accepted, never above a refusal)."""
     base = f"http://{config.http_host}:{config.http_port}"
+    if config.public_set is None:
+        print(NO_PUBLIC_SET, flush=True)
     print(f"coordinator: broker {service.broker_url}, HTTP {base}, dashboard {base}/dashboard"
           + (f", API docs {base}/docs" if docs else ""), flush=True)
     print(f"coordinator public key (devices pin it): {service.signer.public_hex}", flush=True)

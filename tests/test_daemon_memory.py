@@ -68,7 +68,7 @@ def federation(tmp_path):
     state = tmp_path / "state"
     coordinator, said = serving_coordinator("--rounds", "2", "--min-clients", "1", "--state", str(state),
                                             "--http-port", str(free_port()), "--batch-size", "8", "--local-epochs", "3")
-    from coordinator.cli import NO_PUBLIC_SET  # issue 47: an operator is told what serving no public set costs
+    from coordinator.service import NO_PUBLIC_SET  # issue 47: an operator is told what serving no public set costs
 
     assert NO_PUBLIC_SET + "\n" in said, said
     yield admitted(state, "dev0", tmp_path / "dev0.credential"), data
