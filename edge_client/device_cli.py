@@ -689,7 +689,9 @@ def add_commands(dsub) -> None:
     p = dsub.add_parser("enroll", aliases=["enrol"], help="enrol a person from a camera, a video or images",
                         description="Reads frames, refuses those with no face, several faces, a face too small or "
                                     "too blurred (saying why), keeps the sharpest --best crops, and stores them with "
-                                    "the person's template, encrypted (AES-GCM).")
+                                    "the person's template, encrypted (AES-GCM).",
+                        epilog="examples: ffr device enroll --home ~/.ffr-device --name alice --camera 0  |  "
+                               "ffr device enroll --home ~/.ffr-device --from known_people/")
     p.add_argument("--name", type=_person_name,
                    help=f"the person's name: 1-{NAME_MAX} letters (any script), digits, spaces, . _ - '")
     p.add_argument("--best", type=at_least(1), default=5, help="face crops to keep (default 5)")
@@ -701,7 +703,8 @@ def add_commands(dsub) -> None:
     p.set_defaults(func=cmd_enroll)
 
     p = dsub.add_parser("verify", help="1:1: is this the enrolled person NAME? exit 0 if so, 1 if not",
-                        description="Prints the decision, the score, the threshold and the latency per frame.")
+                        description="Prints the decision, the score, the threshold and the latency per frame.",
+                        epilog="example: ffr device verify --home ~/.ffr-device --name alice --camera 0 --liveness")
     p.add_argument("--name", required=True, help="the enrolled person to check against")
     _threshold_option(p)
     _liveness_options(p)
@@ -711,7 +714,8 @@ def add_commands(dsub) -> None:
 
     p = dsub.add_parser("identify", help="1:N: who is this? 'unknown' below the threshold; exit 0 if known, 1 if not",
                         description="Compares the face with every enrolled person's template and prints the best "
-                                    "match and its score, or 'unknown' when no score reaches the threshold.")
+                                    "match and its score, or 'unknown' when no score reaches the threshold.",
+                        epilog="example: ffr device identify --home ~/.ffr-device --images visitors/ --json")
     _threshold_option(p)
     _liveness_options(p)
     _common(p)
@@ -757,13 +761,15 @@ def add_commands(dsub) -> None:
 
     p = dsub.add_parser("list", help="the enrolled people, the model and the threshold",
                         description="Reads the home only (never creates one): the enrolled people with their crop "
-                                    "counts, the model in use and the threshold with the FAR it was set for.")
+                                    "counts, the model in use and the threshold with the FAR it was set for.",
+                        epilog="example: ffr device list --home ~/.ffr-device")
     _common(p)
     p.set_defaults(func=cmd_list)
 
     p = dsub.add_parser("remove", help="delete a person's face crops and template for good",
                         description="Deletes the person's encrypted face crops and template from the home; there "
-                                    "is no undo.")
+                                    "is no undo.",
+                        epilog="example: ffr device remove --home ~/.ffr-device --name alice")
     p.add_argument("--name", required=True, help="the enrolled person to delete")
     _common(p)
     p.set_defaults(func=cmd_remove)
@@ -771,7 +777,9 @@ def add_commands(dsub) -> None:
     p = dsub.add_parser("calibrate", help="set the threshold for a target false-accept rate on the device's own people",
                         description="Genuine and impostor scores of the enrolled people (and --data DIR, one folder "
                                     "per person) under the current model give the threshold for --far and the "
-                                    "false-reject rate to expect there.")
+                                    "false-reject rate to expect there.",
+                        epilog="example: ffr device calibrate --home ~/.ffr-device --far 1e-3 "
+                               "--public-set public.safetensors --dry-run")
     p.add_argument("--far", type=float, default=1e-3,
                    help=f"target false-accept rate, in (0, {MAX_CALIBRATION_FAR:g}] (default 1e-3)")
     p.add_argument("--data", type=Path, help="more of the device's people: one folder of face photos each")
@@ -792,7 +800,8 @@ def add_commands(dsub) -> None:
     p = dsub.add_parser("install-model", help="put a model (ONNX from `ffr export`, a coordinator's released "
                                               "vNNNNN.safetensors, or the shipped one) into the home",
                         description="Federated rounds replace it later; templates are recomputed for it at once. "
-                                    "A home with no model gets the shipped face-pretrained one on first use.")
+                                    "A home with no model gets the shipped face-pretrained one on first use.",
+                        epilog="example: ffr device install-model --home ~/.ffr-device --model v00005.safetensors")
     p.add_argument("--model", type=Path, help="MODEL.onnx, or a coordinator's released model vNNNNN.safetensors "
                                               "(built as ONNX here, no torch)")
     p.add_argument("--default", action="store_true",

@@ -189,3 +189,17 @@ def test_a_path_that_cannot_be_written_is_one_line_not_a_bug_report(tmp_path, ca
     assert main(["-q", "synth", "--out", str(tmp_path / "a-file" / "faces")]) == 2
     err = capsys.readouterr().err
     assert err == f"ffr synth: error: Not a directory: {tmp_path / 'a-file' / 'faces'}\n", err
+
+
+@pytest.mark.parametrize("name, parser", [(n, p) for n, p in COMMANDS if n.startswith(("ffr device", "ffr edge run"))],
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_every_device_command_shows_an_example_that_parses(name, parser):
+    """Issue 49: a device's --help pages end with an example, and every example is a command ffr accepts."""
+    text = parser.format_help()
+    said = re.search(r"examples?: (.+)", text, re.S)
+    assert said, f"{name} --help has no example"
+    for example in re.split(r"\s+\|\s+|\s+&&\s+", " ".join(said.group(1).split())):
+        argv = example.split()
+        argv = argv[:next((i for i, word in enumerate(argv) if word.startswith((">", "<"))), len(argv))]  # the shell's
+        assert argv[0] == "ffr", example
+        build_parser().parse_args(argv[1:])  # exits (SystemExit) on an example ffr would refuse
