@@ -175,19 +175,25 @@ def template_scores(emb: np.ndarray, labels: np.ndarray) -> Scores:
 
 
 def score(state: dict[str, np.ndarray], faces: FaceSet, threads: int | None = 1) -> Scores:
-    """The model's genuine and impostor scores on `faces`."""
-    return door_scores(state, faces, threads)[0]
+    """The model's genuine and impostor scores on `faces` (face pairs only: `door_scores` adds the templates)."""
+    return pair_scores(*_embedded(state, faces, threads))
 
 
 def door_scores(state: dict[str, np.ndarray], faces: FaceSet, threads: int | None = 1) -> tuple[Scores, Scores]:
     """(face-pair scores, face-to-template scores) of `faces` under the model in `state`, embedded once: what a door
     decides on is a face against a person's template. An unlabelled set has no templates (empty scores)."""
+    emb, labels, mirrored = _embedded(state, faces, threads)
+    templates = Scores(np.zeros(0), np.zeros(0)) if labels is None else template_scores(emb, labels)
+    return pair_scores(emb, labels, mirrored), templates
+
+
+def _embedded(state: dict[str, np.ndarray], faces: FaceSet,
+              threads: int | None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(embeddings, labels, the mirror images' embeddings for an unlabelled set's genuine pairs, else None)."""
     session = embedder_session(state, threads)  # built once for the images and their mirror images
     emb = _embed(session, faces.images)
-    if faces.labels is None:
-        none = Scores(np.zeros(0), np.zeros(0))
-        return pair_scores(emb, None, _embed(session, faces.images[:, :, ::-1])), none
-    return pair_scores(emb, faces.labels), template_scores(emb, faces.labels)
+    mirrored = _embed(session, faces.images[:, :, ::-1]) if faces.labels is None else None
+    return emb, faces.labels, mirrored
 
 
 def door_verdict(reference: tuple[Scores, Scores], candidate: tuple[Scores, Scores], settings: SeparationSettings,
