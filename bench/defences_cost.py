@@ -26,7 +26,7 @@ def scores(run: Path, holdout, config) -> list[dict]:
 
     store, rows = Store(run / "coordinator"), []
     for version in [m["version"] for m in store.models()]:
-        model = global_embedder(store.load_model(version), config.training.width_mult)
+        model = global_embedder(store.load_model(version), config.training.model.width_mult)
         report, _ = unseen_people(model, holdout, config.max_eval_pairs, config.seed)
         figures, interval = flat(report), report.get("interval") or {}
         rows.append({"run": run.name, "model": f"v{version}", "auc": figures.get("auc"),

@@ -49,7 +49,7 @@ def row_config(args, data: Path, partition: str, row: tuple) -> SimConfig:
     """One ablation row's simulation: the same fleet for every row, none gated, or all on the same faces (--gate)."""
     _, method, hn, con, dfc = row
     training = TrainingConfig(algorithm="fedavg", hard_negatives=hn, contrastive=con, dfc=dfc,
-                              dfc_weight=METHODS[method].terms.get("dfc_weight", TrainingConfig().dfc_weight))
+                              dfc_weight=METHODS[method].terms.get("dfc_weight", TrainingConfig().model.dfc_weight))
     return SimConfig(data=str(data), holdout_identities=0.1, public_identities=0.0, clients=args.clients,
                      server=RoundSettings(rounds=args.rounds, training=training),
                      **_partition(partition), method=method, patience=0, workers=args.workers,

@@ -94,7 +94,7 @@ def initial_row(summary: dict, run: Path) -> dict:
 
         config = SimConfig.load(run / "config.json")
         config.progress = False
-        model = global_embedder(Store(run / "coordinator").load_model(0), config.training.width_mult)
+        model = global_embedder(Store(run / "coordinator").load_model(0), config.training.model.width_mult)
         report, _ = verification(model, prepare(config, run).holdout(), config.max_eval_pairs, config.seed)
         initial = flat(report)
     init = json.loads((run / "config.json").read_text()).get("init", "imagenet")

@@ -60,8 +60,8 @@ def _client_app(config, clients: list[int], private_dir: Path):
         torch.set_num_threads(1)
         k = clients[int(context.node_config["partition-id"])]
         crops = _client_crops(private_dir, k)
-        model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=local.width_mult, pretrained=False,
-                                      dfc=local.dfc, dfc_weight=local.dfc_weight))
+        model = FaceModel(ModelConfig(n_classes=len(crops.identities), width_mult=local.model.width_mult,
+                                      pretrained=False, dfc=local.model.dfc, dfc_weight=local.model.dfc_weight))
         saved = private_dir / f"client-{k:03d}.safetensors"
         if saved.exists():
             model.load_state_dict(load_file(str(saved)), strict=False)
@@ -115,7 +115,7 @@ def _server_app(config, n_clients: int, rounds: int, stats: dict, final: dict):
 
     @server_app.main()
     def main_fn(grid: Grid, context: Context) -> None:
-        initial = initial_global_state(config.training.width_mult, 128, config.init)
+        initial = initial_global_state(config.training.model.width_mult, 128, config.init)
         strategy = _timed_fedavg(stats)(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=n_clients,
                                         min_available_nodes=n_clients)
         started = time.perf_counter()
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                    client_app=_client_app(config, clients, private_dir), num_supernodes=len(clients),
                    backend_config={"client_resources": {"num_cpus": max(1, (os.cpu_count() or 2) // args.workers)}})
     wall = time.perf_counter() - started
-    model = global_embedder(final["arrays"].to_torch_state_dict(), config.training.width_mult)  # int buffers back
+    model = global_embedder(final["arrays"].to_torch_state_dict(), config.training.model.width_mult)  # int buffers back
     report, _ = verification(model, data.holdout(), config.max_eval_pairs, config.seed)
     out = _figures(stats, final, wall, len(clients), report)
     args.out.write_text(json.dumps(out, indent=2))

@@ -170,8 +170,8 @@ def run_arm(data: FleetData, overrides: dict, rounds: int, seed: int, max_pairs:
         torch_state = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
         for k in data.training_clients:
             crops = device_crops(data, k)
-            model = FaceModel(ModelConfig(n_classes=len(crops.identities), pretrained=False, dfc=config.dfc,
-                                          dfc_weight=config.dfc_weight))
+            model = FaceModel(ModelConfig(n_classes=len(crops.identities), pretrained=False, dfc=config.model.dfc,
+                                          dfc_weight=config.model.dfc_weight))
             result = train_round(model, crops, torch_state, config, seed=seed * 1000 + k + r)
             deltas[str(k)], weights[str(k)] = result.delta, result.n_samples
             locals_[k] = model.eval()

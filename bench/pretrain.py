@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from bench.common import write_results
+from protocol.training_parts import flatten
 
 
 def curve(metrics: dict) -> list[dict]:
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
         print(f"no metrics.json in {args.run}", file=sys.stderr)
         return 2
     metrics = json.loads(metrics_file.read_text())
-    config = metrics["config"]
+    config = flatten(metrics["config"])  # a run's saved settings, in either form (protocol.training_parts)
     command = "python -m bench.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
     write_results(args.out, args.name, {"status": metrics["status"], "images": metrics["images"],
                                          "teacher": metrics["teacher"], "teacher_sha256": metrics["teacher_sha256"],

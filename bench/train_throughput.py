@@ -29,6 +29,7 @@ from models.training.crop_batches import train_loader
 from models.training.fast_step import accelerate, optimiser_options
 from models.training.loop import train_epoch
 from models.training.supervised import TrainConfig, Trainer, build_model
+from protocol.training_parts import TrainerSettings
 
 
 def bare_epoch(model, loader, optimiser) -> None:
@@ -70,15 +71,15 @@ def main(argv=None) -> int:
         data = write_dataset(Path(tmp) / "faces", args.identities, args.images, seed=0)
         crops = crop_index(load_index(data), CropConfig(detector="none"), use_cache=False, progress=False)
         split = training_split(crops, holdout_fraction=0.0, val_fraction=0.1)
-        config = TrainConfig(batch_size=args.batch_size, lr=1e-4)
+        config = TrainConfig(optimisation=TrainerSettings(batch_size=args.batch_size, lr=1e-4))
         model = build_model(config, split.train)
-        optimiser = torch.optim.Adam(model.parameters(), lr=config.lr)
-        loader = train_loader(split.train, config.batch_size, config.aug, torch.Generator().manual_seed(0))
+        optimiser = torch.optim.Adam(model.parameters(), lr=config.optimisation.lr)
+        loader = train_loader(split.train, args.batch_size, config.aug, torch.Generator().manual_seed(0))
         n = len(loader) * args.batch_size if loader.drop_last else len(split.train)
         bare_epoch(model, loader, optimiser)  # warm-up
         fast = copy.deepcopy(model)  # ffr train's trunk settings (models.training.fast_step)
         fast_dtype = accelerate(fast, "auto")
-        fast_optimiser = torch.optim.Adam(fast.parameters(), lr=config.lr, **optimiser_options("cpu"))
+        fast_optimiser = torch.optim.Adam(fast.parameters(), lr=config.optimisation.lr, **optimiser_options("cpu"))
         bare_epoch(fast, loader, fast_optimiser)  # warm-up
         trainer_ips, bare_ips, fast_ips = [], [], []
         for _ in range(args.rounds):  # alternate so drift in machine load hits all
@@ -86,8 +87,8 @@ def main(argv=None) -> int:
             bare_ips.append(images_per_second(lambda: bare_epoch(model, loader, optimiser), n))
             fast_ips.append(images_per_second(lambda: train_epoch(fast, loader, fast_optimiser), n))
         # the loop's overhead, not an objective's cost: no anchor (its extra forward would count as overhead)
-        full = Trainer(TrainConfig(epochs=1, batch_size=args.batch_size, anchor_weight=0.0, precision="fp32"), split,
-                       Path(tmp) / "run", progress=False)
+        full = Trainer(TrainConfig(optimisation=TrainerSettings(epochs=1, batch_size=args.batch_size, precision="fp32"),
+                                   anchor_weight=0.0), split, Path(tmp) / "run", progress=False)
         start = time.perf_counter()
         full.fit()
         full_seconds = time.perf_counter() - start

@@ -31,7 +31,9 @@ from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, d_auc_in
 from models.cli.common import SELECT_IDENTITIES
 from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.faces.crops import FaceCrops
+from models.networks.face_model import ModelConfig
 from models.training.supervised import TrainConfig
+from protocol.training_parts import TrainerSettings
 
 
 def measure(scores: np.ndarray, same: np.ndarray) -> dict:
@@ -57,9 +59,9 @@ def finetune(split, args, run_dir: Path):
     """(the fine-tuned model, what its WiSE-FT step chose: None without selection people)."""
     from models.training.supervised import Trainer
 
-    config = TrainConfig(epochs=args.epochs, head="cosface", aug="weak", lr=args.lr, batch_size=32, seed=args.seed,
-                         patience=10, max_eval_pairs=args.max_pairs, init="face",
-                         anchor_weight=args.anchor_weight)
+    config = TrainConfig(optimisation=TrainerSettings(epochs=args.epochs, lr=args.lr, batch_size=32),
+                         model=ModelConfig(head="cosface", init="face"), aug="weak", seed=args.seed,
+                         patience=10, max_eval_pairs=args.max_pairs, anchor_weight=args.anchor_weight)
     trainer = Trainer(config, split, run_dir, progress=False)
     trainer.fit()
     from models.networks.face_model import load_checkpoint
@@ -161,7 +163,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peer", action="store_true", help="skip face_recognition even when installed")
     args = parser.parse_args(argv)
-    args.anchor_weight = TrainConfig(init="face", anchor_weight=args.anchor_weight).anchor_weight  # resolved once
+    args.anchor_weight = TrainConfig(model=ModelConfig(init="face"),
+                                     anchor_weight=args.anchor_weight).anchor_weight  # resolved once
     root = faces_dir()
     if root is None:
         print("no face data: set FFR_FACES_DIR to the folder holding orl/, celeba_subset/, ...", file=sys.stderr)

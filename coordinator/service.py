@@ -65,7 +65,7 @@ def _strategy(settings: RoundSettings):
     """The aggregation the round configuration names (`training.algorithm`), with its own parameters."""
     t = settings.training
     options = {"fedprox": {"mu": t.prox_mu}, "fedavgm": {"momentum": settings.server_momentum},
-               "pfm": {"lr": t.lr, "beta": t.pfm_beta}}.get(t.algorithm, {})
+               "pfm": {"lr": t.optimisation.lr, "beta": t.pfm_beta}}.get(t.algorithm, {})
     return make_strategy(t.algorithm, **options)
 
 
@@ -190,11 +190,11 @@ class Service:
         if self.config.init == "face":
             from models.networks.face_weights import check_face_init, face_global_state
 
-            check_face_init(t.width_mult, t.embedding_dim)
+            check_face_init(t.model.width_mult, t.model.embedding_dim)
             return face_global_state()
         from models.networks.face_model import initial_global_state
 
-        return initial_global_state(t.width_mult, t.embedding_dim, self.config.init)
+        return initial_global_state(t.model.width_mult, t.model.embedding_dim, self.config.init)
 
     def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
         self.client.publish(topic, payload, qos=1, retain=retain)

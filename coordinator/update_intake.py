@@ -138,7 +138,8 @@ class UpdateIntake:
 
     def weight(self, device_id: str, n_samples: int) -> float:
         """The update's weight as the filter sets it, from its claim and what the device registered."""
-        return self.filter.weight(n_samples, max(1, self.images.get(device_id, 1)) * self.settings.training.epochs)
+        epochs = self.settings.training.optimisation.epochs
+        return self.filter.weight(n_samples, max(1, self.images.get(device_id, 1)) * epochs)
 
     def restore(self, current: OpenRound, load_delta: Callable[[OpenRound, str], dict]) -> None:
         """After a crash: the round's durable, acknowledged updates back in `current` (and its running mean)."""

@@ -103,7 +103,8 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     public, previous_state, pfm_momentum = inputs.public, inputs.previous_state, inputs.pfm_momentum
     prox_mu = objective.prox_mu if objective.algorithm == "fedprox" else 0.0
     pfm_beta = objective.pfm_beta if objective.algorithm == "pfm" else None
-    epochs, batch_size, lr = objective.epochs, objective.batch_size, objective.lr
+    epochs, batch_size, lr = (objective.optimisation.epochs, objective.optimisation.batch_size,
+                              objective.optimisation.lr)
     name = local_algorithm(objective, pfm=pfm_beta is not None)
     # the trunk in bf16 where the CPU has it (models.training.fast_step); HF-MAML's finite-difference Hessian products
     # (eq. 3) take the difference of two nearby gradients, which bf16 would drown, so it stays fp32
@@ -146,9 +147,9 @@ def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: TrainingC
     under it; what the sample says about D_g goes to `private`, the device's log only."""
     use_public = objective.hard_negatives and public is not None and len(public) > 0
     local_features = None
-    if objective.imprint_head or use_public:
+    if objective.model.imprint_head or use_public:
         local_features = frozen_features(model.backbone, crops.images, seed=seed)
-    if objective.imprint_head:
+    if objective.model.imprint_head:
         imprint(model.head, local_features, torch.from_numpy(crops.labels))
     if not use_public:
         return None
@@ -168,9 +169,8 @@ def personalised_global(global_state: dict[str, torch.Tensor], crops: FaceCrops,
     people) join the fit as FedFR's negatives of every binary classifier (eq. 6)."""
     from models.networks.face_model import ModelConfig
 
-    model = FaceModel(ModelConfig(n_classes=len(crops.identities), embedding_dim=objective.embedding_dim,
-                                  width_mult=objective.width_mult, pretrained=False, dfc=True,
-                                  dfc_weight=objective.dfc_weight))
+    model = FaceModel(ModelConfig(**{**objective.model.model_dump(), "dfc": True}, n_classes=len(crops.identities),
+                                  pretrained=False))
     load_shareable_state(model, global_state)
     _fit_dfc(model, crops, objective, None if negatives is None else HardNegatives(as_chw(negatives)), seed)
     return model.eval()

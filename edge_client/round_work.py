@@ -149,10 +149,9 @@ class RoundWork:
     def ensure_model(self, job: RoundAnnouncement | ModelRelease) -> FaceModel:
         """The device's model for this architecture, its private head and DFC branch restored from the home."""
         cfg: TrainingConfig = job.config
-        if self.model is None or self.model.config.dfc != cfg.dfc:
-            self.model = FaceModel(ModelConfig(n_classes=len(self._crops().identities),
-                                               embedding_dim=cfg.embedding_dim, width_mult=cfg.width_mult,
-                                               pretrained=False, dfc=cfg.dfc, dfc_weight=cfg.dfc_weight))
+        if self.model is None or self.model.config.dfc != cfg.model.dfc:
+            self.model = FaceModel(ModelConfig(**cfg.model.model_dump(), n_classes=len(self._crops().identities),
+                                               pretrained=False))
             saved = self._private(self.home.private_state, private_state(self.model))
             if saved is not None:
                 self.model.load_state_dict(saved, strict=False)

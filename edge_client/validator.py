@@ -57,6 +57,7 @@ class Validator:
                                  f"candidate-{request.round_id}-{request.candidate}", request.model_sha256,
                                  request.model_bytes, f"candidate {request.candidate} of round {request.round_id}")
         cfg = self._config()
-        embedder = global_embedder(decode(payload, request.model_sha256), cfg.width_mult, cfg.embedding_dim)
+        embedder = global_embedder(decode(payload, request.model_sha256), cfg.model.width_mult,
+                                   cfg.model.embedding_dim)
         report, _ = verification(embedder, self.crops, 100_000, request.round_id)
         return float(min(1.0, max(0.0, report.get("auc") or 0.0)))

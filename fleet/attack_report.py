@@ -62,9 +62,9 @@ class AttackReport:
         rates = {name: success_rate(self.data, attack, lambda idx, m=model: embed(m, images[idx]), c.seed)
                  for name, model in (("start", self.global_model(0)), ("global", self.global_model(version)))}
         home = DeviceHome(self.run_dir / "devices" / device_id(attack.victim) / "home")
-        local = load_local_model(home, len(self.data.partition.clients[attack.victim]), c.training.width_mult,
-                                 c.training.dfc)
+        local = load_local_model(home, len(self.data.partition.clients[attack.victim]), c.training.model.width_mult,
+                                 c.training.model.dfc)
         rates["device"] = rates["global"] if local is None else success_rate(
-            self.data, attack, lambda idx: embed(local, images[idx], c.training.dfc), c.seed)
+            self.data, attack, lambda idx: embed(local, images[idx], c.training.model.dfc), c.seed)
         return {**attack.record(), "success_rate": rates["device"], "success_rate_global": rates["global"],
                 "success_rate_start": rates["start"]}

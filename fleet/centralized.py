@@ -14,12 +14,13 @@ import numpy as np
 from fleet.config import SimConfig
 from fleet.data import TRAIN, VAL, FleetData
 from models.faces.splits import TrainingSplit, relabel
-from models.networks.face_model import FaceModel, load_checkpoint
+from models.networks.face_model import FaceModel, ModelConfig, load_checkpoint
 from models.training.supervised import TrainConfig, Trainer
+from protocol.training_parts import TrainerSettings
 
 
 def budget_epochs(config: SimConfig) -> int:
-    return max(1, math.ceil(config.server.rounds * config.training.epochs * config.server.fraction))
+    return max(1, math.ceil(config.server.rounds * config.training.optimisation.epochs * config.server.fraction))
 
 
 def centralized_split(data: FleetData) -> TrainingSplit:
@@ -32,10 +33,11 @@ def centralized_split(data: FleetData) -> TrainingSplit:
 def train_centralized(data: FleetData, config: SimConfig, out_dir: Path) -> tuple[FaceModel, dict]:
     """Train (or resume, or reuse a finished run in `out_dir`) and return the best model and its metrics."""
     epochs = budget_epochs(config)
-    local = config.training
-    train_config = TrainConfig(epochs=epochs, batch_size=local.batch_size, lr=local.lr, patience=epochs + 1,
-                               aug="weak", head="cosface", width_mult=local.width_mult, init=config.init,
-                               seed=config.seed, max_eval_pairs=config.max_eval_pairs,
+    local = config.training.optimisation
+    train_config = TrainConfig(optimisation=TrainerSettings(epochs=epochs, batch_size=local.batch_size, lr=local.lr),
+                               model=ModelConfig(width_mult=config.training.model.width_mult, init=config.init),
+                               patience=epochs + 1, aug="weak", seed=config.seed,
+                               max_eval_pairs=config.max_eval_pairs,
                                anchor_weight=0.0)  # the devices' objective (no anchor), so only federation differs
     trainer = Trainer(train_config, centralized_split(data), out_dir, progress=config.progress)
     if (out_dir / "latest.pt").exists():

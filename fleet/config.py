@@ -23,6 +23,7 @@ from models.faces.partition import check_rules, check_scheme
 from models.typed_fields import check_types
 from protocol.json_file import json_object, read_json
 from protocol.messages import TrainingConfig
+from protocol.training_parts import PART_NAMES, flatten
 
 # Options that may change between an interrupted run and its resumption; all others must match.
 RESUMABLE_CHANGES = {"server.rounds", "workers", "dashboard_port", "backend", "ray_address", "cpus_per_device",
@@ -171,7 +172,7 @@ class SimConfig:
         server = {k: v for k, v in raw.pop("server").items() if k != "training"}
         gate = raw.pop("gate")
         gate = {f"gate.{k}": v for k, v in {**gate.pop("bar"), **gate}.items()}
-        return {**raw, **server, **self.training.model_dump(exclude={"type"}), **gate}
+        return {**raw, **server, **flatten(self.training.model_dump(exclude={"type", "version"})), **gate}
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"format_version": CONFIG_FORMAT, **self.to_dict()}, indent=1))
@@ -210,10 +211,13 @@ class SimConfig:
 
 
 def dotted(raw: dict, prefix: str = "") -> dict:
-    """{"server.training.lr": ..., ...}: every option by its dotted path."""
+    """{"server.training.lr": ..., ...}: every option by its dotted path; a part's fields are its owner's
+    (`protocol.training_parts`: no name is in two parts), so the path is the same in every saved form."""
     out = {}
     for key, value in raw.items():
-        if isinstance(value, dict) and key in ("server", "training", "gate", "bar"):
+        if isinstance(value, dict) and key in PART_NAMES:
+            out.update(dotted(value, prefix))
+        elif isinstance(value, dict) and key in ("server", "training", "gate", "bar"):
             out.update(dotted(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
@@ -259,10 +263,12 @@ def _no_public_people(raw: dict) -> dict:
 
 
 # a run folder's config.json: 1 one flat list of options; 2 `server` (with `training`) and `gate` (the bar); 3 `gate`
-# holds the gate's faces, switch and bar; 4 `public_identities`
-CONFIG_FORMAT = 4
+# holds the gate's faces, switch and bar; 4 `public_identities`; 5 `server.training` nests its optimiser and model
+# parts (`protocol.training_parts`; the round configuration reads its flat form itself)
+CONFIG_FORMAT = 5
 READERS = {1: lambda raw: _no_public_people(_gate_part(_nested(raw))),  # each into today's form
-           2: lambda raw: _no_public_people(_gate_part(raw)), 3: _no_public_people, 4: lambda raw: raw}
+           2: lambda raw: _no_public_people(_gate_part(raw)), 3: _no_public_people, 4: lambda raw: raw,
+           5: lambda raw: raw}
 
 
 def _norm(value):

@@ -128,7 +128,7 @@ class FinalEvaluation:
                 home = DeviceHome(self.run_dir / "devices" / device_id(client) / "home")
                 cache.clear()  # one client's model in memory at a time
                 cache[client] = load_local_model(home, len(self.data.partition.clients[client]),
-                                                 c.training.width_mult, c.training.dfc)
+                                                 c.training.model.width_mult, c.training.model.dfc)
             model = cache[client]
             return None if model is None else (lambda idx: embed(model, images[idx], personalised))
 
@@ -137,7 +137,7 @@ class FinalEvaluation:
             shared["centralized"] = embed_once(central_model, images, tests)
         verifiers = {"start": lambda k: shared["start"], "global": lambda k: shared["global"],
                      "local": lambda k: local(k, False)}
-        if c.training.dfc:
+        if c.training.model.dfc:
             verifiers["local+dfc"] = lambda k: local(k, True)
             verifiers["global+dfc"] = lambda k: self.global_personalised(global_model, k)
         if central_model is not None:
@@ -188,7 +188,7 @@ class FinalEvaluation:
                                                                    replace=False))
             faces = door_faces(data, k, seen, self.public_faces(), c.seed + k)
             models = {"start": lambda x: embed(start_model, x), "global": lambda x: embed(global_model, x)}
-            personal = self.personal_model(global_model, k) if c.training.dfc else None
+            personal = self.personal_model(global_model, k) if c.training.model.dfc else None
             if personal is not None:
                 models["personalised"] = lambda x, m=personal: embed(m, x, True)
             rows[str(k)] = device_doors(models, faces)
@@ -216,8 +216,8 @@ class FinalEvaluation:
         if client in self.data.partition.heldout_clients:
             return None
         c = self.config
-        model = tuned_model(global_model, self.data.union(TRAIN, [client]), c.tune_steps, c.training.lr,
-                            c.training.batch_size, c.seed + client, c.training.width_mult)
+        model = tuned_model(global_model, self.data.union(TRAIN, [client]), c.tune_steps, c.training.optimisation.lr,
+                            c.training.optimisation.batch_size, c.seed + client, c.training.model.width_mult)
         return lambda idx: embed(model, self.data.crops.images[idx], False)
 
     def plots(self, history, best, global_curve, central_curve, central_report, clients, global_model) -> dict:

@@ -153,7 +153,8 @@ class Simulation:
         return Turn(str(root / "credential.json"), str(root / "data"), str(root / "home"), self.service.broker_url,
                     str(crop_cache(self.config)), self.data.detector, self.config.seed * 1000 + client, round_id,
                     self.config.server.round_timeout_s, self.attacks.kind_for(client), public,
-                    attack_bound=self.service.engine.view.norm_bound(), attack_epochs=self.config.training.epochs,
+                    attack_bound=self.service.engine.view.norm_bound(),
+                    attack_epochs=self.config.training.optimisation.epochs,
                     attack_share=1.0 / max(1, len(self.data.training_clients)),
                     attack_photos=str(self.attacks.photos) if self.attacks.photos else None)
 
@@ -364,7 +365,7 @@ class Simulation:
         torch.set_num_threads(self.cores)
 
     def _global_model(self, version: int) -> FaceEmbedder:
-        return global_embedder(self.service.engine.view.model(version), self.config.training.width_mult)
+        return global_embedder(self.service.engine.view.model(version), self.config.training.model.width_mult)
 
     # the end ----------------------------------------------------------------
     def _finish(self, tracker, started: float) -> dict:

@@ -20,18 +20,19 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
 from protocol import SCHEMA_VERSION
 from protocol.auth import MAX_SEQ, PUBLIC_KEY_PATTERN, SIGNATURE_PATTERN, AuthError, ReplayGuard, Signer, verify
 from protocol.codecs import TOPK_FRACTION
+from protocol.training_parts import ModelSpec, OptimiserSettings, nest
 
 MAX_MESSAGE_BYTES = 256 * 1024     # a round announcement for thousands of participants still fits
 MAX_DEVICES_PER_ROUND = 4096
 MAX_INT = 2 ** 53
 MAX_FV_CANDIDATES = 64            # FedFace's T: candidate weightings scored per round
-WIDTH_MULTS = (0.25, 1.4)          # MobileNetV2 width multipliers a model may have (lowest, highest)
 MAX_CHUNK_BYTES = 8 * 1024 * 1024  # the largest chunk of an update or model on the wire
 MAX_PUBLIC_SET_BYTES = 4 << 30     # 4 GiB: ~80k 128 px crops; a device refuses to fetch more
 
@@ -80,23 +81,29 @@ class Heartbeat(_Body):
     state: str = Field("idle", max_length=32)
 
 
+# a round's bounds on its optimiser, each with the option that sets it: no announcement can make a device train
+# forever or diverge by design
+ROUND_LIMITS = {"epochs": ("--local-epochs", 20), "batch_size": ("--batch-size", 512), "lr": ("--lr", 1.0)}
+# the model part a round names by default: devices train the DFC branch
+ROUND_MODEL = {"dfc": True}
+
+
 class TrainingConfig(_Body):
-    """Local training settings, bounded so that no announcement can make a device train forever."""
+    """Local training settings, bounded so that no announcement can make a device train forever.
+
+    Format 2 nests the optimiser (`optimisation`) and the model (`model`) parts that centralised training embeds
+    too (`protocol.training_parts`); format 1, every field at the top, is still read (`_format_1`)."""
 
     type: Literal["training_config"] = "training_config"
-    epochs: int = Field(1, ge=1, le=20)
-    batch_size: int = Field(32, ge=1, le=512)
-    lr: float = Field(1e-4, gt=0, le=1.0)
+    version: Literal[2] = 2
+    optimisation: OptimiserSettings = Field(default_factory=OptimiserSettings)
+    model: ModelSpec = Field(default_factory=lambda: ModelSpec(**ROUND_MODEL))
     algorithm: Algorithm = "fedavg"
     pfm_beta: float = Field(0.9, ge=0, lt=1.0)  # FedFace's momentum parameter (PFM: eq. 1-3)
     prox_mu: float = Field(0.01, ge=0, le=10.0)
-    dfc: bool = True
-    dfc_weight: float = Field(1.0, ge=0, le=100.0)  # alpha: weight of the DFC branch's loss beside the margin head
     codec: Literal["fp16", "fp32", "int8", "topk"] = "fp16"  # how updates travel (protocol.codecs)
     topk_fraction: float = Field(TOPK_FRACTION, ge=1e-4, le=1.0)    # coordinates the topk codec keeps
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=MAX_CHUNK_BYTES)
-    width_mult: float = Field(1.0, ge=WIDTH_MULTS[0], le=WIDTH_MULTS[1])
-    embedding_dim: int = Field(128, ge=16, le=1024)
     dp_clip: float | None = Field(None, gt=0, le=1e6)  # DP-FedAvg: clip the update to this L2 norm before sending
     # FedFR's local objective (eq. 7: alpha_1 L_cos + alpha_2 L_con + alpha_3 L_BCE, alpha_3 = dfc_weight)
     alpha_cos: float = Field(1.0, ge=0, le=100.0)
@@ -108,7 +115,6 @@ class TrainingConfig(_Body):
     dfc_steps: int = Field(300, ge=0, le=20_000)  # fitting the DFC branch on frozen features after local training
     dfc_lr: float = Field(3e-3, gt=0, le=1.0)  # measured: bench/results/personalisation_lr.md
     dfc_views: int = Field(2, ge=1, le=16)     # views of each local image (the first unaugmented) for that fit
-    imprint_head: bool = True             # local class centres from the received model's features each round
     # what of the shared embedder a round may change (models.training.trainable): BatchNorm's statistics (frozen:
     # a device's few people never become the shared model's statistics; frozen-trunk: the embedding layer's own
     # BatchNorm still learns; bench.honest_round measured them), and how many of the trunk's last blocks train
@@ -125,6 +131,23 @@ class TrainingConfig(_Body):
     public_set_url: str | None = Field(None, max_length=512, pattern=r"^https?://[!-~]+$")
     public_set_sha256: Hex64 | None = None
     public_set_bytes: int | None = Field(None, ge=1, le=MAX_PUBLIC_SET_BYTES)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _format_1(cls, data):
+        """A configuration without `version` (an older coordinator's, or settings written before the parts) has
+        its parts' fields at the top: read into the parts, with a round's own defaults for them."""
+        if isinstance(data, dict) and "version" not in data:
+            return nest(data, {"optimisation": (OptimiserSettings, {}), "model": (ModelSpec, ROUND_MODEL)})
+        return data
+
+    @field_validator("optimisation")
+    @classmethod
+    def _round_bounds(cls, part: OptimiserSettings) -> OptimiserSettings:
+        for name, (flag, most) in ROUND_LIMITS.items():
+            if getattr(part, name) > most:
+                raise ValueError(f"{flag} must be at most {most:g} in a round (got {getattr(part, name):g})")
+        return part
 
     @model_validator(mode="after")
     def _public_set_complete(self) -> TrainingConfig:

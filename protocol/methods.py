@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from protocol.messages import ALGORITHMS
+from protocol.training_parts import flatten
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class Method:
     name: str
     strategy: str                  # how the coordinator aggregates (protocol.messages.ALGORITHMS)
     summary: str                   # its part of `--method`'s help
-    terms: Mapping[str, object] = field(default_factory=dict)  # round-configuration fields it sets by default
+    terms: Mapping[str, object] = field(default_factory=dict)  # round-configuration settings it sets by default,
+                                                               # by name (flat: protocol.training_parts.flatten)
     validation: bool = False       # FedFace's Federated Validation at the coordinator
     options: tuple[str, ...] = ()  # options only this method takes (refused with another)
 
@@ -33,7 +35,8 @@ class Method:
         """Whether a round configuration (`TrainingConfig`) runs this method's aggregation and its switched-on
         terms: what its own options are checked against."""
         switches = {k: v for k, v in self.terms.items() if isinstance(v, bool)}
-        return training.algorithm == self.strategy and all(getattr(training, k) == v for k, v in switches.items())
+        settings = flatten(training.model_dump())
+        return training.algorithm == self.strategy and all(settings[k] == v for k, v in switches.items())
 
 
 _ALL = (

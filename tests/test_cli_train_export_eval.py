@@ -36,7 +36,7 @@ def test_train_writes_checkpoints_metrics_and_plots(trained_run):
     metrics = json.loads((trained_run / "metrics.json").read_text())
     assert metrics["status"] == "completed" and metrics["epochs_run"] == 3
     assert metrics["data_kind"] == "synthetic" and metrics["evaluated_on"] == "held-out identities"
-    assert metrics["config"]["batch_size"] == 16 and metrics["config"]["aug"] == "weak"
+    assert metrics["config"]["optimisation"]["batch_size"] == 16 and metrics["config"]["aug"] == "weak"
     history = metrics["history"]
     assert [h["epoch"] for h in history] == [1, 2, 3]
     assert history[-1]["train_loss"] < history[0]["train_loss"]

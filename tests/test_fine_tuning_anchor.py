@@ -13,14 +13,17 @@ from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
 from models.faces.splits import training_split
 from models.networks.embedders import TorchEmbedder
+from models.networks.face_model import ModelConfig
 from models.training.supervised import FACE_ANCHOR_WEIGHT, TrainConfig, Trainer
+from protocol.training_parts import TrainerSettings
 
 
 def test_the_anchor_is_on_from_the_face_weights_and_off_otherwise():
-    assert TrainConfig(init="face").anchor_weight == FACE_ANCHOR_WEIGHT > 0
-    assert TrainConfig(init="imagenet").anchor_weight == 0.0 and TrainConfig(init="none").anchor_weight == 0.0
-    assert TrainConfig(init="imagenet", anchor_weight=3.0).anchor_weight == 3.0
-    assert TrainConfig(init="face", anchor_weight=0.0).anchor_weight == 0.0
+    assert TrainConfig(model=ModelConfig(init="face")).anchor_weight == FACE_ANCHOR_WEIGHT > 0
+    assert TrainConfig(model=ModelConfig(init="imagenet")).anchor_weight == 0.0
+    assert TrainConfig(model=ModelConfig(init="none")).anchor_weight == 0.0
+    assert TrainConfig(model=ModelConfig(init="imagenet"), anchor_weight=3.0).anchor_weight == 3.0
+    assert TrainConfig(model=ModelConfig(init="face"), anchor_weight=0.0).anchor_weight == 0.0
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="anchor_weight"):
             TrainConfig(anchor_weight=bad)
@@ -37,7 +40,8 @@ def split(synthetic_dir):
 
 def _trainer(split, out, anchor: float) -> Trainer:
     torch.manual_seed(0)
-    config = TrainConfig(epochs=2, batch_size=16, lr=3e-3, init="none", width_mult=0.35, anchor_weight=anchor)
+    config = TrainConfig(optimisation=TrainerSettings(epochs=2, batch_size=16, lr=3e-3),
+                         model=ModelConfig(init="none", width_mult=0.35), anchor_weight=anchor)
     return Trainer(config, split, out, progress=False)
 
 

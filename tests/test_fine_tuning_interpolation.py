@@ -9,9 +9,10 @@ from models.evaluation.evaluate import verification
 from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
 from models.faces.splits import training_split
-from models.networks.face_model import load_checkpoint, new_embedder
+from models.networks.face_model import ModelConfig, load_checkpoint, new_embedder
 from models.training.interpolation import choose_alpha, interpolate
 from models.training.supervised import TrainConfig, Trainer
+from protocol.training_parts import TrainerSettings
 
 
 def test_interpolate_is_eq_1_on_floats_and_keeps_counters():
@@ -52,7 +53,8 @@ def test_a_fine_tune_that_hurts_ends_no_worse_than_its_start_on_the_selection_pe
     split = training_split(crops, holdout_fraction=0.3, val_fraction=0.1, seed=0, select_fraction=0.3)
     torch.manual_seed(0)
     # a learning rate far too high for fine-tuning, without the anchor: the tuned weights are worse than the start
-    config = TrainConfig(epochs=2, batch_size=16, lr=5e-2, init="face", anchor_weight=0.0)
+    config = TrainConfig(optimisation=TrainerSettings(epochs=2, batch_size=16, lr=5e-2), model=ModelConfig(init="face"),
+                         anchor_weight=0.0)
     metrics = Trainer(config, split, tmp_path / "run", progress=False).fit()
     moved = metrics["interpolation"]
     scores = {float(a): s for a, s in moved["select_auc"].items()}

@@ -10,6 +10,7 @@ from ffr.cli import build_parser
 from models.cli.objective import OWNED, training_config
 from protocol.messages import TrainingConfig
 from protocol.methods import DEFAULT_METHOD, METHODS, method_named, owner_of
+from protocol.training_parts import flatten
 
 
 def _choices(parser, *command: str) -> tuple[str, ...]:
@@ -35,8 +36,9 @@ def test_a_method_builds_the_round_its_entry_describes(tmp_path, name):
     method = method_named(name)
     assert training.algorithm == method.strategy
     assert settings.fv == method.validation
+    settings = flatten(training.model_dump())  # the terms name settings flat (protocol.training_parts)
     for field, value in method.terms.items():
-        assert getattr(training, field) == value
+        assert settings[field] == value
     assert method.is_on(training)
     others = [m for m in METHODS.values() if m.name != name and m.strategy == method.strategy]
     assert not any(m.is_on(training) and m.terms for m in others)  # fedfr's round is not hfmaml's, nor the reverse

@@ -142,6 +142,28 @@ def test_online_is_the_default_on_cuda_only_and_refuses_labelled_sets(tmp_path, 
     assert "pretraining data folder not found" in capsys.readouterr().err
 
 
+def test_an_online_run_saved_before_the_configuration_parts_resumes(tmp_path, pack, capsys):
+    """A progress.json written before the optimiser part (its settings at the top, as a run of an older ffr-edge
+    holds it) resumes, and a changed batch size is still refused."""
+    from ffr.cli import main
+    from protocol.training_parts import flatten
+
+    out = tmp_path / "run"
+    args = ["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",
+            "--init", "none", "--epochs", "2", "--batch-size", "8", "--threads", "1"]
+    assert main([*args, "--stop-after-minutes", "0.0001"]) == 0
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["config"]["optimisation"]["batch_size"] == 8
+    progress["config"] = flatten(progress["config"])  # the form written before the parts
+    assert progress["config"]["batch_size"] == 8 and "optimisation" not in progress["config"]
+    (out / "progress.json").write_text(json.dumps(progress))
+    capsys.readouterr()
+    assert main([*args[:-4], "--batch-size", "4", "--threads", "1", "--resume"]) == 2
+    assert "--batch-size differs from the run being resumed (8 there, 4 now)" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["status"] == "finished"
+
+
 @pytest.mark.parametrize("damage", ["garbage json", "missing key", "negative step", "garbage weights",
                                     "missing weights"])
 def test_a_damaged_online_run_state_is_refused_in_one_line_on_resume(tmp_path, pack, capsys, damage):

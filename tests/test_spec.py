@@ -34,7 +34,8 @@ def test_serve_and_simulate_read_the_same_flags_into_the_same_spec(tmp_path, sha
     simulated["training"].pop("chunk_bytes")
     assert served == simulated
     if shared is SHARED:
-        assert simulated["rounds"] == 3 and simulated["training"]["lr"] == 0.001 and simulated["combine"] == "median"
+        assert simulated["rounds"] == 3 and simulated["combine"] == "median"
+        assert simulated["training"]["optimisation"]["lr"] == 0.001
         assert simulated["training"]["algorithm"] == "fedprox" and simulated["training"]["prox_mu"] == 0.2
         assert simulated["training"]["t_hn"] == 0.2 and simulated["training"]["tau"] == 0.3
     else:
@@ -86,7 +87,7 @@ def test_the_spec_round_trips_and_resuming_refuses_only_what_may_not_change(tmp_
     config = SimConfig(clients=3, server=RoundSettings(rounds=2, training=TrainingConfig(lr=1e-3)))
     config.save(tmp_path / "config.json")
     loaded = SimConfig.load(tmp_path / "config.json")
-    assert loaded == config and loaded.training.lr == 1e-3 and loaded.seed == 0
+    assert loaded == config and loaded.training.optimisation.lr == 1e-3 and loaded.seed == 0
     more_rounds = SimConfig(clients=3, server=RoundSettings(rounds=9, training=TrainingConfig(lr=1e-3)))
     assert more_rounds.differences(config) == []
     other_lr = SimConfig(clients=3, server=RoundSettings(rounds=2, training=TrainingConfig(lr=1e-2)))
@@ -102,19 +103,19 @@ def test_a_run_folder_from_before_the_nested_spec_still_loads(tmp_path):
     config = SimConfig.load(tmp_path / "config.json")
     assert (config.clients, config.server.rounds, config.server.round_timeout_s, config.server.combine) == \
         (4, 6, 99.0, "median")
-    assert config.training.epochs == 2 and config.training.lr == 0.01 and config.seed == 3
+    assert config.training.optimisation.epochs == 2 and config.training.optimisation.lr == 0.01 and config.seed == 3
     assert config.training.hard_negatives and not config.training.contrastive  # --method fedfr's defaults
-    assert config.training.dfc_weight == 10.0 and config.gate.bar.far == 0.01 and config.gate.bar.limit == 50
+    assert config.training.model.dfc_weight == 10.0 and config.gate.bar.far == 0.01 and config.gate.bar.limit == 50
 
 
 def test_a_run_folder_says_its_format_and_one_from_a_newer_version_is_refused_plainly(tmp_path):
     """config.json names its format; each older one has its reader, and a newer one is not half-read."""
     SimConfig(clients=3).save(tmp_path / "config.json")
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["format_version"] == 4 and SimConfig.load(tmp_path / "config.json").clients == 3
+    assert saved["format_version"] == 5 and SimConfig.load(tmp_path / "config.json").clients == 3
     assert SimConfig.load(tmp_path / "config.json").public_identities == 0.2
-    (tmp_path / "config.json").write_text(json.dumps({**saved, "format_version": 5}))
-    with pytest.raises(ValueError, match="config.json format 5: this ffr-edge reads formats 1-4 .*upgrade ffr-edge"):
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "format_version": 6}))
+    with pytest.raises(ValueError, match="config.json format 6: this ffr-edge reads formats 1-5 .*upgrade ffr-edge"):
         SimConfig.load(tmp_path / "config.json")
     flat = {"clients": 4, "rounds": 6, "method": "fedavg", "format_version": 1}
     (tmp_path / "config.json").write_text(json.dumps(flat))
@@ -191,6 +192,7 @@ FIXED = {  # spec fields neither command takes a flag for
     "server.training.pfm_beta": "PFM's momentum beta (FedFace eq. 1-3): the paper's 0.9",
     "server.training.dfc_views": "views of each image for the DFC fit: 2",
     "server.training.embedding_dim": "the shipped embedder's width (128): a model choice, not a round's",
+    "server.training.version": "the round configuration's format (protocol.messages.TrainingConfig)",
     "server.max_update_bytes": "a deployment bound",
     "server.max_inflight_bytes": "a deployment bound",
     "server.errors_per_minute": "a deployment bound",

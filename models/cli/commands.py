@@ -93,8 +93,10 @@ TRAIN_OWNED = {"--weights": Owned("--init imagenet", lambda a: a.init == "imagen
 
 def cmd_train(args) -> int:
     from models.faces.splits import training_split
+    from models.networks.face_model import ModelConfig
     from models.training.supervised import TrainConfig, Trainer
     from models.training.tracking import MlflowTracker, NullTracker, default_tracking_uri
+    from protocol.training_parts import TrainerSettings
 
     refuse_unowned(args, TRAIN_OWNED, args)
     _set_threads(args.threads)
@@ -107,11 +109,12 @@ def cmd_train(args) -> int:
     split = training_split(crops, args.holdout_identities, args.val_fraction, args.seed, select)
     if split.n_classes < 2:
         raise DatasetError("training needs at least 2 identities with 2 or more usable images each")
-    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, patience=args.patience,
-                         aug=args.aug, head=args.head, width_mult=args.width_mult, init=args.init,
-                         weights_path=str(args.weights) if args.weights else None, dfc=args.dfc,
-                         class_weighted=args.class_weighted, anchor_weight=args.anchor_weight, seed=args.seed,
-                         precision=args.precision, extra={"data": str(args.data)})
+    config = TrainConfig(optimisation=TrainerSettings(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                                                      precision=args.precision),
+                         model=ModelConfig(head=args.head, width_mult=args.width_mult, init=args.init, dfc=args.dfc,
+                                           weights_path=str(args.weights) if args.weights else None),
+                         patience=args.patience, aug=args.aug, class_weighted=args.class_weighted,
+                         anchor_weight=args.anchor_weight, seed=args.seed, extra={"data": str(args.data)})
     out.mkdir(parents=True, exist_ok=True)
     tracker = NullTracker() if not args.mlflow else MlflowTracker(args.mlflow_uri or default_tracking_uri(out))
     trainer = Trainer(config, split, out, tracker, progress=not args.quiet)
@@ -149,17 +152,19 @@ def add_precision_option(p: argparse.ArgumentParser) -> None:
 
 def _pretrain_config(args):
     """The one distillation spec (`models.training.pretraining.PretrainConfig`) from `ffr pretrain`'s options."""
-    from models.training.pretraining import PretrainConfig
+    from models.training.pretraining import PRETRAIN_DEFAULTS, PretrainConfig
+    from protocol.training_parts import TrainerSettings
 
     spec = given(args, TEACHER_FLAGS, TEACHER_FIELDS)  # not given: TeacherSpec's
     own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every", "--low-res-fraction",
                        "--views", "--queue-size", "--mix-fraction"],
                 {"eval_every": "eval_every_steps"})
+    optimisation = TrainerSettings(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                                   weight_decay=PRETRAIN_DEFAULTS["weight_decay"], precision=args.precision)
     return PretrainConfig(data=[str(d) for d in args.data], teacher=str(args.teacher), teacher_spec=spec,
-                          init=args.init, labelled=[str(d) for d in args.labelled], epochs=args.epochs,
-                          batch_size=args.batch_size, lr=args.lr, sim_weight=args.sim_weight,
-                          warmup_steps=args.warmup_steps, loss=args.loss,
-                          budget_minutes=args.budget_minutes, precision=args.precision, device=args.device,
+                          init=args.init, labelled=[str(d) for d in args.labelled], optimisation=optimisation,
+                          sim_weight=args.sim_weight, warmup_steps=args.warmup_steps, loss=args.loss,
+                          budget_minutes=args.budget_minutes, device=args.device,
                           eval_data=[str(d) for d in args.eval_data],
                           max_images=args.max_images, checkpoint_every_s=args.checkpoint_every, seed=args.seed,
                           yield_cpu=args.yield_cpu, low_res=args.low_res, **own)
@@ -319,10 +324,10 @@ def cmd_synth(args) -> int:
 
 def cmd_demo(args) -> int:
     """Synthetic faces -> centralised training -> ONNX export -> verification with onnxruntime."""
-    from models.training.supervised import TrainConfig
+    from protocol.training_parts import TrainerSettings
 
     out: Path = args.out
-    TrainConfig(epochs=args.epochs, lr=args.lr)  # refuses what `ffr train` would, before anything is written
+    TrainerSettings(epochs=args.epochs, lr=args.lr)  # refuses what `ffr train` would, before anything is written
     data = out / "synthetic_faces"
     if not (data / "SYNTHETIC_FACES.txt").exists():
         cmd_synth(argparse.Namespace(out=data, synthetic_identities=args.synthetic_identities,

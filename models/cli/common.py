@@ -82,9 +82,11 @@ def one_line(exc: Exception, flags: dict[str, str] | None = None) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors) and type(exc).__name__ == "ValidationError":
         first = errors()[0]
+        more = f" (and {len(errors()) - 1} more)" if len(errors()) > 1 else ""
+        if first.get("type") == "value_error":  # a check of ours: its message already names the option
+            return " ".join(str(first["ctx"]["error"]).split()) + more
         field = str(first["loc"][-1]) if first.get("loc") else "value"
         flag = (flags or {}).get(field, f"--{field.replace('_', '-')}")
-        more = f" (and {len(errors()) - 1} more)" if len(errors()) > 1 else ""
         return f"{flag}: {first['msg'].lower()}, got {first.get('input')!r}{more}"
     return " ".join(str(exc).split())
 

@@ -13,6 +13,7 @@ from protocol import methods
 from protocol.codecs import CODECS, TOPK_FRACTION
 from protocol.messages import TrainingConfig
 from protocol.methods import DEFAULT_METHOD, Method, method_named, owner_of
+from protocol.training_parts import ModelSpec, OptimiserSettings, flatten
 
 SPEC = TrainingConfig()  # the flags' defaults are the spec's
 
@@ -31,9 +32,9 @@ OWNED: dict[str, Owned] = {
     "--t-hn": Owned("--hard-negatives", lambda t: t.hard_negatives),
     "--tau": Owned("--contrastive", lambda t: t.contrastive),
     "--alpha-con": Owned("--contrastive", lambda t: t.contrastive),
-    "--dfc-weight": Owned("--dfc", lambda t: t.dfc),
-    "--dfc-steps": Owned("--dfc", lambda t: t.dfc),
-    "--dfc-lr": Owned("--dfc", lambda t: t.dfc),
+    "--dfc-weight": Owned("--dfc", lambda t: t.model.dfc),
+    "--dfc-steps": Owned("--dfc", lambda t: t.model.dfc),
+    "--dfc-lr": Owned("--dfc", lambda t: t.model.dfc),
     "--topk-fraction": Owned("--codec topk", lambda t: t.codec == "topk"),
 }
 
@@ -112,8 +113,10 @@ def training_config(args, **extra) -> TrainingConfig:
     if settings["embedding_reg"] and (settings["hard_negatives"] or settings["contrastive"]):
         raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
     try:
-        config = TrainingConfig(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, dfc=args.dfc,
-                                codec=args.codec, width_mult=args.width_mult, batchnorm=batchnorm(args),
+        optimisation = OptimiserSettings(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr)
+        model = ModelSpec(dfc=args.dfc, width_mult=args.width_mult, dfc_weight=settings.pop("dfc_weight"),
+                          imprint_head=settings.pop("imprint_head"))
+        config = TrainingConfig(optimisation=optimisation, model=model, codec=args.codec, batchnorm=batchnorm(args),
                                 top_blocks=args.top_blocks,
                                 algorithm=method_named(args.method).strategy, dp_clip=args.dp_clip,
                                 **given(args, ["--prox-mu", "--topk-fraction"]), **settings, **extra)
@@ -132,10 +135,11 @@ def batchnorm(args) -> str:
 
 
 def objective_settings(args) -> dict:
-    """TrainingConfig fields for the chosen method and switches: a setting given wins, else the method's term
-    (`protocol.methods`), else the spec's default."""
+    """TrainingConfig fields for the chosen method and switches, in the flat form (`protocol.training_parts`): a
+    setting given wins, else the method's term (`protocol.methods`), else the spec's default."""
     switched = ("hard_negatives", "contrastive", "hfmaml", "dfc_weight", "embedding_reg")  # what methods set
-    terms = {**{k: getattr(SPEC, k) for k in switched}, **method_named(args.method or DEFAULT_METHOD).terms}
+    defaults = flatten(SPEC.model_dump())
+    terms = {**{k: defaults[k] for k in switched}, **method_named(args.method or DEFAULT_METHOD).terms}
     switches = {k: getattr(args, k) for k in ("hard_negatives", "contrastive") if getattr(args, k) is not None}
     return {**terms, **switches, "imprint_head": args.imprint_head,
             **given(args, ["--alpha-cos", "--dfc-weight", "--embedding-reg", "--t-hn", "--tau", "--alpha-con",

@@ -6,50 +6,54 @@ the embedder's parameters and buffers and nothing else (no head, no DFC, no data
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from models.networks.backbone import FaceEmbedder
 from models.networks.dfc import DFCBranch
 from models.networks.face_weights import INITS, check_face_init, face_global_state, load_face_embedder
 from models.networks.heads import build_head
+from protocol.training_parts import ModelSpec
 
 SHAREABLE_PREFIX = "backbone."
 
 
-@dataclass
-class ModelConfig:
-    """Everything needed to rebuild a model from a checkpoint."""
+class ModelConfig(ModelSpec):
+    """Everything needed to rebuild a model from a checkpoint: the model part every configuration shares
+    (`protocol.training_parts.ModelSpec`), the classes and margin head of the people it trains on, and where its
+    starting weights come from. As a training spec's model (`TrainConfig.model`) it has no classes yet (0): the
+    data gives them (`with_classes`)."""
 
-    n_classes: int
-    embedding_dim: int = 128
-    width_mult: float = 1.0
+    n_classes: int = Field(0, ge=0)
     pretrained: bool = True            # start from pretrained weights at all (False: random)
     init: str = "face"                 # which: the shipped face embedder, or ImageNet
     weights_path: str | None = None    # a local torchvision ImageNet file instead of the installed one
     head: str = "cosface"
     head_s: float | None = None
     head_m: float | None = None
-    dfc: bool = False
-    dfc_weight: float = 1.0
     dfc_lambda: float = 0.7
     dfc_r: float = 30.0
     dfc_m: float = 0.4
     dfc_t: float = 3.0
-    class_weights: list[float] | None = field(default=None, repr=False)
+    class_weights: list[float] | None = Field(None, repr=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return self.model_dump()
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelConfig:
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        """From a checkpoint's `model_config`; keys a later version dropped are ignored."""
+        return cls(**{k: v for k, v in data.items() if k in cls.model_fields})
+
+    def with_classes(self, n_classes: int, class_weights: list[float] | None = None) -> ModelConfig:
+        """This model for `n_classes` people (validated: a spec's template becomes a buildable model)."""
+        return ModelConfig(**{**self.model_dump(), "n_classes": n_classes, "class_weights": class_weights,
+                              "pretrained": self.pretrained and self.init != "none"})
 
 
 def _initial_backbone(config: ModelConfig) -> FaceEmbedder:
@@ -62,6 +66,8 @@ def _initial_backbone(config: ModelConfig) -> FaceEmbedder:
 class FaceModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        if config.n_classes < 1:
+            raise ValueError("a model needs its people's classes: n_classes is 0 (ModelConfig.with_classes)")
         self.config = config
         self.backbone = _initial_backbone(config)
         self.head = build_head(config.head, config.embedding_dim, config.n_classes, config.head_s, config.head_m)

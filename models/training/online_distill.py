@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +41,7 @@ from models.training.pretraining import (
     scheduled_size,
     teacher_spec,
 )
+from protocol.training_parts import flatten
 
 ONLINE_LOSSES = ("cosine", "queue")
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
@@ -114,8 +114,8 @@ class OnlineDistiller:
         if config.max_images and len(images) > config.max_images:
             keep = np.sort(np.random.default_rng(config.seed).permutation(len(images))[:config.max_images])
             images, self.names = images[keep], [self.names[i] for i in keep]
-        if len(images) < 2 * config.batch_size:
-            raise ValueError(f"online distillation needs at least {2 * config.batch_size} face crops; "
+        if len(images) < 2 * config.optimisation.batch_size:
+            raise ValueError(f"online distillation needs at least {2 * config.optimisation.batch_size} face crops; "
                              f"found {len(images)}")
         self.val_index, train_index = held_out_split(len(images), config.seed, config.val_fraction)
         self.crops = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous().to(self.device)
@@ -124,13 +124,14 @@ class OnlineDistiller:
         self.model = student(config.init, self.teacher.dim).to(self.device)
         self.queue = TargetQueue(config.queue_size, self.teacher.dim, self.device) if config.loss == "queue" else None
         self.start = init_source(config.init)
-        self.autocast = accelerate(self.model, config.precision, config.device)
-        self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
-                                           weight_decay=config.weight_decay, **optimiser_options(self.device))
+        self.autocast = accelerate(self.model, config.optimisation.precision, config.device)
+        self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.optimisation.lr,
+                                           weight_decay=config.optimisation.weight_decay,
+                                           **optimiser_options(self.device))
         self.jitter = ViewJitter(**config.jitter)
         self.generator = torch.Generator(self.device)
-        self.steps_per_epoch = len(train_index) // config.batch_size
-        self.total_steps = None if config.budget_minutes else self.steps_per_epoch * config.epochs
+        self.steps_per_epoch = len(train_index) // config.optimisation.batch_size
+        self.total_steps = None if config.budget_minutes else self.steps_per_epoch * config.optimisation.epochs
         self.step, self.trained_s, self.history = 0, 0.0, []
         self.yielder = Yielder(config.yield_cpu, notify=tqdm.write)
         self._val_targets: list[torch.Tensor] | None = None
@@ -185,7 +186,7 @@ class OnlineDistiller:
 
     def _loss(self, _) -> Step:
         """One batch: jittered views -> teacher targets (no grad) -> student on a photometric copy."""
-        pick = torch.randint(len(self.train_index), (self.config.batch_size,), generator=self.generator,
+        pick = torch.randint(len(self.train_index), (self.config.optimisation.batch_size,), generator=self.generator,
                              device=self.device)
         views = geometric_views(self.crops[self.train_index[pick]], self.jitter, self.generator)
         if self.config.mix_fraction:
@@ -224,9 +225,9 @@ class OnlineDistiller:
             self._last_save = time.time()
 
     def _record(self, running: dict[str, float]) -> None:
-        row = {"step": self.step, "samples": self.step * self.config.batch_size,
+        row = {"step": self.step, "samples": self.step * self.config.optimisation.batch_size,
                "trained_s": round(self.trained_s, 1),
-               "samples_per_s": round(self.step * self.config.batch_size / max(self.trained_s, 1e-9), 1),
+               "samples_per_s": round(self.step * self.config.optimisation.batch_size / max(self.trained_s, 1e-9), 1),
                **{f"train_{k}": round(v, 5) for k, v in running.items() if k != "lr"},
                "val_teacher_cosine": self.val_teacher_cosine()}
         self.history.append(row)
@@ -260,12 +261,13 @@ class OnlineDistiller:
             save_file({k: v.cpu() for k, v in values.items()}, str(tmp))
             tmp.replace(self.out / name)
         progress = {"step": self.step, "trained_s": self.trained_s, "history": self.history,
-                    "config": asdict(self.config), "names_sha": _names_key(self.names)}
+                    "config": self.config.to_dict(), "names_sha": _names_key(self.names)}
         (self.out / "progress.json.tmp").write_text(json.dumps(progress))
         (self.out / "progress.json.tmp").replace(self.out / "progress.json")
         save_embedder(self.out / "embedder.safetensors", self.model,
                       {"teacher": self.config.teacher, "step": str(self.step), "mode": "online",
-                       "samples": str(self.step * self.config.batch_size), "data": json.dumps(self.config.data)})
+                       "samples": str(self.step * self.config.optimisation.batch_size),
+                       "data": json.dumps(self.config.data)})
 
     def resume(self) -> None:
         """Continue from the run folder's state; a damaged or foreign state is refused in one line."""
@@ -282,11 +284,11 @@ class OnlineDistiller:
         progress = json.loads((self.out / "progress.json").read_text())
         if progress["names_sha"] != _names_key(self.names):
             raise ValueError(f"{self.out} was trained on other crops; use a new --out")
-        saved = progress["config"]
+        saved, now = flatten(progress["config"]), flatten(self.config.to_dict())  # either saved form
         for key in ("batch_size", "budget_minutes", "epochs", "seed", "low_res", "low_res_fraction"):
-            if saved[key] != asdict(self.config)[key]:
+            if saved[key] != now[key]:
                 raise ValueError(f"--{key.replace('_', '-')} differs from the run being resumed "
-                                 f"({saved[key]!r} there, {asdict(self.config)[key]!r} now)")
+                                 f"({saved[key]!r} there, {now[key]!r} now)")
         model_state, exp_avg, exp_avg_sq = (load_file(str(self.out / n), device=str(self.device)) for n in STATE_FILES)
         self.model.load_state_dict(model_state)
         self.step, self.trained_s = int(progress["step"]), float(progress["trained_s"])
@@ -304,11 +306,11 @@ class OnlineDistiller:
 
     def write_metrics(self, status: str) -> dict:
         metrics = {"status": status, "mode": "online", "step": self.step, "total_steps": self.total_steps,
-                   "samples": self.step * self.config.batch_size, "trained_s": round(self.trained_s, 1),
+                   "samples": self.step * self.config.optimisation.batch_size, "trained_s": round(self.trained_s, 1),
                    "images": len(self.names), "teacher": self.config.teacher, "teacher_sha256": self.teacher.sha256,
                    "teacher_agreement_with_onnxruntime": self.teacher_agreement,
                    "precision": str(self.autocast or "fp32"), "device": str(self.device), "start": self.start,
-                   "config": asdict(self.config), "history": self.history}
+                   "config": self.config.to_dict(), "history": self.history}
         tmp = self.out / "metrics.json.tmp"
         tmp.write_text(json.dumps(metrics, indent=2))
         tmp.replace(self.out / "metrics.json")

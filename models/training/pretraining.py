@@ -35,9 +35,14 @@ from models.training.distillation import bank_distillation_loss, distillation_lo
 from models.training.fast_step import accelerate, optimiser_options
 from models.training.loop import Step, optimise, resume_from
 from models.training.online_views import photometric, student_input
+from protocol.training_parts import TrainerSettings, flatten
 
 LOSSES = ("cosine", "bank")  # the cached path's; the online path's: online_distill.ONLINE_LOSSES
 CROP_SIZE = 112  # the aligned sets' and the teacher's size; the student sees them at INPUT_SIZE
+
+
+# the distillation recipe's optimiser (the precision: auto, bf16 where the CPU has it or on CUDA)
+PRETRAIN_DEFAULTS = {"epochs": 10, "batch_size": 64, "lr": 1e-3, "weight_decay": 1e-2}
 
 
 @dataclass
@@ -52,10 +57,7 @@ class PretrainConfig:
     teacher: str = "sface"
     teacher_spec: dict = field(default_factory=dict)  # TeacherSpec fields for an ONNX teacher; {} = SFace's
     init: str = "imagenet"          # imagenet | face (continue from the shipped weights) | none
-    epochs: int = 10
-    batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 1e-2
+    optimisation: TrainerSettings = field(default_factory=lambda: TrainerSettings(**PRETRAIN_DEFAULTS))  # AdamW's
     warmup_steps: int = 300
     sim_weight: float = 2.0
     loss: str = "cosine"            # cosine (L_cos + sim_weight L_sim over the batch) | bank (training.distillation)
@@ -70,7 +72,6 @@ class PretrainConfig:
     low_res_fraction: float = 0.75  # ... that part, of the schedule (its time budget, else its steps)
     labelled: list[str] = field(default_factory=list)  # sets with one sub-folder per person: + a margin loss
     margin_weight: float = 1.0
-    precision: str = "auto"         # auto (bf16 where the CPU has it, or CUDA) | bf16 | fp32
     device: str = "cpu"
     val_fraction: float = 0.01
     eval_data: list[str] = field(default_factory=list)
@@ -83,12 +84,8 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         """Settings that cannot work are refused here, named as `ffr pretrain` spells them."""
-        checks = [(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})"),
-                  (self.batch_size >= 2, f"--batch-size must be at least 2 (got {self.batch_size}): the student's "
-                                         "BatchNorm and the pairwise loss need two faces a batch"),
-                  (self.lr > 0, f"--lr must be positive (got {self.lr:g})"),
-                  (self.weight_decay >= 0 and self.warmup_steps >= 0 and self.sim_weight >= 0,
-                   "--weight-decay, --warmup-steps and --sim-weight must not be negative"),
+        checks = [(self.warmup_steps >= 0 and self.sim_weight >= 0,
+                   "--warmup-steps and --sim-weight must not be negative"),
                   (self.budget_minutes is None or self.budget_minutes > 0,
                    f"--budget-minutes must be positive (got {self.budget_minutes})"),
                   (self.max_images is None or self.max_images >= 1, "--max-images must be at least 1"),
@@ -110,6 +107,11 @@ class PretrainConfig:
         if self.low_res is not None and not (32 <= self.low_res < INPUT_SIZE and 0 < self.low_res_fraction < 1):
             raise ValueError(f"--low-res must be 32..{INPUT_SIZE - 1} px and --low-res-fraction between 0 and 1 "
                              f"(not {self.low_res} and {self.low_res_fraction})")
+
+    def to_dict(self) -> dict:
+        """The saved form (progress, metrics, checkpoints); `protocol.training_parts.flatten` reads it and the flat
+        form saved before the parts alike."""
+        return {**asdict(self), "optimisation": self.optimisation.model_dump()}
 
 
 def teacher_spec(fields: dict):
@@ -201,8 +203,9 @@ def scheduled_lr(config, step: int, total_steps: int | None, trained_s: float) -
     """A distillation run's rate at `step` (cached or online: both configs have lr, warmup_steps and
     budget_minutes): over its time budget when it has one, else over its steps."""
     if config.budget_minutes:
-        return lr_at_fraction(step, trained_s / (60 * config.budget_minutes), config.lr, config.warmup_steps)
-    return lr_at(step, total_steps, config.lr, config.warmup_steps)
+        return lr_at_fraction(step, trained_s / (60 * config.budget_minutes), config.optimisation.lr,
+                              config.warmup_steps)
+    return lr_at(step, total_steps, config.optimisation.lr, config.warmup_steps)
 
 
 def scheduled_size(config, step: int, total_steps: int | None, trained_s: float) -> int:
@@ -245,8 +248,8 @@ class Pretrainer:
         self.images, self.files, self.unreadable = load_crops(files, CROP_SIZE, threads or 2, progress)
         self.labels = np.array([identities.get(f, -1) for f in self.files], dtype=np.int64)
         self.n_identities = int(self.labels.max()) + 1 if (self.labels >= 0).any() else 0
-        if len(self.files) < 2 * config.batch_size:
-            raise ValueError(f"pretraining needs at least {2 * config.batch_size} readable face images; "
+        if len(self.files) < 2 * config.optimisation.batch_size:
+            raise ValueError(f"pretraining needs at least {2 * config.optimisation.batch_size} readable face images; "
                              f"found {len(self.files)}")
         spec = teacher_spec(config.teacher_spec)
         self.teacher = load_teacher(config.teacher, threads=threads, spec=spec)
@@ -259,19 +262,20 @@ class Pretrainer:
                                                  **({"teacher_spec": config.teacher_spec} if config.teacher_spec
                                                     else {})})
         order = np.random.default_rng(config.seed).permutation(len(self.files))
-        n_val = max(config.batch_size, int(len(order) * config.val_fraction))
+        n_val = max(config.optimisation.batch_size, int(len(order) * config.val_fraction))
         self.val_index, self.train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
         self.model = student(self.config.init, self.teacher.dim).to(self.device)
         self.start = init_source(self.config.init)
-        self.autocast = accelerate(self.model, config.precision, config.device)
+        self.autocast = accelerate(self.model, config.optimisation.precision, config.device)
         from models.networks.heads import CosFaceHead
 
         self.head = CosFaceHead(128, self.n_identities).to(self.device) if self.n_identities else None
         params = list(self.model.parameters()) + (list(self.head.parameters()) if self.head is not None else [])
-        self.optimiser = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
+        self.optimiser = torch.optim.AdamW(params, lr=config.optimisation.lr,
+                                           weight_decay=config.optimisation.weight_decay,
                                            **optimiser_options(config.device))
-        self.steps_per_epoch = len(self.train_index) // config.batch_size
-        self.total_steps = self.steps_per_epoch * config.epochs
+        self.steps_per_epoch = len(self.train_index) // config.optimisation.batch_size
+        self.total_steps = self.steps_per_epoch * config.optimisation.epochs
         self.step, self.trained_s, self.history, self.teacher_embeddings_computed = 0, 0.0, [], 0
         self.teacher_embeddings_reused = 0  # copied from the cache of the same data with another --views
         self.eval_sets = [self._eval_set(Path(d)) for d in config.eval_data]
@@ -341,7 +345,7 @@ class Pretrainer:
     def _epoch_batches(self, epoch: int, skip: int):
         """The epoch's shuffled training indices, one batch at a time, from batch `skip` on (for --resume)."""
         order = self.train_index[np.random.default_rng((self.config.seed, epoch)).permutation(len(self.train_index))]
-        size = self.config.batch_size
+        size = self.config.optimisation.batch_size
         for k in range(skip, self.steps_per_epoch):
             yield np.sort(order[k * size:(k + 1) * size])
 
@@ -372,7 +376,7 @@ class Pretrainer:
 
     def _end_epoch(self, epoch: int, elapsed: float, running: dict[str, float]) -> None:
         """One learning-curve row: the epoch's mean training figures (this process's steps), then evaluation."""
-        row = {"epoch": epoch, "step": self.step, "samples": self.step * self.config.batch_size,
+        row = {"epoch": epoch, "step": self.step, "samples": self.step * self.config.optimisation.batch_size,
                "elapsed_s": round(elapsed, 1), "trained_s": round(self.trained_s, 1),
                **{f"train_{k}": round(v, 5) for k, v in running.items()},
                **self.evaluate()}
@@ -415,13 +419,14 @@ class Pretrainer:
         state = {"model": self.model.state_dict(), "optimiser": self.optimiser.state_dict(), "step": self.step,
                  "trained_s": self.trained_s,
                  "head": self.head.state_dict() if self.head is not None else None,
-                 "history": self.history, "config": asdict(self.config), "files_key": self.targets.root.name}
+                 "history": self.history, "config": self.config.to_dict(), "files_key": self.targets.root.name}
         tmp = self.out / "latest.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.out / "latest.pt")
         save_embedder(self.out / "embedder.safetensors", self.model,
                       {"teacher": self.config.teacher, "teacher_sha256": self.teacher.sha256, "step": str(self.step),
-                       "samples": str(self.step * self.config.batch_size), "data": json.dumps(self.config.data)})
+                       "samples": str(self.step * self.config.optimisation.batch_size),
+                       "data": json.dumps(self.config.data)})
 
     def resume(self) -> None:
         """Continue from latest.pt; a damaged or foreign file is refused in one line (`resume_from`)."""
@@ -430,14 +435,14 @@ class Pretrainer:
     def _restore(self, state: dict) -> None:
         if state["files_key"] != self.targets.root.name:
             raise ValueError(f"{self.out} was trained on other data or another teacher; use a new --out")
-        saved = state["config"]
-        defaults = asdict(PretrainConfig(data=[]))  # a run saved before an option existed ran its default
+        saved, now = flatten(state["config"]), flatten(self.config.to_dict())  # either saved form
+        defaults = flatten(PretrainConfig(data=[]).to_dict())  # a run saved before an option existed ran its default
         for key in ("batch_size", "epochs", "teacher", "data", "labelled", "loss", "views", "budget_minutes",
                     "low_res", "low_res_fraction"):
             there = saved.get(key, defaults[key])
-            if there != asdict(self.config)[key]:
+            if there != now[key]:
                 raise ValueError(f"--{key.replace('_', '-')} differs from the run being resumed "
-                                 f"({there!r} there, {asdict(self.config)[key]!r} now)")
+                                 f"({there!r} there, {now[key]!r} now)")
         self.model.load_state_dict(state["model"])
         if self.head is not None and state.get("head") is not None:
             self.head.load_state_dict(state["head"])
@@ -447,13 +452,13 @@ class Pretrainer:
 
     def write_metrics(self, status: str) -> dict:
         metrics = {"status": status, "step": self.step, "total_steps": self.total_steps,
-                   "samples": self.step * self.config.batch_size, "images": len(self.files),
+                   "samples": self.step * self.config.optimisation.batch_size, "images": len(self.files),
                    "trained_s": round(self.trained_s, 1),
                    "teacher_embeddings_computed": self.teacher_embeddings_computed,
                    "teacher_embeddings_reused": self.teacher_embeddings_reused,
                    "unreadable": [str(p) for p in self.unreadable], "teacher": self.config.teacher,
                    "teacher_sha256": self.teacher.sha256, "precision": str(self.autocast or "fp32"),
-                   "start": self.start, "config": asdict(self.config), "history": self.history}
+                   "start": self.start, "config": self.config.to_dict(), "history": self.history}
         tmp = self.out / "metrics.json.tmp"
         tmp.write_text(json.dumps(metrics, indent=2))
         tmp.replace(self.out / "metrics.json")

@@ -34,49 +34,49 @@ from models.training.hfmaml import anchored_to
 from models.training.interpolation import choose_alpha, interpolate
 from models.training.loop import resume_from, train_epoch
 from models.training.tracking import NullTracker, Tracker
-from protocol.messages import WIDTH_MULTS
+from protocol.training_parts import TrainerSettings, flatten, nest
+
+# design defaults: 20 epochs, batch 32, Adam at 1e-4, no weight decay
+TRAINER_DEFAULTS = {"epochs": 20, "batch_size": 32, "lr": 1e-4}
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 20
-    batch_size: int = 32
-    lr: float = 1e-4
-    weight_decay: float = 0.0
+    """`ffr train`'s settings: the optimiser and model parts every configuration shares (`protocol.training_parts`),
+    then what only centralised training has. Saved forms: `to_dict`, read back by `from_dict` (also the flat form
+    written before the parts)."""
+
+    optimisation: TrainerSettings = field(default_factory=lambda: TrainerSettings(**TRAINER_DEFAULTS))
+    model: ModelConfig = field(default_factory=ModelConfig)  # the classes come from the data (build_model)
     patience: int = 10
     aug: str = "weak"
-    head: str = "cosface"
-    width_mult: float = 1.0
-    init: str = "face"                 # face | imagenet | none
-    weights_path: str | None = None
-    embedding_dim: int = 128
-    dfc: bool = False
-    dfc_weight: float = 1.0
     class_weighted: bool = False
-    imprint_head: bool = True          # class centres from the starting model's features (networks.heads.imprint)
     anchor_weight: float | None = None  # C of the anchor to the starting embedder; None: 10 from face weights, else 0
     seed: int = 0
     max_eval_pairs: int = 100_000
-    precision: str = "auto"            # the trunk's training dtype (models.training.fast_step): auto | bf16 | fp32
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """Settings that cannot work are refused here, named as `ffr train` spells them."""
-        checks = [(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})"),
-                  (self.batch_size >= 2, f"--batch-size must be at least 2 (got {self.batch_size}): the embedding's "
-                                         "BatchNorm needs two faces a batch"),
-                  (self.lr > 0, f"--lr must be positive (got {self.lr:g})"),
-                  (self.weight_decay >= 0 and self.patience >= 0, "--weight-decay and --patience must not be negative"),
-                  (self.max_eval_pairs >= 1, f"--max-eval-pairs must be at least 1 (got {self.max_eval_pairs})"),
-                  (WIDTH_MULTS[0] <= self.width_mult <= WIDTH_MULTS[1],
-                   f"--width-mult must be in [{WIDTH_MULTS[0]:g}, {WIDTH_MULTS[1]:g}] (got {self.width_mult:g})")]
+        """Settings that cannot work are refused here (the parts check their own), named as `ffr train` spells them."""
+        checks = [(self.patience >= 0, f"--patience must not be negative (got {self.patience})"),
+                  (self.max_eval_pairs >= 1, f"--max-eval-pairs must be at least 1 (got {self.max_eval_pairs})")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         if self.anchor_weight is None:
-            self.anchor_weight = FACE_ANCHOR_WEIGHT if self.init == "face" else 0.0
+            self.anchor_weight = FACE_ANCHOR_WEIGHT if self.model.init == "face" else 0.0
         if not self.anchor_weight >= 0:  # also refuses nan
             raise ValueError(f"anchor_weight must be >= 0, not {self.anchor_weight}")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "optimisation": self.optimisation.model_dump(), "model": self.model.model_dump()}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> TrainConfig:
+        """From `to_dict`'s form, or the flat one a run or checkpoint saved before the parts."""
+        raw = nest(raw, {"optimisation": (TrainerSettings, TRAINER_DEFAULTS), "model": (ModelConfig, {})})
+        return cls(**{**raw, "optimisation": TrainerSettings(**raw.get("optimisation", TRAINER_DEFAULTS)),
+                      "model": ModelConfig(**raw.get("model", {}))})
 
 
 # chosen by a sweep of `bench.verify_quality --anchor-weight C`: the figures are in the README
@@ -89,9 +89,7 @@ def build_model(config: TrainConfig, train: FaceCrops) -> FaceModel:
     weights = None
     if config.class_weighted:
         weights = inverse_frequency_weights(torch.from_numpy(train.labels), n_classes).tolist()
-    return FaceModel(ModelConfig(n_classes=n_classes, embedding_dim=config.embedding_dim, width_mult=config.width_mult,
-                                 pretrained=config.init != "none", init=config.init, weights_path=config.weights_path,
-                                 head=config.head, dfc=config.dfc, dfc_weight=config.dfc_weight, class_weights=weights))
+    return FaceModel(config.model.with_classes(n_classes, weights))
 
 
 @torch.inference_mode()
@@ -118,19 +116,20 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(config.seed)
         self.model = build_model(config, split.train)
-        self.precision = accelerate(self.model, config.precision)
-        if config.imprint_head and config.init != "none":
+        self.precision = accelerate(self.model, config.optimisation.precision)
+        if config.model.imprint_head and config.model.init != "none":
             self._imprint()
         # taken before any step (and before a resume loads later weights): the model training started from
         self.start_net = frozen_copy(self.model.backbone) if config.anchor_weight > 0 else None
         # with selection people and a trained start, the run ends by choosing how far to move from it (_interpolate)
         # (the anchor's frozen copy already holds those weights: one copy of the start, not two)
         self.start_state = None
-        if split.select is not None and config.init != "none":
+        if split.select is not None and config.model.init != "none":
             self.start_state = (self.start_net.state_dict() if self.start_net is not None else
                                 {k: v.detach().clone() for k, v in self.model.backbone.state_dict().items()})
         self.interpolation: dict | None = None
-        self.optimiser = torch.optim.Adam(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+        self.optimiser = torch.optim.Adam(self.model.parameters(), lr=config.optimisation.lr,
+                                          weight_decay=config.optimisation.weight_decay,
                                           **optimiser_options("cpu"))
         self.generator = torch.Generator().manual_seed(config.seed)
         self.history: list[dict] = []
@@ -169,14 +168,14 @@ class Trainer:
                         generator_state=self.generator.get_state(), torch_rng_state=torch.get_rng_state(),
                         history=self.history, best_loss=self.best_loss, best_epoch=self.best_epoch,
                         bad_epochs=self.bad_epochs, identities=self.split.train.identities,
-                        train_config=asdict(self.config), tracker_run_id=self.tracker.run_id)
+                        train_config=self.config.to_dict(), tracker_run_id=self.tracker.run_id)
 
     def fit(self) -> dict:
         cfg = self.config
-        self.tracker.start(self.out.name, asdict(cfg), self.tracker_run_id)
-        loader = train_loader(self.split.train, cfg.batch_size, cfg.aug, self.generator)
+        self.tracker.start(self.out.name, flatten(cfg.to_dict()), self.tracker_run_id)
+        loader = train_loader(self.split.train, cfg.optimisation.batch_size, cfg.aug, self.generator)
         try:
-            for epoch in range(self.start_epoch, cfg.epochs + 1):
+            for epoch in range(self.start_epoch, cfg.optimisation.epochs + 1):
                 if self.bad_epochs >= cfg.patience:
                     self.status = "early_stopped"
                     break
@@ -194,8 +193,8 @@ class Trainer:
         cfg = self.config
         started = time.perf_counter()
         anchor = anchored_to(self.start_net, cfg.anchor_weight) if self.start_net is not None else None
-        row = {"epoch": epoch, **train_epoch(self.model, loader, self.optimiser, f"epoch {epoch}/{cfg.epochs}",
-                                             self.progress, extra=anchor)}
+        row = {"epoch": epoch, **train_epoch(self.model, loader, self.optimiser,
+                                             f"epoch {epoch}/{cfg.optimisation.epochs}", self.progress, extra=anchor)}
         row["train_seconds"] = time.perf_counter() - started
         row.update(validation_loss(self.model, self.split.val))
         report, _ = verification(self.model, self.eval_crops, cfg.max_eval_pairs, cfg.seed)
@@ -268,7 +267,7 @@ class Trainer:
         metrics = {
             "status": self.status,
             "data_kind": "synthetic" if split.train.synthetic else "real",
-            "config": asdict(self.config),
+            "config": self.config.to_dict(),
             "data": {"train_images": len(split.train), "val_images": len(split.val),
                      "train_identities": len(split.train.identities),
                      "holdout_identities": len(split.holdout.identities) if split.holdout else 0,

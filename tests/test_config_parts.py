@@ -1,0 +1,97 @@
+"""The configuration parts (`protocol.training_parts`): one home for the optimiser's and the model's settings,
+embedded by a round's configuration, `ffr train`'s and `ffr pretrain`'s, and every saved form before them still read."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from protocol.auth import Signer
+from protocol.messages import RoundAnnouncement, TrainingConfig, open_envelope, seal
+from protocol.training_parts import ModelSpec, OptimiserSettings, TrainerSettings, flatten
+
+# a round configuration as a coordinator from before the parts sent it (format 1: every field at the top)
+FORMAT_1 = {"type": "training_config", "epochs": 2, "batch_size": 16, "lr": 0.001, "algorithm": "fedprox",
+            "pfm_beta": 0.9, "prox_mu": 0.01, "dfc_weight": 10.0, "codec": "fp16", "topk_fraction": 0.15,
+            "chunk_bytes": 262144, "width_mult": 0.5, "embedding_dim": 128, "dp_clip": None, "imprint_head": False}
+
+
+def test_a_round_configuration_from_an_older_coordinator_is_read_into_the_parts_with_a_rounds_defaults():
+    config = TrainingConfig.model_validate_json(json.dumps(FORMAT_1))
+    assert config.optimisation == OptimiserSettings(epochs=2, batch_size=16, lr=0.001)
+    # `dfc` was not sent: a round's default (the DFC branch on), not the model part's own (off)
+    assert config.model == ModelSpec(width_mult=0.5, dfc_weight=10.0, imprint_head=False, dfc=True)
+    assert config.algorithm == "fedprox" and config.version == 2
+    again = TrainingConfig.model_validate_json(config.model_dump_json())
+    assert again == config and json.loads(config.model_dump_json())["optimisation"]["lr"] == 0.001
+
+
+@pytest.mark.parametrize("hostile", [
+    {"version": 2, "lr": 0.5},                               # today's format with a field at the top
+    {"lr": 0.5, "optimisation": {"lr": 0.1}},                # a part given both ways: which one meant it?
+    {"version": 2, "optimisation": {"epochs": 10 ** 6}},     # a round trains at most 20 epochs
+    {"version": 2, "optimisation": {"lr": 5.0}},
+    {"version": 2, "optimisation": {"batch_size": 10 ** 6}},
+    {"version": 2, "model": {"width_mult": 9.0}},
+    {"version": 2, "model": {"head": "arcface"}},            # a model part carries no head or file
+    {"version": 3},
+])
+def test_a_round_configuration_is_refused_when_its_parts_are_out_of_bounds_or_ambiguous(hostile):
+    with pytest.raises(ValidationError):
+        TrainingConfig.model_validate_json(json.dumps(hostile))
+
+
+def test_an_announcement_signed_by_an_older_coordinator_still_verifies_and_parses():
+    """The signature covers the fields as received: a format-1 configuration, signed as sent, verifies and reads."""
+    signer = Signer.generate()
+    body = RoundAnnouncement(round_id=1, model_version=0, model_sha256="0" * 64, model_bytes=1, model_chunks=1,
+                             total_rounds=1, deadline_unix=1e9, config=TrainingConfig(), participants=["a"])
+    sent = json.loads(seal("coordinator", 1, body, signer))
+    sent["body"]["config"] = FORMAT_1  # exactly as the older coordinator wrote it
+    sent["signature"] = signer.sign({k: v for k, v in sent.items() if k != "signature"})
+    config = open_envelope(json.dumps(sent).encode(), signer.public_hex).body.config
+    assert config.optimisation.epochs == 2 and config.model.width_mult == 0.5 and config.model.dfc
+
+
+def test_the_round_bounds_name_the_flag_that_set_them():
+    with pytest.raises(ValidationError, match="--local-epochs must be at most 20 in a round"):
+        TrainingConfig(optimisation=OptimiserSettings(epochs=21))
+
+
+def test_centralised_trainings_optimiser_refuses_what_cannot_work_as_ffr_train_spells_it():
+    for bad, says in (({"batch_size": 1}, "--batch-size must be at least 2"), ({"lr": 0}, "--lr must be positive"),
+                      ({"epochs": 0}, "--epochs must be at least 1"),
+                      ({"weight_decay": -1}, "--weight-decay must not be negative")):
+        with pytest.raises(ValidationError, match=says):
+            TrainerSettings(**bad)
+    assert TrainerSettings(epochs=500).epochs == 500  # a round's 20-epoch bound is the round's, not this part's
+
+
+def test_train_configs_saved_flat_before_the_parts_read_back_as_today():
+    from models.networks.face_model import ModelConfig
+    from models.training.supervised import TrainConfig
+
+    flat = {"epochs": 3, "batch_size": 16, "lr": 0.003, "weight_decay": 0.0, "patience": 1, "aug": "weak",
+            "head": "arcface", "width_mult": 0.35, "init": "none", "weights_path": None, "embedding_dim": 128,
+            "dfc": True, "dfc_weight": 1.0, "class_weighted": False, "imprint_head": True, "anchor_weight": 0.0,
+            "seed": 0, "max_eval_pairs": 100, "precision": "fp32", "extra": {"data": "faces"}}
+    config = TrainConfig.from_dict(flat)
+    assert config.optimisation == TrainerSettings(epochs=3, batch_size=16, lr=0.003, precision="fp32")
+    assert config.model == ModelConfig(head="arcface", width_mult=0.35, init="none", dfc=True)
+    assert TrainConfig.from_dict(config.to_dict()) == config
+    assert {k: v for k, v in flatten(config.to_dict()).items() if k in flat} == flat
+
+
+def test_a_checkpoints_model_description_is_the_flat_form_it_always_was(tmp_path):
+    """ModelConfig is the model part plus the classes and the start: saved and read back flat, old files too."""
+    from models.networks.face_model import FaceModel, ModelConfig, load_checkpoint, save_checkpoint
+
+    model = FaceModel(ModelConfig(n_classes=3, width_mult=0.35, pretrained=False, dfc=True))
+    save_checkpoint(tmp_path / "m.pt", model)
+    loaded, payload = load_checkpoint(tmp_path / "m.pt")
+    assert payload["model_config"]["width_mult"] == 0.35 and loaded.config.dfc and loaded.config.n_classes == 3
+    old = {k: v for k, v in payload["model_config"].items() if k != "imprint_head"}  # written before that field
+    assert ModelConfig.from_dict(old).width_mult == 0.35
+    with pytest.raises(ValueError, match="n_classes is 0"):
+        FaceModel(ModelConfig(pretrained=False))  # a spec's template is no model: the data gives the classes
