@@ -92,7 +92,7 @@ class Engine:
         self.aggregator = RoundAggregator(settings, store, model_layout, self.filter, strategy, gate)
         self.intake = UpdateIntake(settings, store, model_layout, self.filter, self._tell, self.images,
                                    self.aggregator.screen.observe)
-        self.broadcast = ModelBroadcast(publish, settings.model_dtype, settings.training.chunk_bytes)
+        self.broadcast = ModelBroadcast(publish, settings.model_dtype, settings.training.transport.chunk_bytes)
         self.fv = FederatedValidation(settings.fv_candidates, settings.fv_phi, settings.fv_epsilon, settings.seed,
                                       dict(robust.get("fv_factors", {})))
         self.validation = ValidationPhase(self.fv, self.broadcast, self._tell, settings.weight_factor,

@@ -120,7 +120,8 @@ class RoundAggregator:
         elif not problem:  # no faces to choose the step on: the fixed one
             new_state, gate_metrics = fixed_step(global_state, new_state, self.settings.server_step)
         metrics = {**filter_metrics, **current.validation_metrics,
-                   "aggregation_seconds": time.perf_counter() - started, "codec": self.settings.training.codec,
+                   "aggregation_seconds": time.perf_counter() - started,
+                   "codec": self.settings.training.transport.codec,
                    "fold_ms_per_update": 1000 * current.fold_seconds / max(1, len(devices)),
                    "bytes_received": current.bytes_received, "norm_bound": bound,
                    "clipped_updates": sum(current.norms[d] > bound for d in devices),

@@ -35,7 +35,7 @@ class UpdateIntake:
         `observe`: what the round's update screen keeps of each update (`coordinator.update_screen`)."""
         self.settings, self.store, self.layout, self.filter = settings, store, layout, update_filter
         self.tell, self.images, self.observe = tell, images, observe
-        self.staging = Staging(*layout, settings.training.codec)  # every accepted update is decoded into it
+        self.staging = Staging(*layout, settings.training.transport.codec)  # every accepted update is decoded into it
 
     def on_header(self, current: OpenRound | None, device_id: str, header: UpdateHeader) -> None:
         if current is None or header.round_id != current.round_id:
@@ -91,9 +91,9 @@ class UpdateIntake:
 
     def _verified_delta(self, header: UpdateHeader, payload: bytes) -> tuple[dict, float]:
         """The delta (layout, dtype, finite norm, the filter's screen) or PayloadError."""
-        if header.codec != self.settings.training.codec:
+        if header.codec != self.settings.training.transport.codec:
             raise PayloadError(
-                f"update sent with codec {header.codec}; this round takes {self.settings.training.codec}"
+                f"update sent with codec {header.codec}; this round takes {self.settings.training.transport.codec}"
             )
         # the reassembler matched these bytes to the signed header's sha256 (chunk.sha256 is checked against it)
         delta = decode_verified(payload, header.codec, *self.layout, into=self.staging)

@@ -89,13 +89,13 @@ class RoundRunner:
         cfg = job.config
         header = UpdateHeader(round_id=job.round_id, base_version=job.model_version, n_samples=trained.n_samples,
                               transfer_id=f"{self.device_id}-r{job.round_id}-{trained.sha256[:12]}",
-                              payload_sha256=trained.sha256, payload_bytes=len(trained.data), codec=cfg.codec,
+                              payload_sha256=trained.sha256, payload_bytes=len(trained.data), codec=cfg.transport.codec,
                               metrics={**metrics, ADOPTED_METRIC: float(self.adopted)})
         payload_path, header_path = self.home.pending_paths(job.round_id)
         payload_path.write_bytes(trained.data)
-        header_path.write_text(json.dumps({"header": header.model_dump(), "chunk_bytes": cfg.chunk_bytes}))
+        header_path.write_text(json.dumps({"header": header.model_dump(), "chunk_bytes": cfg.transport.chunk_bytes}))
         uploading = time.perf_counter()
-        self.link.send_update(header, trained.data, cfg.chunk_bytes)
+        self.link.send_update(header, trained.data, cfg.transport.chunk_bytes)
         acked = self._await_ack(job, header, trained.data)
         if acked:
             payload_path.unlink(missing_ok=True)
@@ -115,7 +115,7 @@ class RoundRunner:
                 return False
             if time.monotonic() - last_sent > resend_s and self.link.client.is_connected():
                 log.info("%s: no ack for round %d yet; sending the update again", self.device_id, job.round_id)
-                self.link.send_update(header, data, job.config.chunk_bytes)
+                self.link.send_update(header, data, job.config.transport.chunk_bytes)
                 last_sent = time.monotonic()
         return True
 

@@ -83,7 +83,8 @@ class RoundWork:
             delta, _ = clip_to_norm(without_running_stats(delta), cfg.dp_clip)
         if self._outgoing is not None:
             delta, n_samples = self._outgoing(delta, n_samples, global_state)
-        encoded = ErrorFeedback(self.home.codec_residual).encode(delta, cfg.codec, cfg.topk_fraction)
+        wire = cfg.transport
+        encoded = ErrorFeedback(self.home.codec_residual).encode(delta, wire.codec, wire.topk_fraction)
         return Trained(encoded.data, encoded.sha256, n_samples, result.metrics, result.private_metrics,
                        len(pfm or {}))
 

@@ -81,6 +81,15 @@ class Heartbeat(_Body):
     state: str = Field("idle", max_length=32)
 
 
+class TransportSettings(_Body):
+    """How a round's updates travel: the codec (`protocol.codecs`), the share of coordinates topk keeps, and the
+    chunk size on the broker. The device's training never reads them; its upload does."""
+
+    codec: Literal["fp16", "fp32", "int8", "topk"] = "fp16"
+    topk_fraction: float = Field(TOPK_FRACTION, ge=1e-4, le=1.0)
+    chunk_bytes: int = Field(256 * 1024, ge=1024, le=MAX_CHUNK_BYTES)
+
+
 # a round's bounds on its optimiser, each with the option that sets it: no announcement can make a device train
 # forever or diverge by design
 ROUND_LIMITS = {"epochs": ("--local-epochs", 20), "batch_size": ("--batch-size", 512), "lr": ("--lr", 1.0)}
@@ -92,18 +101,17 @@ class TrainingConfig(_Body):
     """Local training settings, bounded so that no announcement can make a device train forever.
 
     Format 2 nests the optimiser (`optimisation`) and the model (`model`) parts that centralised training embeds
-    too (`protocol.training_parts`); format 1, every field at the top, is still read (`_format_1`)."""
+    too (`protocol.training_parts`), and how updates travel (`transport`); format 1, every field at the top, is still
+    read (`_format_1`)."""
 
     type: Literal["training_config"] = "training_config"
     version: Literal[2] = 2
     optimisation: OptimiserSettings = Field(default_factory=OptimiserSettings)
     model: ModelSpec = Field(default_factory=lambda: ModelSpec(**ROUND_MODEL))
+    transport: TransportSettings = Field(default_factory=TransportSettings)
     algorithm: Algorithm = "fedavg"
     pfm_beta: float = Field(0.9, ge=0, lt=1.0)  # FedFace's momentum parameter (PFM: eq. 1-3)
     prox_mu: float = Field(0.01, ge=0, le=10.0)
-    codec: Literal["fp16", "fp32", "int8", "topk"] = "fp16"  # how updates travel (protocol.codecs)
-    topk_fraction: float = Field(TOPK_FRACTION, ge=1e-4, le=1.0)    # coordinates the topk codec keeps
-    chunk_bytes: int = Field(256 * 1024, ge=1024, le=MAX_CHUNK_BYTES)
     dp_clip: float | None = Field(None, gt=0, le=1e6)  # DP-FedAvg: clip the update to this L2 norm before sending
     # FedFR's local objective (eq. 7: alpha_1 L_cos + alpha_2 L_con + alpha_3 L_BCE, alpha_3 = dfc_weight)
     alpha_cos: float = Field(1.0, ge=0, le=100.0)
@@ -138,7 +146,8 @@ class TrainingConfig(_Body):
         """A configuration without `version` (an older coordinator's, or settings written before the parts) has
         its parts' fields at the top: read into the parts, with a round's own defaults for them."""
         if isinstance(data, dict) and "version" not in data:
-            return nest(data, {"optimisation": (OptimiserSettings, {}), "model": (ModelSpec, ROUND_MODEL)})
+            return nest(data, {"optimisation": (OptimiserSettings, {}), "model": (ModelSpec, ROUND_MODEL),
+                               "transport": (TransportSettings, {})})
         return data
 
     @field_validator("optimisation")

@@ -80,7 +80,7 @@ class ModelSpec(_Part):
         return value
 
 
-PART_NAMES = ("optimisation", "model")  # where every owner keeps its parts
+PART_NAMES = ("optimisation", "model", "transport")  # where owners keep their parts (transport: a round's own)
 
 
 def nest(raw: Mapping, parts: Mapping[str, tuple[type[BaseModel], Mapping]]) -> dict:

@@ -22,7 +22,7 @@ def test_a_round_configuration_from_an_older_coordinator_is_read_into_the_parts_
     assert config.optimisation == OptimiserSettings(epochs=2, batch_size=16, lr=0.001)
     # `dfc` was not sent: a round's default (the DFC branch on), not the model part's own (off)
     assert config.model == ModelSpec(width_mult=0.5, dfc_weight=10.0, imprint_head=False, dfc=True)
-    assert config.algorithm == "fedprox" and config.version == 2
+    assert config.algorithm == "fedprox" and config.version == 2 and config.transport.chunk_bytes == 262144
     again = TrainingConfig.model_validate_json(config.model_dump_json())
     assert again == config and json.loads(config.model_dump_json())["optimisation"]["lr"] == 0.001
 
@@ -35,6 +35,8 @@ def test_a_round_configuration_from_an_older_coordinator_is_read_into_the_parts_
     {"version": 2, "optimisation": {"batch_size": 10 ** 6}},
     {"version": 2, "model": {"width_mult": 9.0}},
     {"version": 2, "model": {"head": "arcface"}},            # a model part carries no head or file
+    {"version": 2, "transport": {"codec": "zip"}},
+    {"version": 2, "transport": {"chunk_bytes": 1 << 30}},
     {"version": 3},
 ])
 def test_a_round_configuration_is_refused_when_its_parts_are_out_of_bounds_or_ambiguous(hostile):

@@ -12,6 +12,7 @@ from protocol.auth import AuthError, ReplayGuard, Signer
 from protocol.chunks import Reassembler, from_bytes, split, to_bytes
 from protocol.messages import Ack, Hello, MessageError, TrainingConfig, UpdateHeader, open_envelope, parse, seal
 from protocol.tensors import PayloadError, decode, encode, sha256_hex
+from protocol.training_parts import PART_NAMES
 
 
 def _state():
@@ -206,6 +207,14 @@ def test_a_receiver_with_a_newer_schema_still_verifies_an_older_sender():
     assert envelope.body.config.dp_clip is None
 
 
+def _place(config: dict, fields: dict) -> None:
+    """Each field where today's round configuration keeps it: at the top, or in its part (`optimisation`, `model`,
+    `transport`), so a hostile value meets that field's own bound rather than the refusal of an unknown field."""
+    for key, value in fields.items():
+        part = next((p for p in PART_NAMES if isinstance(config.get(p), dict) and key in config[p]), None)
+        (config[part] if part else config)[key] = value
+
+
 @pytest.mark.parametrize("fields", [
     {"public_set_url": "file:///etc/passwd"},
     {"public_set_url": "ftp://host/public-set"},
@@ -230,7 +239,7 @@ def test_hostile_public_set_fields_in_a_round_announcement_are_refused(fields):
                              total_rounds=1, deadline_unix=1e9, config=TrainingConfig(**good), participants=["a"])
     envelope = json.loads(seal("coordinator", 1, body, Signer.generate()))
     assert parse(json.dumps(envelope).encode()).body.config.public_set_bytes == 123456
-    envelope["body"]["config"].update(fields)
+    _place(envelope["body"]["config"], fields)
     with pytest.raises(MessageError):
         parse(json.dumps(envelope).encode())
 
@@ -259,6 +268,9 @@ def test_hostile_method_fields_in_a_round_announcement_are_refused(fields, where
                              participants=["a"], momentum_sha256="ab" * 32, momentum_bytes=10, momentum_chunks=1)
     envelope = json.loads(seal("coordinator", 1, body, Signer.generate()))
     assert parse(json.dumps(envelope).encode()).body.momentum_bytes == 10
-    (envelope["body"] if where == "body" else envelope["body"]["config"]).update(fields)
+    if where == "body":
+        envelope["body"].update(fields)
+    else:
+        _place(envelope["body"]["config"], fields)
     with pytest.raises(MessageError):
         parse(json.dumps(envelope).encode())

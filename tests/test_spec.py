@@ -30,8 +30,8 @@ def test_serve_and_simulate_read_the_same_flags_into_the_same_spec(tmp_path, sha
     fleet = parser.parse_args(["fleet", "simulate", "--out", str(tmp_path / "r"), *shared])
     served = round_settings(serve, training_config(serve), min_clients=1).to_dict()
     simulated = _config(fleet).server.to_dict()
-    assert served["training"].pop("chunk_bytes") == 256 * 1024  # `serve --chunk-kib`, which a simulation lacks
-    simulated["training"].pop("chunk_bytes")
+    assert served["training"]["transport"].pop("chunk_bytes") == 256 * 1024  # `serve --chunk-kib`: not simulate's
+    simulated["training"]["transport"].pop("chunk_bytes")
     assert served == simulated
     if shared is SHARED:
         assert simulated["rounds"] == 3 and simulated["combine"] == "median"
@@ -40,7 +40,7 @@ def test_serve_and_simulate_read_the_same_flags_into_the_same_spec(tmp_path, sha
         assert simulated["training"]["t_hn"] == 0.2 and simulated["training"]["tau"] == 0.3
     else:
         assert simulated["server_momentum"] == 0.5 and simulated["fv_phi"] == 0.5 and simulated["dp_delta"] == 1e-6
-        assert simulated["fv_timeout_s"] == 30 and simulated["training"]["topk_fraction"] == 0.3
+        assert simulated["fv_timeout_s"] == 30 and simulated["training"]["transport"]["topk_fraction"] == 0.3
 
 
 # Issue 28: a method, technique or rule takes only its own settings; given while its owner is off, one is refused

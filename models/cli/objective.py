@@ -11,7 +11,7 @@ import argparse
 from models.cli.common import Owned, deprecated_alias, given, one_line, refuse_unowned
 from protocol import methods
 from protocol.codecs import CODECS, TOPK_FRACTION
-from protocol.messages import TrainingConfig
+from protocol.messages import TrainingConfig, TransportSettings
 from protocol.methods import DEFAULT_METHOD, Method, method_named, owner_of
 from protocol.training_parts import ModelSpec, OptimiserSettings, flatten
 
@@ -35,7 +35,7 @@ OWNED: dict[str, Owned] = {
     "--dfc-weight": Owned("--dfc", lambda t: t.model.dfc),
     "--dfc-steps": Owned("--dfc", lambda t: t.model.dfc),
     "--dfc-lr": Owned("--dfc", lambda t: t.model.dfc),
-    "--topk-fraction": Owned("--codec topk", lambda t: t.codec == "topk"),
+    "--topk-fraction": Owned("--codec topk", lambda t: t.transport.codec == "topk"),
 }
 
 
@@ -116,10 +116,12 @@ def training_config(args, **extra) -> TrainingConfig:
         optimisation = OptimiserSettings(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr)
         model = ModelSpec(dfc=args.dfc, width_mult=args.width_mult, dfc_weight=settings.pop("dfc_weight"),
                           imprint_head=settings.pop("imprint_head"))
-        config = TrainingConfig(optimisation=optimisation, model=model, codec=args.codec, batchnorm=batchnorm(args),
-                                top_blocks=args.top_blocks,
+        transport = TransportSettings(codec=args.codec, **given(args, ["--topk-fraction"]),
+                                      **{k: extra.pop(k) for k in TransportSettings.model_fields if k in extra})
+        config = TrainingConfig(optimisation=optimisation, model=model, transport=transport,
+                                batchnorm=batchnorm(args), top_blocks=args.top_blocks,
                                 algorithm=method_named(args.method).strategy, dp_clip=args.dp_clip,
-                                **given(args, ["--prox-mu", "--topk-fraction"]), **settings, **extra)
+                                **given(args, ["--prox-mu"]), **settings, **extra)
     except ValueError as exc:  # pydantic's refusal, named as these commands spell the option
         raise ValueError(one_line(exc, {"epochs": "--local-epochs", "algorithm": "--method"})) from None
     refuse_unowned(args, OWNED, config)
