@@ -16,7 +16,7 @@ about D_g stay on the device (`private_metrics` are never sent).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -169,7 +169,7 @@ def personalised_global(global_state: dict[str, torch.Tensor], crops: FaceCrops,
     people) join the fit as FedFR's negatives of every binary classifier (eq. 6)."""
     from models.networks.face_model import ModelConfig
 
-    model = FaceModel(ModelConfig(**{**objective.model.model_dump(), "dfc": True}, n_classes=len(crops.identities),
+    model = FaceModel(ModelConfig(**{**asdict(objective.model), "dfc": True}, n_classes=len(crops.identities),
                                   pretrained=False))
     load_shareable_state(model, global_state)
     _fit_dfc(model, crops, objective, None if negatives is None else HardNegatives(as_chw(negatives)), seed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 
 import torch
 from safetensors.torch import load_file as load_torch
@@ -151,7 +152,7 @@ class RoundWork:
         """The device's model for this architecture, its private head and DFC branch restored from the home."""
         cfg: TrainingConfig = job.config
         if self.model is None or self.model.config.dfc != cfg.model.dfc:
-            self.model = FaceModel(ModelConfig(**cfg.model.model_dump(), n_classes=len(self._crops().identities),
+            self.model = FaceModel(ModelConfig(**asdict(cfg.model), n_classes=len(self._crops().identities),
                                                pretrained=False))
             saved = self._private(self.home.private_state, private_state(self.model))
             if saved is not None:

@@ -7,89 +7,118 @@ name, one bound and one description. Each owner gives its part its own defaults 
 `ffr train` twenty); what only one owner allows (a round's upper bounds against a hostile coordinator) is that
 owner's check on the part.
 
+Plain dataclasses that check themselves when built: distillation runs where no pydantic is installed (a lent GPU
+machine, `bench/gpu_distill.sh`), and a round's message validates them with pydantic all the same (it reads
+`__pydantic_config__`: no unknown field, no infinity or NaN, and `__post_init__`'s checks).
+
 Saved forms from before the parts were flat: `nest` reads them, `flatten` gives today's form one level deep
 (run summaries, MLflow parameters, comparing a resumed run's settings).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
 WIDTH_MULTS = (0.25, 1.4)  # MobileNetV2 width multipliers a model may have (lowest, highest)
+PRECISIONS = ("auto", "bf16", "fp32")
+_STRICT = {"extra": "forbid", "allow_inf_nan": False}  # a part inside a round's message (pydantic's ConfigDict)
 
 
-class _Part(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+def _refuse_unless(checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
-class OptimiserSettings(_Part):
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class OptimiserSettings:
     """What every optimisation names: passes over the data, faces a step and the step size (Adam's or AdamW's)."""
 
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(32, ge=1)
-    lr: float = Field(1e-4, gt=0)
+    __pydantic_config__ = _STRICT
+
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 1e-4
+
+    def __post_init__(self) -> None:
+        self._check(lowest_batch=1, why="")
+
+    def _check(self, lowest_batch: int, why: str) -> None:
+        """Refused as the commands spell the options (`models.cli.common.one_line` respells one a command names
+        otherwise, e.g. a round's `--local-epochs`)."""
+        e, b, lr = self.epochs, self.batch_size, self.lr
+        _refuse_unless([(_whole(e) and e >= 1, f"--epochs must be at least 1 (got {e!r})"),
+                        (_whole(b) and b >= lowest_batch, f"--batch-size must be at least {lowest_batch} (got {b!r})"
+                                                          f"{why}"),
+                        (_real(lr) and lr > 0, f"--lr must be positive (got {lr!r})")])
 
 
+@dataclass
 class TrainerSettings(OptimiserSettings):
     """A centralised trainer's optimiser: also its weight decay and the trunk's numeric precision
     (`models.training.fast_step.resolve_precision`). A device's round has neither: it trains in fp32, undecayed.
     A batch holds at least two faces: BatchNorm and the pairwise losses need two."""
 
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = 0.0
     precision: Literal["auto", "bf16", "fp32"] = "auto"
 
-    @model_validator(mode="before")
-    @classmethod
-    def _workable(cls, data):
-        """Refused as `ffr train` and `ffr pretrain` spell the options, before pydantic's generic bounds."""
-        if not isinstance(data, Mapping):
-            return data
-        epochs, batch, lr, decay = (data.get(k) for k in ("epochs", "batch_size", "lr", "weight_decay"))
-        checks = [(epochs is None or not isinstance(epochs, int) or epochs >= 1,
-                   f"--epochs must be at least 1 (got {epochs})"),
-                  (batch is None or not isinstance(batch, int) or batch >= 2,
-                   f"--batch-size must be at least 2 (got {batch}): BatchNorm and the pairwise losses need two "
-                   "faces a batch"),
-                  (lr is None or not isinstance(lr, (int, float)) or lr > 0, f"--lr must be positive (got {lr})"),
-                  (decay is None or not isinstance(decay, (int, float)) or decay >= 0,
-                   f"--weight-decay must not be negative (got {decay})")]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        return data
+    def __post_init__(self) -> None:
+        self._check(lowest_batch=2, why=": BatchNorm and the pairwise losses need two faces a batch")
+        _refuse_unless([(_real(self.weight_decay) and self.weight_decay >= 0,
+                         f"--weight-decay must not be negative (got {self.weight_decay!r})"),
+                        (self.precision in PRECISIONS,
+                         f"--precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")])
 
 
-class ModelSpec(_Part):
+@dataclass
+class ModelSpec:
     """The model a configuration trains: the embedding's size and width, FedFR's DFC personalisation branch and its
     loss weight, and whether the margin head's class centres start from the people's mean embeddings under the
     starting model (weight imprinting, `models.networks.heads.imprint`) rather than at random."""
 
-    embedding_dim: int = Field(128, ge=16, le=1024)
+    __pydantic_config__ = _STRICT
+
+    embedding_dim: int = 128
     width_mult: float = 1.0
     dfc: bool = False
-    dfc_weight: float = Field(1.0, ge=0, le=100.0)  # alpha_3: the DFC branch's loss beside the margin head's
+    dfc_weight: float = 1.0  # alpha_3: the DFC branch's loss beside the margin head's
     imprint_head: bool = True
 
-    @field_validator("width_mult")
-    @classmethod
-    def _width(cls, value: float) -> float:
-        if not WIDTH_MULTS[0] <= value <= WIDTH_MULTS[1]:
-            raise ValueError(f"--width-mult must be in [{WIDTH_MULTS[0]:g}, {WIDTH_MULTS[1]:g}] (got {value:g})")
-        return value
+    def __post_init__(self) -> None:
+        d, w, a = self.embedding_dim, self.width_mult, self.dfc_weight
+        _refuse_unless([(_whole(d) and 16 <= d <= 1024, f"--embedding-dim must be in [16, 1024] (got {d!r})"),
+                        (_real(w) and WIDTH_MULTS[0] <= w <= WIDTH_MULTS[1],
+                         f"--width-mult must be in [{WIDTH_MULTS[0]:g}, {WIDTH_MULTS[1]:g}] (got {w!r})"),
+                        (_real(a) and 0 <= a <= 100, f"--dfc-weight must be in [0, 100] (got {a!r})"),
+                        (isinstance(self.dfc, bool) and isinstance(self.imprint_head, bool),
+                         "--dfc and --imprint-head are on or off")])
 
 
 PART_NAMES = ("optimisation", "model", "transport")  # where owners keep their parts (transport: a round's own)
 
 
-def nest(raw: Mapping, parts: Mapping[str, tuple[type[BaseModel], Mapping]]) -> dict:
+def field_names(kind: type) -> list[str]:
+    """A part's fields: a dataclass's, or a pydantic model's."""
+    return list(getattr(kind, "model_fields", None) or (f.name for f in fields(kind)))
+
+
+def nest(raw: Mapping, parts: Mapping[str, tuple[type, Mapping]]) -> dict:
     """A flat saved form (its parts' fields at the top) in today's nested form. `parts`: for each part its class
     and the owner's defaults for it. A form that gives a part both ways is refused: which one meant it is
     unknowable."""
     out = dict(raw)
     for part, (kind, defaults) in parts.items():
-        flat = {k: out.pop(k) for k in kind.model_fields if k in out}
+        flat = {k: out.pop(k) for k in field_names(kind) if k in out}
         if flat and part in out:
             raise ValueError(f"{', '.join(flat)} and {part} both given: a configuration names its {part} one way")
         if flat:

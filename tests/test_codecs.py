@@ -334,8 +334,11 @@ def test_a_topk_round_aggregates_what_the_devices_sent(tmp_path):
 def test_a_real_round_with_topk_updates_and_error_feedback(tmp_path):
     from test_federated import TRAINING, run_fleet
 
+    from protocol.messages import TrainingConfig
+
     service, devices, _ = run_fleet(tmp_path, broker_url=None, rounds=2, n_devices=2,
-                                    training=TRAINING.model_copy(update={"codec": "topk"}))
+                                    training=TrainingConfig.model_validate({**TRAINING.model_dump(),
+                                                                            "transport": {"codec": "topk"}}))
     rounds = service.engine.store.rounds()
     assert [r["status"] for r in rounds] == ["completed", "completed"], service.engine.store.rejections()
     fp32_bytes = sum(v.size * 4 for v in service.engine.global_state.values())

@@ -63,11 +63,29 @@ def test_the_round_bounds_name_the_flag_that_set_them():
 
 def test_centralised_trainings_optimiser_refuses_what_cannot_work_as_ffr_train_spells_it():
     for bad, says in (({"batch_size": 1}, "--batch-size must be at least 2"), ({"lr": 0}, "--lr must be positive"),
-                      ({"epochs": 0}, "--epochs must be at least 1"),
-                      ({"weight_decay": -1}, "--weight-decay must not be negative")):
-        with pytest.raises(ValidationError, match=says):
+                      ({"epochs": 0}, "--epochs must be at least 1"), ({"epochs": 2.5}, "--epochs must be at least 1"),
+                      ({"lr": float("nan")}, "--lr must be positive"),
+                      ({"weight_decay": -1}, "--weight-decay must not be negative"),
+                      ({"precision": "fp8"}, "--precision must be one of auto, bf16, fp32")):
+        with pytest.raises(ValueError, match=says):
             TrainerSettings(**bad)
     assert TrainerSettings(epochs=500).epochs == 500  # a round's 20-epoch bound is the round's, not this part's
+    with pytest.raises(ValueError, match=r"--width-mult must be in \[0.25, 1.4\]"):
+        ModelSpec(width_mult=2.0)
+
+
+def test_the_parts_need_no_pydantic_where_distillation_runs():
+    """A lent GPU machine has torch but no pydantic: the parts, and the distillation spec built of them, import and
+    check themselves without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['pydantic'] = None\n"
+            "from models.training.pretraining import PretrainConfig\n"
+            "c = PretrainConfig(data=[]); assert c.optimisation.lr == 1e-3 and c.optimisation.weight_decay == 1e-2\n"
+            "from models.networks.face_model import ModelConfig; assert ModelConfig(n_classes=2).width_mult == 1.0")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_train_configs_saved_flat_before_the_parts_read_back_as_today():

@@ -136,7 +136,7 @@ def test_serve_stops_cleanly_on_a_signal_and_keeps_its_secrets(tmp_path, sig):
 
 @pytest.mark.parametrize("option, value, says", [
     ("--min-clients", "0", "--min-clients must be at least 1"), ("--fraction", "2", "--fraction must be in (0, 1]"),
-    ("--rounds", "0", "--rounds must be at least 1"), ("--lr", "-1", "--lr: input should be greater than 0"),
+    ("--rounds", "0", "--rounds must be at least 1"), ("--lr", "-1", "--lr must be positive"),
     ("--round-timeout", "0", "--round-timeout must be positive"),
     ("--http-port", "99999", "argument --http-port: 99999 is not a port (0-65535"),  # refused by the parser:
     ("--rounds", "x", "argument --rounds: invalid int value: 'x' (see ffr coordinator serve --help)"),  # one line

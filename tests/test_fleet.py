@@ -374,11 +374,14 @@ def test_the_people_on_no_device_split_between_the_figures_the_gate_and_every_de
     from fleet.config import SimConfig
     from fleet.simulate import Simulation
     from models.public_set import load_public_set
+    from protocol.messages import TrainingConfig
 
     def config(**change) -> SimConfig:
         c = SimConfig(synthetic_identities=30, synthetic_images=4, holdout_identities=0.5, clients=3, progress=False,
                       mlflow=False, centralized=False, **change)
-        c.server.training = c.training.model_copy(update={"width_mult": 0.35})
+        training = c.training.model_dump()
+        c.server.training = TrainingConfig.model_validate({**training, "model": {**training["model"],
+                                                                                "width_mult": 0.35}})
         return c
 
     sim = Simulation(config(), tmp_path / "run")

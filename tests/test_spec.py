@@ -139,7 +139,7 @@ def test_each_part_refuses_what_cannot_work_with_the_flag_it_came_from(tmp_path,
     for args, message in ((["--fv-phi", "2"], "--fv-phi must be in (0, 1]"),
                           (["--lr", "5"], "--lr"),
                           (["--dp-noise", "1"], "needs a clipping norm"),
-                          (["--local-epochs", "0"], "--local-epochs: input should be greater than or equal to 1")):
+                          (["--local-epochs", "0"], "--local-epochs must be at least 1")):
         for command in (["coordinator", "serve", "--state", str(tmp_path / "s")],
                         ["fleet", "simulate", "--out", str(tmp_path / "r")]):
             assert main(["-q", *command, *args]) == 2

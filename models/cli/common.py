@@ -8,6 +8,7 @@ walks every command's help and checks the rule.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,11 +85,20 @@ def one_line(exc: Exception, flags: dict[str, str] | None = None) -> str:
         first = errors()[0]
         more = f" (and {len(errors()) - 1} more)" if len(errors()) > 1 else ""
         if first.get("type") == "value_error":  # a check of ours: its message already names the option
-            return " ".join(str(first["ctx"]["error"]).split()) + more
+            return _respelt(str(first["ctx"]["error"]), flags) + more
         field = str(first["loc"][-1]) if first.get("loc") else "value"
         flag = (flags or {}).get(field, f"--{field.replace('_', '-')}")
         return f"{flag}: {first['msg'].lower()}, got {first.get('input')!r}{more}"
-    return " ".join(str(exc).split())
+    return _respelt(str(exc), flags)
+
+
+def _respelt(message: str, flags: dict[str, str] | None) -> str:
+    """One line; a check's message that opens with an option named by its field (`--epochs ...`) names it as the
+    command spells it."""
+    message = " ".join(message.split())
+    for field, flag in (flags or {}).items():
+        message = re.sub(rf"^--{field.replace('_', '-')}\b(?!-)", flag, message)
+    return message
 
 
 def at_least(lowest: int):

@@ -140,7 +140,7 @@ def objective_settings(args) -> dict:
     """TrainingConfig fields for the chosen method and switches, in the flat form (`protocol.training_parts`): a
     setting given wins, else the method's term (`protocol.methods`), else the spec's default."""
     switched = ("hard_negatives", "contrastive", "hfmaml", "dfc_weight", "embedding_reg")  # what methods set
-    defaults = flatten(SPEC.model_dump())
+    defaults = flatten(SPEC.model_dump())  # the round's defaults by name
     terms = {**{k: defaults[k] for k in switched}, **method_named(args.method or DEFAULT_METHOD).terms}
     switches = {k: getattr(args, k) for k in ("hard_negatives", "contrastive") if getattr(args, k) is not None}
     return {**terms, **switches, "imprint_head": args.imprint_head,

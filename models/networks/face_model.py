@@ -6,12 +6,12 @@ the embedder's parameters and buffers and nothing else (no head, no DFC, no data
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import nn
 
 from models.networks.backbone import FaceEmbedder
@@ -23,13 +23,14 @@ from protocol.training_parts import ModelSpec
 SHAREABLE_PREFIX = "backbone."
 
 
+@dataclass
 class ModelConfig(ModelSpec):
     """Everything needed to rebuild a model from a checkpoint: the model part every configuration shares
     (`protocol.training_parts.ModelSpec`), the classes and margin head of the people it trains on, and where its
     starting weights come from. As a training spec's model (`TrainConfig.model`) it has no classes yet (0): the
     data gives them (`with_classes`)."""
 
-    n_classes: int = Field(0, ge=0)
+    n_classes: int = 0
     pretrained: bool = True            # start from pretrained weights at all (False: random)
     init: str = "face"                 # which: the shipped face embedder, or ImageNet
     weights_path: str | None = None    # a local torchvision ImageNet file instead of the installed one
@@ -40,20 +41,26 @@ class ModelConfig(ModelSpec):
     dfc_r: float = 30.0
     dfc_m: float = 0.4
     dfc_t: float = 3.0
-    class_weights: list[float] | None = Field(None, repr=False)
+    class_weights: list[float] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (isinstance(self.n_classes, int) and self.n_classes >= 0):
+            raise ValueError(f"n_classes must be a count (got {self.n_classes!r})")
 
     def to_dict(self) -> dict:
-        return self.model_dump()
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelConfig:
         """From a checkpoint's `model_config`; keys a later version dropped are ignored."""
-        return cls(**{k: v for k, v in data.items() if k in cls.model_fields})
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
     def with_classes(self, n_classes: int, class_weights: list[float] | None = None) -> ModelConfig:
-        """This model for `n_classes` people (validated: a spec's template becomes a buildable model)."""
-        return ModelConfig(**{**self.model_dump(), "n_classes": n_classes, "class_weights": class_weights,
-                              "pretrained": self.pretrained and self.init != "none"})
+        """This model for `n_classes` people (a spec's template becomes a buildable model)."""
+        return replace(self, n_classes=n_classes, class_weights=class_weights,
+                       pretrained=self.pretrained and self.init != "none")
 
 
 def _initial_backbone(config: ModelConfig) -> FaceEmbedder:

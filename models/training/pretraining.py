@@ -111,7 +111,7 @@ class PretrainConfig:
     def to_dict(self) -> dict:
         """The saved form (progress, metrics, checkpoints); `protocol.training_parts.flatten` reads it and the flat
         form saved before the parts alike."""
-        return {**asdict(self), "optimisation": self.optimisation.model_dump()}
+        return asdict(self)
 
 
 def teacher_spec(fields: dict):

@@ -69,14 +69,14 @@ class TrainConfig:
             raise ValueError(f"anchor_weight must be >= 0, not {self.anchor_weight}")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "optimisation": self.optimisation.model_dump(), "model": self.model.model_dump()}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, raw: dict) -> TrainConfig:
         """From `to_dict`'s form, or the flat one a run or checkpoint saved before the parts."""
         raw = nest(raw, {"optimisation": (TrainerSettings, TRAINER_DEFAULTS), "model": (ModelConfig, {})})
         return cls(**{**raw, "optimisation": TrainerSettings(**raw.get("optimisation", TRAINER_DEFAULTS)),
-                      "model": ModelConfig(**raw.get("model", {}))})
+                      "model": ModelConfig.from_dict(raw.get("model", {}))})
 
 
 # chosen by a sweep of `bench.verify_quality --anchor-weight C`: the figures are in the README
