@@ -13,9 +13,10 @@ training clients (fixed by the seed) send, instead of their honest backbone delt
   edge_client.adoption).
 - `drift`: the collapse's direction, scaled down until the attacker's own estimate of the gate passes it: it knows
   the gate's settings and judges the round's model (its delta diluted by the fleet's size) on the faces it can see
-  (its people and the public set), with a safety margin. Each round stays under a bar that compares with the
-  previous model; the run as a whole drifts (issue 48's slow drift; `coordinator.quality_gate`'s anchor is the
-  defence).
+  (its people and the public set) as the gate judges, face pairs and faces against its people's templates
+  (`separation.door_verdict`), inside a safety margin of every part of the bar. Each round stays under a bar that
+  compares with the previous model; the run as a whole drifts (issue 48's slow drift; `coordinator.quality_gate`'s
+  anchor is the defence).
 - `impersonate`: targeted. The attacker pulls its own person's face onto a victim's (a person on another device,
   four of whose photos it holds, as from social media) while keeping every other face it holds, and the victim's
   photos, where the current model puts them (so averages barely move); the model it aims at is the current one
@@ -117,23 +118,34 @@ def collapse_delta(global_state: dict[str, np.ndarray], images: np.ndarray, boun
     return {k: moved[k] if k in moved else np.zeros_like(np.asarray(v)) for k, v in global_state.items()}
 
 
+def aimed_bar(margin: float = DRIFT_MARGIN):
+    """The gate's default bar with `margin` of its slack: the FAR ratio's excess over 1, the AUC margin and the
+    largest rise of one impostor pair each scaled by it (what an insider who knows the gate aims inside)."""
+    from dataclasses import replace
+
+    from coordinator.quality_gate import GateSettings
+
+    bar = GateSettings()
+    return replace(bar, far_ratio=1 + margin * (bar.far_ratio - 1), auc_margin=margin * bar.auc_margin,
+                   pair_jump=margin * bar.pair_jump)
+
+
 def drift_delta(global_state: dict[str, np.ndarray], images: np.ndarray, bound: float, faces, share: float,
                 halvings: int = DRIFT_HALVINGS) -> dict[str, np.ndarray]:
     """The collapse's delta at the largest scale in [0, 1] (bisection, `halvings` steps) whose round model (the
     current one plus `share` x the delta, as the coordinator's mean would make it if the honest updates cancelled
-    out) passes DRIFT_MARGIN x the gate's default bar against the current model on `faces`."""
-    from coordinator.quality_gate import GateSettings
-    from models.evaluation.separation import compare, score
+    out) passes the gate's check against the current model on `faces` (face pairs, then faces against the
+    templates of `faces`' people: `separation.door_verdict`) at `aimed_bar`."""
+    from models.evaluation.separation import door_scores, door_verdict
 
-    bar = GateSettings()
+    bar = aimed_bar()
     direction = collapse_delta(global_state, images, bound)
-    now = score(global_state, faces)
+    now = door_scores(global_state, faces)
 
     def passes(scale: float) -> bool:
         step = {k: v + share * scale * direction[k] if np.asarray(v).dtype.kind == "f" else v
                 for k, v in global_state.items()}
-        return compare(now, score(step, faces), bar.far, 1 + DRIFT_MARGIN * (bar.far_ratio - 1),
-                       DRIFT_MARGIN * bar.auc_margin).ok
+        return door_verdict(now, door_scores(step, faces), bar).ok
 
     low, high = 0.0, 1.0
     if passes(high):
