@@ -79,13 +79,15 @@ def _config_classes(tree: dict[str, ast.Module]) -> dict[str, ast.ClassDef]:
             for cls in ast.walk(node) if isinstance(cls, ast.ClassDef) and _is_config(cls)}
 
 
-def configs(tree: dict[str, ast.Module]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+def configs(tree: dict[str, ast.Module], count_parts: bool = False
+            ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """({config class: its field names}, {field name declared in 2+ config classes: those classes}); fields whose
-    type is a configuration class (embedded parts, `parts`) are listed but not counted as copies."""
+    type is a configuration class (embedded parts, `parts`) are listed but not counted as copies unless
+    `count_parts` (the rule before the parts, for comparison)."""
     classes = _config_classes(tree)
     fields = {name: [s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
               for name, cls in classes.items()}
-    embedded = parts(tree)
+    embedded = {} if count_parts else parts(tree)
     owners = defaultdict(list)
     for cls, names in fields.items():
         for name in names:
@@ -214,6 +216,7 @@ def measure(root: Path = ROOT) -> dict:
     graph = imports(tree)
     return {"classes_over_300": big_classes, "functions_over_60": long_functions, "config_classes": fields,
             "duplicated_config_fields": shared, "embedded_config_parts": parts(tree),
+            "duplicated_config_fields_counting_parts": configs(tree, count_parts=True)[1],
             "optimiser_loops": optimiser_loops(tree),
             "wrong_way_imports": wrong_way(graph), "import_cycles": cycles(graph),
             "engine_reads_from_readers": engine_reads(tree), "train_round_parameters": parameters(tree)}
@@ -232,6 +235,8 @@ def main() -> None:
              {"figure": "configuration classes", "count": len(figures["config_classes"]), "target": "halved"},
              {"figure": "field names declared in 2+ configuration classes",
               "count": len(figures["duplicated_config_fields"]), "target": "at most 10"},
+             {"figure": "... counting an embedded part's name (`optimisation`, `model`, `gate`) as a copy",
+              "count": len(figures["duplicated_config_fields_counting_parts"]), "target": "-"},
              {"figure": "configuration classes embedding a part instead of copying its fields",
               "count": len(figures["embedded_config_parts"]), "target": "-"},
              {"figure": "optimiser loops", "count": len(figures["optimiser_loops"]), "target": 1},
