@@ -50,6 +50,7 @@ from protocol.messages import (
     ModelRelease,
     Registered,
     RoundAnnouncement,
+    TrainingConfig,
     UpdateHeader,
     ValidationScore,
     seal,
@@ -170,16 +171,11 @@ class Engine:
         self._send(topics.round_announcements(), body, retain=True)
 
     def _announcement(self, current: OpenRound) -> RoundAnnouncement:
-        config = self.settings.training.model_copy(update=self.strategy.client_config())
-        return RoundAnnouncement(
-            round_id=current.round_id,
-            model_version=self.version,
-            total_rounds=self.settings.rounds,
-            deadline_unix=current.deadline,
-            config=config,
-            participants=current.participants,
-            **self.broadcast.announcement_fields(),
-        )
+        told = self.strategy.client_config()  # validated: a name the configuration lacks is refused, not dropped
+        config = TrainingConfig.model_validate({**self.settings.training.model_dump(), **told})
+        return RoundAnnouncement(round_id=current.round_id, model_version=self.version, config=config,
+                                 total_rounds=self.settings.rounds, deadline_unix=current.deadline,
+                                 participants=current.participants, **self.broadcast.announcement_fields())
 
     def _release(self) -> ModelRelease:
         model = self.broadcast.model

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.aggregation import FedAvg, FedAvgM, FedProx, RunningMean, apply_delta, make_strategy
+from coordinator.aggregation import STRATEGIES, FedAvg, FedAvgM, FedProx, RunningMean, apply_delta, make_strategy
 
 
 def _deltas():
@@ -55,6 +55,19 @@ def test_fedavgm_accumulates_server_momentum():
     # pure: the same call again gives the same step (the strategy kept nothing between the calls)
     again, _ = strategy.aggregate({"w": np.zeros(2, np.float32)}, {"w": np.array([1.0, 0.0])}, {"w": np.ones(2)})
     assert np.allclose(again["w"], [1.5, 0.5]) and strategy.broadcast_state(velocity) is None
+
+
+def test_what_each_strategy_tells_devices_is_a_round_configuration_they_read():
+    """client_config's names are the round configuration's own: the engine validates the announced configuration,
+    so a name that moved into a part (or never existed) is refused instead of silently dropped."""
+    from protocol.messages import TrainingConfig
+
+    for name, kind in STRATEGIES.items():
+        told = kind().client_config()
+        config = TrainingConfig.model_validate({**TrainingConfig().model_dump(), **told})
+        assert config.algorithm == name and all(getattr(config, k) == v for k, v in told.items())
+    with pytest.raises(ValueError):
+        TrainingConfig.model_validate({**TrainingConfig().model_dump(), "lr": 0.1})  # lr lives in `optimisation`
 
 
 def test_strategies_by_name():
