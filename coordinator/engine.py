@@ -50,7 +50,6 @@ from protocol.messages import (
     ModelRelease,
     Registered,
     RoundAnnouncement,
-    TrainingConfig,
     UpdateHeader,
     ValidationScore,
     seal,
@@ -171,8 +170,7 @@ class Engine:
         self._send(topics.round_announcements(), body, retain=True)
 
     def _announcement(self, current: OpenRound) -> RoundAnnouncement:
-        told = self.strategy.client_config()  # validated: a name the configuration lacks is refused, not dropped
-        config = TrainingConfig.model_validate({**self.settings.training.model_dump(), **told})
+        config = self.settings.training.model_copy(update=self.strategy.client_config())  # validated (_Body)
         return RoundAnnouncement(round_id=current.round_id, model_version=self.version, config=config,
                                  total_rounds=self.settings.rounds, deadline_unix=current.deadline,
                                  participants=current.participants, **self.broadcast.announcement_fields())

@@ -56,6 +56,13 @@ def _together(body, *names: str):
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    def model_copy(self, *, update: dict | None = None, deep: bool = False):
+        """A copy with `update` validated like any message: pydantic's own copy takes any name without a word, so
+        a setting that moved into a part (`lr` into `optimisation`) would be dropped, and a bound would not hold."""
+        if not update:
+            return super().model_copy(deep=deep)
+        return type(self).model_validate({**self.model_dump(), **update})
+
 
 class Hello(_Body):
     """A device introduces itself: its public key, and (until admitted) proof of its admission token."""

@@ -70,6 +70,18 @@ def test_what_each_strategy_tells_devices_is_a_round_configuration_they_read():
         TrainingConfig.model_validate({**TrainingConfig().model_dump(), "lr": 0.1})  # lr lives in `optimisation`
 
 
+@pytest.mark.parametrize("update", [{"lr": 0.1}, {"prox_mu": -1.0}, {"optimisation": {"epochs": 10 ** 6}},
+                                    {"algorithm": "fedsgd"}])
+def test_a_copied_round_configuration_is_validated_like_a_received_one(update):
+    """How the engine announces a round (`model_copy(update=)`): pydantic's own copy would take a moved name, an
+    out-of-bound value or an unknown method without a word; a message's copy refuses them."""
+    from protocol.messages import TrainingConfig
+
+    with pytest.raises(ValueError):
+        TrainingConfig().model_copy(update=update)
+    assert TrainingConfig().model_copy(update={"prox_mu": 0.5}).prox_mu == 0.5
+
+
 def test_strategies_by_name():
     assert isinstance(make_strategy("fedprox", mu=0.2), FedProx)
     with pytest.raises(ValueError, match="unknown strategy"):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from pydantic import BaseModel
 
 from edge_client.local_training import train_round
 from models.faces.crops import CropConfig, crop_index
@@ -19,8 +20,9 @@ def _round(synthetic_dir, prox_mu: float):
     head_before = model.head.weight.detach().clone()
     dfc_before = model.dfc.transform.weight.detach().clone()
     settings = TrainingConfig(algorithm="fedprox", epochs=1, batch_size=16, lr=1e-2)
-    # mu = 50 is beyond what a round announcement may carry (10): set here past that check, as a strong pull
-    result = train_round(model, crops, global_state, settings.model_copy(update={"prox_mu": prox_mu}))
+    # mu = 50 is beyond what a round announcement may carry (10): set here past that check (pydantic's own, unvalidated
+    # copy; a message's model_copy validates), as a strong pull
+    result = train_round(model, crops, global_state, BaseModel.model_copy(settings, update={"prox_mu": prox_mu}))
     return model, global_state, result, head_before, dfc_before
 
 
