@@ -10,22 +10,27 @@ and the mean delta into the next global model.
 - PFM (FedFace, Liu et al.; `models.maths.pfm`): FedAvg, and the global momentum M = (w_old - w_new) / eta
   that devices apply at every local step of the next round (the server never applies it).
 
-A strategy is a small class of settings with the hooks the engine calls: `client_config` (what devices are
-told), `aggregate`, `step_scale` (how far one round may move the model, per unit of update norm) and
-`broadcast_state`. It holds no state: `aggregate(global, mean, state) -> (model, state)` is a pure function of its
-arguments, and a strategy that keeps server state between rounds (`stateful`: FedAvgM's velocity, PFM's momentum)
-hands it back for the engine to store, persist and, where devices need it (`broadcast_state`), publish beside the
-model. Trial aggregations (the gate's leave-out) are then just calls: nothing to save and restore around them.
+A strategy is a small class of settings, built from a run's settings by its own `from_settings` (what it
+reads is its own business: `strategy_for` looks the class up by the round configuration's `algorithm`), with the
+hooks the engine calls: `client_config` (what devices are told), `aggregate`, `step_scale` (how far one round
+may move the model, per unit of update norm) and `broadcast_state`. It holds no state: `aggregate(global, mean,
+state) -> (model, state)` is a pure function of its arguments, and a strategy that keeps server state between
+rounds (`stateful`: FedAvgM's velocity, PFM's momentum) hands it back for the engine to store, persist and, where
+devices need it (`broadcast_state`), publish beside the model. Trial aggregations (the gate's leave-out) are then
+just calls: nothing to save and restore around them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 
 from models.maths.pfm import global_momentum
 from protocol.codecs import Decoded
+
+if TYPE_CHECKING:
+    from coordinator.settings import RoundSettings
 
 State = dict[str, np.ndarray]
 
@@ -119,6 +124,8 @@ class Strategy(Protocol):
     server_lr: float
     stateful: ClassVar[bool]
 
+    @classmethod
+    def from_settings(cls, settings: RoundSettings) -> Strategy: ...
     def client_config(self) -> dict: ...
     def aggregate(self, global_state: State, mean_delta: State, state: State | None = None
                   ) -> tuple[State, State | None]: ...
@@ -138,6 +145,11 @@ class FedAvg:
     server_lr: float = 1.0
     name: str = "fedavg"
     stateful: ClassVar[bool] = False  # no server state between rounds
+
+    @classmethod
+    def from_settings(cls, settings: RoundSettings) -> FedAvg:
+        """The strategy a run's settings ask for, with the parameters that are its own."""
+        return cls()
 
     def client_config(self) -> dict:
         return {"algorithm": self.name}
@@ -161,6 +173,10 @@ class FedProx(FedAvg):
     mu: float = 0.01
     name: str = "fedprox"
 
+    @classmethod
+    def from_settings(cls, settings: RoundSettings) -> FedProx:
+        return cls(mu=settings.training.prox_mu)
+
     def client_config(self) -> dict:
         return {"algorithm": self.name, "prox_mu": self.mu}
 
@@ -170,6 +186,10 @@ class FedAvgM(FedAvg):
     momentum: float = 0.9
     name: str = "fedavgm"
     stateful: ClassVar[bool] = True  # the server velocity v
+
+    @classmethod
+    def from_settings(cls, settings: RoundSettings) -> FedAvgM:
+        return cls(momentum=settings.server_momentum)
 
     def step_scale(self) -> float:
         """Server momentum sums up to 1 / (1 - beta) rounds' steps."""
@@ -192,6 +212,10 @@ class PFM(FedAvg):
     name: str = "pfm"
     stateful: ClassVar[bool] = True  # the global momentum M, sent to devices with the model
 
+    @classmethod
+    def from_settings(cls, settings: RoundSettings) -> PFM:
+        return cls(lr=settings.training.optimisation.lr, beta=settings.training.pfm_beta)
+
     def broadcast_state(self, state: State | None) -> State | None:
         return state
 
@@ -209,6 +233,15 @@ STRATEGIES = {"fedavg": FedAvg, "fedprox": FedProx, "fedavgm": FedAvgM, "pfm": P
 
 
 def make_strategy(name: str, **options) -> Strategy:
+    return _strategy_class(name)(**options)
+
+
+def strategy_for(settings: RoundSettings) -> Strategy:
+    """The aggregation a run's round configuration names (`training.algorithm`), with its own parameters."""
+    return _strategy_class(settings.training.algorithm).from_settings(settings)
+
+
+def _strategy_class(name: str) -> type[FedAvg]:
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
-    return STRATEGIES[name](**options)
+    return STRATEGIES[name]

@@ -23,7 +23,7 @@ import paho.mqtt.client as mqtt
 import uvicorn
 
 from coordinator.admission import Credential, admit, coordinator_signer
-from coordinator.aggregation import make_strategy
+from coordinator.aggregation import strategy_for
 from coordinator.broker import EmbeddedBroker, broker_file
 from coordinator.broker_acl import BrokerUsers
 from coordinator.engine import Engine, RoundSettings
@@ -59,14 +59,6 @@ class ServiceConfig:
         """What would fail only after the broker started, refused first."""
         if Path(self.state).exists() and not Path(self.state).is_dir():
             raise ValueError(f"--state {self.state} is a file; give a folder for the coordinator's state")
-
-
-def _strategy(settings: RoundSettings):
-    """The aggregation the round configuration names (`training.algorithm`), with its own parameters."""
-    t = settings.training
-    options = {"fedprox": {"mu": t.prox_mu}, "fedavgm": {"momentum": settings.server_momentum},
-               "pfm": {"lr": t.optimisation.lr, "beta": t.pfm_beta}}.get(t.algorithm, {})
-    return make_strategy(t.algorithm, **options)
 
 
 def api_token(state: Path) -> tuple[str, bool]:
@@ -131,7 +123,7 @@ class Service:
         except OSError as exc:  # refused, unknown host, unreachable: said in one line, not as a traceback
             raise ValueError(f"cannot reach the broker {self.broker_url} ({exc.strerror or exc}); start it first, "
                              "or leave out --broker to run the embedded one") from None
-        strategy, store = _strategy(settings), Store(config.state)  # a damaged store: refused before the gate's say
+        strategy, store = strategy_for(settings), Store(config.state)  # a damaged store: refused before the gate's say
         self.gate = self._gate(settings.server_step)
         self.engine = Engine(store, strategy, settings, self._publish, self._initial_model, self.signer, gate=self.gate)
         if config.start_paused:
