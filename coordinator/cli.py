@@ -45,7 +45,7 @@ def cmd_coordinator_serve(args) -> int:
 
 def serve_spec(args, public: dict | None = None):
     """(`ServiceConfig`, `RoundSettings`) from `ffr coordinator serve`'s options; `public`: the announced public
-    set's fields of `TrainingConfig` (public_set_url, _sha256, _bytes), when it serves one."""
+    set's part of `TrainingConfig` (`public_set`: its URL, hash and size), when it serves one."""
     from coordinator.service import ServiceConfig
     from models.cli.objective import training_config
 

@@ -27,10 +27,10 @@ def public_set_url(http_host: str, http_port: int, public_url: str | None) -> st
 
 
 def announce_public_set(path: Path, url: str) -> dict:
-    """The TrainingConfig fields that announce the file at `path` (read once here, so a bad file stops the
-    coordinator at start rather than every device at every round)."""
+    """The round configuration's `public_set` part that announces the file at `path` (read once here, so a bad file
+    stops the coordinator at start rather than every device at every round)."""
     public = load_public_set(path)
     size = Path(path).stat().st_size
     labelled = "labelled" if public.labels is not None else "unlabelled"
     print(f"public set {path}: {len(public)} faces ({labelled}), served at {url}", flush=True)
-    return {"public_set_url": url, "public_set_sha256": sha256_of(Path(path)), "public_set_bytes": size}
+    return {"public_set": {"url": url, "sha256": sha256_of(Path(path)), "size_bytes": size}}

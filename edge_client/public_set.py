@@ -76,10 +76,11 @@ class DevicePublicSet:
     def fetch(self, cfg) -> bool:
         """Download the set the round's (signed) configuration announces, if this device does not hold it yet (the
         daemon does this; its round's work reads it, `follow`). A failure is said, and False returned."""
-        if self.path is not None or cfg.public_set_sha256 is None:
+        announced = cfg.public_set
+        if self.path is not None or announced is None:
             return False
         try:
-            fetch_public_set(cfg.public_set_url, cfg.public_set_sha256, cfg.public_set_bytes, self.folder)
+            fetch_public_set(announced.url, announced.sha256, announced.size_bytes, self.folder)
             return True
         except PublicSetError as exc:
             log.warning("%s: no public set this round: %s", self.device_id, exc)
@@ -92,13 +93,14 @@ class DevicePublicSet:
         goes on with what it held."""
         from models.public_set import load_public_set
 
-        if self.path is not None or cfg.public_set_sha256 is None or self._sha == cfg.public_set_sha256:
+        sha = None if cfg.public_set is None else cfg.public_set.sha256
+        if self.path is not None or sha is None or self._sha == sha:
             return
         if not self.fetch(cfg):
             return
         try:
-            self._set = load_public_set(cached_path(self.folder, cfg.public_set_sha256), cfg.public_set_sha256)
-            self._sha = cfg.public_set_sha256
+            self._set = load_public_set(cached_path(self.folder, sha), sha)
+            self._sha = sha
         except PublicSetError as exc:
             log.warning("%s: no public set this round: %s", self.device_id, exc)
 
@@ -120,12 +122,12 @@ class DevicePublicSet:
             except PublicSetError as exc:
                 log.warning("%s: training without hard negatives this round: %s", self.device_id, exc)
                 return None
-        if cfg.public_set_sha256 is None:
+        if cfg.public_set is None:
             log.warning("%s: the round asks for hard negatives but neither the coordinator nor --public-set "
                         "gives this device a public set", self.device_id)
             return None
         self.follow(cfg)
-        if self._sha != cfg.public_set_sha256:
+        if self._sha != cfg.public_set.sha256:
             log.warning("%s: training without hard negatives this round: the announced public set is not held",
                         self.device_id)
             return None

@@ -97,6 +97,18 @@ class TransportSettings(_Body):
     chunk_bytes: int = Field(256 * 1024, ge=1024, le=MAX_CHUNK_BYTES)
 
 
+class PublicSetRef(_Body):
+    """The public set the coordinator serves (`coordinator.public_set`: FedFR's D_g, and the strangers every device
+    calibrates on): where a device fetches it over HTTP, its hash and its size. Fetched once and kept by its hash
+    (`edge_client.public_set`); one part, so the three come together by construction."""
+
+    url: str = Field(max_length=512, pattern=r"^https?://[!-~]+$")
+    sha256: Hex64
+    size_bytes: int = Field(ge=1, le=MAX_PUBLIC_SET_BYTES)
+
+
+# format 1's flat names of the public set's fields (`TrainingConfig._format_1`)
+PUBLIC_SET_FLAT = {"public_set_url": "url", "public_set_sha256": "sha256", "public_set_bytes": "size_bytes"}
 # a round's bounds on its optimiser, each with the option that sets it: no announcement can make a device train
 # forever or diverge by design
 ROUND_LIMITS = {"epochs": ("--local-epochs", 20), "batch_size": ("--batch-size", 512), "lr": ("--lr", 1.0)}
@@ -108,8 +120,8 @@ class TrainingConfig(_Body):
     """Local training settings, bounded so that no announcement can make a device train forever.
 
     Format 2 nests the optimiser (`optimisation`) and the model (`model`) parts that centralised training embeds
-    too (`protocol.training_parts`), and how updates travel (`transport`); format 1, every field at the top, is still
-    read (`_format_1`)."""
+    too (`protocol.training_parts`), how updates travel (`transport`) and where the public set is (`public_set`);
+    format 1, every field at the top, is still read (`_format_1`)."""
 
     type: Literal["training_config"] = "training_config"
     version: Literal[2] = 2
@@ -142,10 +154,7 @@ class TrainingConfig(_Body):
     maml_beta: float = Field(0.01, gt=0, le=1.0)
     maml_delta: float = Field(1e-3, gt=0, le=1.0)
     embedding_reg: float = Field(0.0, ge=0, le=100.0)
-    # FedFR's D_g as the coordinator serves it (all three or none): fetched once over HTTP, kept by its hash
-    public_set_url: str | None = Field(None, max_length=512, pattern=r"^https?://[!-~]+$")
-    public_set_sha256: Hex64 | None = None
-    public_set_bytes: int | None = Field(None, ge=1, le=MAX_PUBLIC_SET_BYTES)
+    public_set: PublicSetRef | None = None  # where the served public set is, when the coordinator serves one
 
     @model_validator(mode="before")
     @classmethod
@@ -153,8 +162,13 @@ class TrainingConfig(_Body):
         """A configuration without `version` (an older coordinator's, or settings written before the parts) has
         its parts' fields at the top: read into the parts, with a round's own defaults for them."""
         if isinstance(data, dict) and "version" not in data:
-            return nest(data, {"optimisation": (OptimiserSettings, {}), "model": (ModelSpec, ROUND_MODEL),
+            data = nest(data, {"optimisation": (OptimiserSettings, {}), "model": (ModelSpec, ROUND_MODEL),
                                "transport": (TransportSettings, {})})
+            public = {PUBLIC_SET_FLAT[k]: data.pop(k) for k in PUBLIC_SET_FLAT if k in data}
+            if any(v is not None for v in public.values()):  # all three or none: the part refuses one missing
+                if "public_set" in data:
+                    raise ValueError("public_set given both ways: a configuration names its public set one way")
+                data["public_set"] = public
         return data
 
     @field_validator("optimisation")
@@ -164,10 +178,6 @@ class TrainingConfig(_Body):
             if getattr(part, name) > most:
                 raise ValueError(f"{flag} must be at most {most:g} in a round (got {getattr(part, name):g})")
         return part
-
-    @model_validator(mode="after")
-    def _public_set_complete(self) -> TrainingConfig:
-        return _together(self, "public_set_url", "public_set_sha256", "public_set_bytes")
 
 
 class RoundAnnouncement(_Body):

@@ -27,6 +27,32 @@ def test_a_round_configuration_from_an_older_coordinator_is_read_into_the_parts_
     assert again == config and json.loads(config.model_dump_json())["optimisation"]["lr"] == 0.001
 
 
+def test_an_older_coordinators_public_set_fields_are_read_into_their_part():
+    """Format 1 named the served public set in three fields at the top; today they are one part (`public_set`)."""
+    served = {"public_set_url": "http://10.0.0.1:8080/public-set", "public_set_sha256": "ab" * 32,
+              "public_set_bytes": 4096}
+    config = TrainingConfig.model_validate_json(json.dumps({**FORMAT_1, **served}))
+    assert (config.public_set.url, config.public_set.sha256, config.public_set.size_bytes) == (
+        "http://10.0.0.1:8080/public-set", "ab" * 32, 4096)
+    none = {k: None for k in served}  # a coordinator that served none sent three nulls
+    assert TrainingConfig.model_validate_json(json.dumps({**FORMAT_1, **none})).public_set is None
+    assert TrainingConfig.model_validate_json(json.dumps(FORMAT_1)).public_set is None
+
+
+@pytest.mark.parametrize("hostile", [
+    {"public_set_url": "http://h/p", "public_set_sha256": "ab" * 32},   # format 1: the three come together
+    {"public_set_sha256": "ab" * 32, "public_set_bytes": 10, "public_set_url": None},
+    {"public_set_url": "http://h/p", "public_set_sha256": "ab" * 32, "public_set_bytes": 10,  # both ways
+     "public_set": {"url": "http://h/q", "sha256": "cd" * 32, "size_bytes": 10}},
+    {"version": 2, "public_set": {"url": "http://h/p", "sha256": "ab" * 32}},
+    {"version": 2, "public_set": {"url": "http://h/p", "sha256": "ab" * 32, "size_bytes": 10, "path": "/etc"}},
+])
+def test_a_public_set_named_in_part_is_refused(hostile):
+    with pytest.raises(ValidationError):
+        TrainingConfig.model_validate_json(json.dumps({**FORMAT_1, **hostile} if "version" not in hostile
+                                                      else hostile))
+
+
 @pytest.mark.parametrize("hostile", [
     {"version": 2, "lr": 0.5},                               # today's format with a field at the top
     {"lr": 0.5, "optimisation": {"lr": 0.1}},                # a part given both ways: which one meant it?

@@ -209,36 +209,47 @@ def test_a_receiver_with_a_newer_schema_still_verifies_an_older_sender():
 
 def _place(config: dict, fields: dict) -> None:
     """Each field where today's round configuration keeps it: at the top, or in its part (`optimisation`, `model`,
-    `transport`), so a hostile value meets that field's own bound rather than the refusal of an unknown field."""
+    `transport`, `public_set`), so a hostile value meets that field's own bound rather than the refusal of an
+    unknown field; a value of `_GONE` takes the field out."""
     for key, value in fields.items():
-        part = next((p for p in PART_NAMES if isinstance(config.get(p), dict) and key in config[p]), None)
-        (config[part] if part else config)[key] = value
+        parts = (*PART_NAMES, "public_set")
+        part = next((p for p in parts if isinstance(config.get(p), dict) and key in config[p]), None)
+        holder = config[part] if part else config
+        if value is _GONE:
+            del holder[key]
+        else:
+            holder[key] = value
+
+
+_GONE = object()
 
 
 @pytest.mark.parametrize("fields", [
-    {"public_set_url": "file:///etc/passwd"},
-    {"public_set_url": "ftp://host/public-set"},
-    {"public_set_url": "http://host/public set"},
-    {"public_set_url": "http://host/\npublic-set"},
-    {"public_set_url": "http://" + "a" * 600},
-    {"public_set_sha256": "A" * 64},
-    {"public_set_sha256": "0" * 63},
-    {"public_set_bytes": 0},
-    {"public_set_bytes": 1 << 40},
-    {"public_set_bytes": 1.5},
-    {"public_set_url": None},      # the three come together
-    {"public_set_sha256": None},
+    {"url": "file:///etc/passwd"},
+    {"url": "ftp://host/public-set"},
+    {"url": "http://host/public set"},
+    {"url": "http://host/\npublic-set"},
+    {"url": "http://" + "a" * 600},
+    {"sha256": "A" * 64},
+    {"sha256": "0" * 63},
+    {"size_bytes": 0},
+    {"size_bytes": 1 << 40},
+    {"size_bytes": 1.5},
+    {"url": None},      # the three come together
+    {"sha256": _GONE},
+    {"size_bytes": _GONE},
+    {"public_set_url": "http://10.0.0.1:8080/public-set"},  # format 1's name, unknown in format 2
     {"imprint_head": "yes please"},
 ])
 def test_hostile_public_set_fields_in_a_round_announcement_are_refused(fields):
     from protocol.messages import RoundAnnouncement
 
-    good = {"public_set_url": "http://10.0.0.1:8080/public-set", "public_set_sha256": "ab" * 32,
-            "public_set_bytes": 123456}
+    good = {"url": "http://10.0.0.1:8080/public-set", "sha256": "ab" * 32, "size_bytes": 123456}
     body = RoundAnnouncement(round_id=1, model_version=0, model_sha256="0" * 64, model_bytes=1, model_chunks=1,
-                             total_rounds=1, deadline_unix=1e9, config=TrainingConfig(**good), participants=["a"])
+                             total_rounds=1, deadline_unix=1e9, config=TrainingConfig(public_set=good),
+                             participants=["a"])
     envelope = json.loads(seal("coordinator", 1, body, Signer.generate()))
-    assert parse(json.dumps(envelope).encode()).body.config.public_set_bytes == 123456
+    assert parse(json.dumps(envelope).encode()).body.config.public_set.size_bytes == 123456
     _place(envelope["body"]["config"], fields)
     with pytest.raises(MessageError):
         parse(json.dumps(envelope).encode())

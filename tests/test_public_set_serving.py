@@ -147,8 +147,7 @@ def test_a_device_holds_the_announced_public_set_for_its_checks_even_without_har
 
     body = public_file.read_bytes()
     server = _Files(body)
-    cfg = TrainingConfig(public_set_url=server.url, public_set_sha256=sha256_of(public_file),
-                         public_set_bytes=len(body))
+    cfg = TrainingConfig(public_set={"url": server.url, "sha256": sha256_of(public_file), "size_bytes": len(body)})
     public = DevicePublicSet(None, tmp_path / "public", "dev0")
     assert public.negatives_for_adoption() is None
     public.follow(cfg)

@@ -203,9 +203,7 @@ FIXED = {  # spec fields neither command takes a flag for
 }
 NOT_FLAGS = {  # ... and those `ffr fleet simulate` has none for
     **FIXED,
-    "server.training.public_set_url": "a simulation's devices read the public set from --public-data",
-    "server.training.public_set_sha256": "a simulation's devices read the public set from --public-data",
-    "server.training.public_set_bytes": "a simulation's devices read the public set from --public-data",
+    "server.training.public_set": "a simulation's devices read the public set from --public-data",
     "server.min_clients": "1: a simulated fleet is its own quorum",
     "server.training.chunk_bytes": "serve: --chunk-kib; a simulation keeps the default",
     "split": "train/val/test fractions: fixed",
@@ -215,9 +213,7 @@ NOT_FLAGS = {  # ... and those `ffr fleet simulate` has none for
 }
 SERVE_NOT_FLAGS = {  # ... and those `ffr coordinator serve` has none for
     **FIXED,
-    "server.training.public_set_url": "set from the served public set (--public-set), not typed",
-    "server.training.public_set_sha256": "set from the served public set, not typed",
-    "server.training.public_set_bytes": "set from the served public set, not typed",
+    "server.training.public_set": "set from the served public set (--public-set), not typed",
     "service.tick_seconds": "the service's clock",
     "service.start_paused": "the dashboard's and tests' (POST /api/pause)",
 }
