@@ -166,7 +166,7 @@ def test_each_strategy_is_built_from_the_run_settings_it_owns():
     """`strategy_for` looks the class up by the round configuration's algorithm; each class reads its own settings."""
     from coordinator.aggregation import PFM, strategy_for
     from coordinator.settings import RoundSettings
-    from protocol.messages import TrainingConfig
+    from protocol.messages import ALGORITHMS, TrainingConfig
 
     def built(algorithm: str, momentum: float = 0.9, **training):
         return strategy_for(RoundSettings(training=TrainingConfig(algorithm=algorithm, **training),
@@ -176,5 +176,4 @@ def test_each_strategy_is_built_from_the_run_settings_it_owns():
     assert built("fedprox", prox_mu=0.3) == FedProx(mu=0.3)
     assert built("fedavgm", momentum=0.5) == FedAvgM(momentum=0.5)
     assert built("pfm", lr=0.02, pfm_beta=0.7) == PFM(lr=0.02, beta=0.7)
-    from protocol.messages import ALGORITHMS
     assert [built(name).name for name in ALGORITHMS] == list(ALGORITHMS)  # every name on the wire has its class
