@@ -5,8 +5,9 @@
 Read from the source with `ast`, nothing imported or run:
   - classes over 300 lines, functions over 60 (argparse tables aside: the lines of `add_argument`,
     `add_parser` and `add_argument_group` statements are not counted);
-  - configuration classes (dataclasses and pydantic models named ...Config, ...Settings, ...Spec, ...Objective or
-    ...Setup, and classes of those names derived from one) and the field names declared in two or more of them;
+  - configuration classes (dataclasses and pydantic models named ...Config, ...Settings, ...Spec, ...Objective,
+    ...Setup or ...Ref, and classes of those names derived from one) and the field names declared in two or more
+    of them;
     a field whose type is a configuration class embeds that one home (`protocol.training_parts`: a round's,
     `ffr train`'s and `ffr pretrain`'s `optimisation`) and is listed as a part, not counted as a copy;
   - hand-written optimiser loops in the product's packages: functions that call both `.backward(` and `.step(`
@@ -27,7 +28,7 @@ from bench.common import write_results
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"protocol": 0, "models": 1, "coordinator": 2, "edge_client": 2, "fleet": 3, "ffr": 4, "bench": 5}
 MAX_CLASS, MAX_FUNCTION = 300, 60
-CONFIG_NAME = re.compile(r"(Config|Settings|Spec|Objective|Setup)$")  # GateSetup is one too
+CONFIG_NAME = re.compile(r"(Config|Settings|Spec|Objective|Setup|Ref)$")  # GateSetup and PublicSetRef are too
 ARGPARSE_CALLS = {"add_argument", "add_parser", "add_argument_group", "add_mutually_exclusive_group"}
 
 
