@@ -30,6 +30,7 @@ from fleet.report import mean_std
 from fleet.simulate import simulate
 from protocol.messages import TrainingConfig
 from protocol.methods import METHODS
+from protocol.training_parts import ModelSpec
 
 ABLATION = {  # key: (row, method, hard negatives, contrastive, dfc)
     "fedavg": ("FedAvg", "fedavg", False, False, False),
@@ -48,11 +49,13 @@ def _partition(name: str) -> dict:
 def row_config(args, data: Path, partition: str, row: tuple) -> SimConfig:
     """One ablation row's simulation: the same fleet for every row, none gated, or all on the same faces (--gate)."""
     _, method, hn, con, dfc = row
-    training = TrainingConfig(algorithm="fedavg", hard_negatives=hn, contrastive=con, dfc=dfc,
-                              dfc_weight=METHODS[method].terms.get("dfc_weight", TrainingConfig().model.dfc_weight))
+    kind = METHODS[method]
+    settings = kind(hard_negatives=hn, contrastive=con) if method == "fedfr" else kind()
+    training = TrainingConfig(method=settings, model=ModelSpec(dfc=dfc, dfc_weight=kind.model_defaults.get(
+        "dfc_weight", ModelSpec().dfc_weight)))
     return SimConfig(data=str(data), holdout_identities=0.1, public_identities=0.0, clients=args.clients,
                      server=RoundSettings(rounds=args.rounds, training=training),
-                     **_partition(partition), method=method, patience=0, workers=args.workers,
+                     **_partition(partition), patience=0, workers=args.workers,
                      centralized=args.centralized and method == "fedavg", init="face", mlflow=False,
                      public_data=str(args.public_data) if method == "fedfr" else None,
                      public_limit=args.public_limit,

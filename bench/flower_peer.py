@@ -51,6 +51,7 @@ def _client_app(config, clients: list[int], private_dir: Path):
 
     from edge_client.local_training import train_round
     from models.networks.face_model import FaceModel, ModelConfig, private_state, shareable_state
+    from protocol.methods import FedAvg
 
     local = config.training  # the simulated devices' local round, as the fleet run sent it
     client_app = ClientApp()
@@ -68,7 +69,7 @@ def _client_app(config, clients: list[int], private_dir: Path):
         global_state = msg.content["arrays"].to_torch_state_dict()
         round_no = int(msg.content["config"]["server-round"])
         training = time.perf_counter()
-        result = train_round(model, crops, global_state, local.model_copy(update={"algorithm": "fedavg"}),
+        result = train_round(model, crops, global_state, local.model_copy(update={"method": FedAvg()}),
                              seed=config.seed * 1000 + k + round_no)
         save_file({n: v.contiguous() for n, v in private_state(model).items()}, str(saved))
         content = RecordDict({"arrays": ArrayRecord(shareable_state(model)),

@@ -53,9 +53,9 @@ def part1_rows(args, data: Path) -> list[dict]:
     rows = []
     for partition in args.partitions:
         p_options = PART1_PARTITIONS[partition]
-        for method, (flag, training) in PART1_METHODS.items():
+        for method, (_, training) in PART1_METHODS.items():
             name = f"metafed1-{partition}-{method.lower().replace(' ', '').replace('.', '').replace('+', '-')}"
-            summary = _run(args, data, name, training, method=flag, centralized=False, tune_steps=5, **p_options)
+            summary = _run(args, data, name, training, centralized=False, tune_steps=5, **p_options)
             clients = summary["personalized"]["training_clients"]
             for model in ("global", "tuned"):
                 stats = clients.get(model) or {}

@@ -30,8 +30,9 @@ from fleet.evaluation import embed
 from models.networks.face_model import global_embedder, initial_global_state
 from models.public_set import SIZE
 from models.training.distill_data import list_images, load_crops
-from models.training.fedfr import hard_negatives
+from models.training.fedfr import T_HN, hard_negatives
 from protocol.messages import TrainingConfig
+from protocol.methods import FedFR
 
 FAR = 1e-3  # the false-accept rate a device promises unless its owner calibrated for another
 NEGATIVES = ("none", "all", "hard")  # the arm key `dfc_negatives`: which of the fit share join the DFC fit
@@ -79,7 +80,7 @@ def personal_negatives(model_state: dict, crops, config: TrainingConfig, fit: np
         return fit
     model = global_embedder({k: v.numpy() for k, v in model_state.items()})
     chosen = hard_negatives(torch.from_numpy(embed(model, fit)), torch.from_numpy(embed(model, crops.images)),
-                            config.t_hn)
+                            config.method.t_hn if isinstance(config.method, FedFR) else T_HN)
     return fit[chosen.numpy()]
 
 

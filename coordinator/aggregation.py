@@ -11,12 +11,13 @@ and the mean delta into the next global model.
   that devices apply at every local step of the next round (the server never applies it).
 
 A strategy is a small class of settings, built from a run's settings by its own `from_settings` (what it
-reads is its own business: `strategy_for` looks the class up by the round configuration's `algorithm`), with the
-hooks the engine calls: `client_config` (what devices are told), `aggregate`, `step_scale` (how far one round
-may move the model, per unit of update norm) and `broadcast_state`. It holds no state: `aggregate(global, mean,
-state) -> (model, state)` is a pure function of its arguments, and a strategy that keeps server state between
-rounds (`stateful`: FedAvgM's velocity, PFM's momentum) hands it back for the engine to store, persist and, where
-devices need it (`broadcast_state`), publish beside the model. Trial aggregations (the gate's leave-out) are then
+reads is its own business: `strategy_for` looks the class up by the strategy of the round configuration's method,
+`protocol.methods`, whose settings also tell devices what to do), with the hooks the engine calls: `aggregate`,
+`step_scale` (how far one round may move the model, per unit of update norm) and `broadcast_state`. It holds no
+state: `aggregate(global, mean, state) -> (model, state)` is a pure function of its arguments, and a strategy that
+keeps server state between rounds (`stateful`: FedAvgM's velocity, PFM's momentum) hands it back for the engine to
+store, persist and, where devices need it (`broadcast_state`), publish beside the model. Trial aggregations (the
+gate's leave-out) are then
 just calls: nothing to save and restore around them.
 """
 from __future__ import annotations
@@ -126,7 +127,6 @@ class Strategy(Protocol):
 
     @classmethod
     def from_settings(cls, settings: RoundSettings) -> Strategy: ...
-    def client_config(self) -> dict: ...
     def aggregate(self, global_state: State, mean_delta: State, state: State | None = None
                   ) -> tuple[State, State | None]: ...
     def step_scale(self) -> float: ...
@@ -151,9 +151,6 @@ class FedAvg:
         """The strategy a run's settings ask for, with the parameters that are its own."""
         return cls()
 
-    def client_config(self) -> dict:
-        return {"algorithm": self.name}
-
     def aggregate(self, global_state: State, mean_delta: State, state: State | None = None
                   ) -> tuple[State, State | None]:
         """(the next global model, the server state after this round): here w + eta * mean and no state."""
@@ -175,10 +172,7 @@ class FedProx(FedAvg):
 
     @classmethod
     def from_settings(cls, settings: RoundSettings) -> FedProx:
-        return cls(mu=settings.training.prox_mu)
-
-    def client_config(self) -> dict:
-        return {"algorithm": self.name, "prox_mu": self.mu}
+        return cls(mu=settings.training.method.prox_mu)
 
 
 @dataclass
@@ -214,13 +208,10 @@ class PFM(FedAvg):
 
     @classmethod
     def from_settings(cls, settings: RoundSettings) -> PFM:
-        return cls(lr=settings.training.optimisation.lr, beta=settings.training.pfm_beta)
+        return cls(lr=settings.training.optimisation.lr, beta=settings.training.method.pfm_beta)
 
     def broadcast_state(self, state: State | None) -> State | None:
         return state
-
-    def client_config(self) -> dict:
-        return {"algorithm": self.name, "pfm_beta": self.beta}
 
     def aggregate(self, global_state: State, mean_delta: State, state: State | None = None
                   ) -> tuple[State, State | None]:
@@ -228,7 +219,7 @@ class PFM(FedAvg):
         return new, global_momentum(global_state, new, self.lr)
 
 
-# one class per name of protocol.messages.ALGORITHMS (the one list; a new strategy is named there first)
+# one class per name of protocol.methods.ALGORITHMS (the one list; a new strategy is named there first)
 STRATEGIES = {"fedavg": FedAvg, "fedprox": FedProx, "fedavgm": FedAvgM, "pfm": PFM}
 
 
@@ -237,8 +228,9 @@ def make_strategy(name: str, **options) -> Strategy:
 
 
 def strategy_for(settings: RoundSettings) -> Strategy:
-    """The aggregation a run's round configuration names (`training.algorithm`), with its own parameters."""
-    return _strategy_class(settings.training.algorithm).from_settings(settings)
+    """The aggregation of the method a run's round configuration names (`training.method.strategy`), with its own
+    parameters."""
+    return _strategy_class(settings.training.method.strategy).from_settings(settings)
 
 
 def _strategy_class(name: str) -> type[FedAvg]:

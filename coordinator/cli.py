@@ -12,7 +12,6 @@ from models.cli.objective import (
     add_local_training_options,
     add_method_options,
     add_objective_options,
-    method_owned,
 )
 from protocol.messages import MAX_CHUNK_BYTES
 from protocol.methods import method_named
@@ -34,7 +33,7 @@ def cmd_coordinator_serve(args) -> int:
 
         public = announce_public_set(args.public_set, public_set_url(args.http_host, args.http_port, args.public_url))
     config, settings = serve_spec(args, public)
-    if settings.training.hard_negatives and not public:
+    if settings.training.method.uses_public_set() and not public:
         print("hard negatives are on but this coordinator serves no public set (--public-set): each device needs "
               "its own (`ffr edge run --public-set FILE`)", flush=True)
     if args.exit_grace is not None and not (args.exit_when_done and args.exit_grace >= 0):
@@ -98,7 +97,7 @@ def round_settings(args, training, **fixed):
 
 # Each rule's own settings (models.cli.common.Owned): given while the rule is off, refused
 ROUND_OWNED: dict[str, Owned] = {
-    "--server-momentum": method_owned("--server-momentum", of=lambda s: s.training),
+    "--server-momentum": Owned("--method fedavgm", lambda s: s.training.method.strategy == "fedavgm"),
     "--trim": Owned("--combine trimmed-mean", lambda s: s.combine == "trimmed-mean"),
     "--byzantine": Owned("--combine krum", lambda s: s.combine == "krum"),
     "--dp-delta": Owned("--dp-noise", lambda s: s.dp_noise > 0, argv=("--dp-clip", "1", "--dp-noise", "1")),

@@ -170,8 +170,7 @@ class Engine:
         self._send(topics.round_announcements(), body, retain=True)
 
     def _announcement(self, current: OpenRound) -> RoundAnnouncement:
-        config = self.settings.training.model_copy(update=self.strategy.client_config())  # validated (_Body)
-        return RoundAnnouncement(round_id=current.round_id, model_version=self.version, config=config,
+        return RoundAnnouncement(round_id=current.round_id, model_version=self.version, config=self.settings.training,
                                  total_rounds=self.settings.rounds, deadline_unix=current.deadline,
                                  participants=current.participants, **self.broadcast.announcement_fields())
 

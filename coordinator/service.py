@@ -131,8 +131,8 @@ class Service:
         self.client.loop_start()
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-clock", daemon=True)
         self._ticker.start()
-        log.info("coordinator: broker %s, state %s, strategy %s", self.broker_url, config.state,
-                 settings.training.algorithm)
+        log.info("coordinator: broker %s, state %s, method %s", self.broker_url, config.state,
+                 settings.training.method.name)
 
     def _gate(self, server_step: float) -> QualityGate | None:
         """The quality gate on --gate-data, else on the public set, else on stand-in faces judging `server_step`

@@ -23,7 +23,7 @@ class RoundSettings:
     fraction: float = 1.0
     round_timeout_s: float = ROUND_TIMEOUT_S
     training: TrainingConfig = field(default_factory=TrainingConfig)  # the local round every device is sent;
-                                   # its `algorithm` is also how the coordinator aggregates (coordinator.aggregation)
+                                   # its method's strategy is how the coordinator aggregates (coordinator.aggregation)
     server_momentum: float = 0.9   # FedAvgM's server momentum
     server_step: float = FIXED_STEP  # how far towards the round's aggregate without real faces to choose on
     max_update_bytes: int = 64 * 1024 * 1024

@@ -68,7 +68,7 @@ def margin(r: LocalRound, b: JoinedBatch) -> Part:
         local_cos = per_row[:len(y)].sum() / weight[:len(y)].sum()  # the figure that may be sent
     else:
         cos_loss = local_cos = F.cross_entropy(model.head(b.local, y), y, weight=model.class_weights)
-    alpha = r.objective.alpha_cos
+    alpha = r.objective.method.alpha_cos
     return Part(alpha * cos_loss, alpha * local_cos.detach(), {"cos_loss": float(local_cos.detach())})
 
 
@@ -76,8 +76,8 @@ def negative_margin(r: LocalRound, b: JoinedBatch) -> Part | None:
     """An unlabelled D_g's hard negatives kept under t_HN from every local class centre (weighted as L_cos)."""
     if not b.n_pub or r.model.head.centres is None:
         return None
-    neg_loss = negative_margin_loss(b.public, r.model.head.centres, r.objective.t_hn)
-    return Part(r.objective.alpha_cos * neg_loss, metrics={"neg_loss": float(neg_loss.detach())})
+    neg_loss = negative_margin_loss(b.public, r.model.head.centres, r.objective.method.t_hn)
+    return Part(r.objective.method.alpha_cos * neg_loss, metrics={"neg_loss": float(neg_loss.detach())})
 
 
 def contrastive(r: LocalRound, b: JoinedBatch) -> Part:
@@ -86,8 +86,8 @@ def contrastive(r: LocalRound, b: JoinedBatch) -> Part:
     with torch.no_grad():
         local_images = b.x[:len(b.y)]
         f_global, f_previous = r.global_net(local_images), r.previous_net(local_images)
-    con_loss = contrastive_loss(b.local, f_global, f_previous, r.objective.tau)
-    alpha = r.objective.alpha_con
+    con_loss = contrastive_loss(b.local, f_global, f_previous, r.objective.method.tau)
+    alpha = r.objective.method.alpha_con
     return Part(alpha * con_loss, alpha * con_loss.detach(), {"con_loss": float(con_loss.detach())})
 
 
@@ -107,7 +107,7 @@ def terms_for(r: LocalRound) -> list[Term]:
     terms: list[Term] = [margin]
     if r.negatives is not None and r.negatives.centres is None:
         terms.append(negative_margin)
-    if r.objective.contrastive:
+    if r.objective.method.uses_previous_local():
         terms.append(contrastive)
     if r.model.dfc is not None:
         terms.append(dfc)

@@ -1,4 +1,4 @@
-"""The device's local algorithms: one `fit` each, chosen by name from the round's configuration.
+"""The device's local algorithms: one `fit` each, looked up by the name of the round's method (`protocol.methods`).
 
 Every one runs the same round (`edge_client.local_training.train_round` prepares it and takes the delta
 after) and steps through the house's one loop (`models.training.loop.optimise`); what differs is the loss
@@ -9,7 +9,8 @@ and the update rule:
   - `hfmaml`: Hessian-free meta-learning steps over the supervised loss (eq. 1-3 of the HF-MAML paper,
     `models.training.hfmaml`);
   - `pfm`: FedFace's PFM (Algorithm 1, lines 6-10): SGD plus the global momentum (`models.maths.pfm`).
-A new local algorithm is a function of `LocalRound` added to `LOCAL_ALGORITHMS`.
+A new method's steps are a function of `LocalRound` (its settings are `r.objective.method`), entered in
+`LOCAL_ALGORITHMS` under the method's name.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from models.faces import augment
 from models.maths.pfm import apply_global_momentum
 from models.training.hfmaml import hf_maml_step
 from models.training.loop import optimise, train_epoch
-from protocol.messages import TrainingConfig
 
 
 def supervised(r: LocalRound) -> list[dict]:
@@ -34,7 +34,10 @@ def supervised(r: LocalRound) -> list[dict]:
 
 
 def fedfr(r: LocalRound) -> list[dict]:
-    """FedFR's eq. 7, each batch joined by as many hard negatives as half its size."""
+    """FedFR's eq. 7, each batch joined by as many hard negatives as half its size; with none of its terms on (an
+    ablation's baseline row), FedAvg's steps."""
+    if r.objective.method.plain():
+        return supervised(r)
     optimiser = r.adam()
     return [_fedfr_epoch(r, optimiser) for _ in range(r.epochs)]
 
@@ -69,7 +72,7 @@ def hfmaml(r: LocalRound) -> list[dict]:
 
 
 def _hfmaml_epoch(r: LocalRound) -> dict:
-    model, objective = r.model, r.objective
+    model, method = r.model, r.objective.method
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     seen_logits: list = []
@@ -82,7 +85,7 @@ def _hfmaml_epoch(r: LocalRound) -> dict:
     loss_sum = correct = seen = 0
     for triple in _batch_triples(r.loader):
         seen_logits.clear()
-        losses = hf_maml_step(loss_fn, params, triple, objective.maml_alpha, objective.maml_beta, objective.maml_delta)
+        losses = hf_maml_step(loss_fn, params, triple, method.maml_alpha, method.maml_beta, method.maml_delta)
         x, y = triple[0]
         loss_sum += losses["inner_loss"] * len(y)
         correct += int((seen_logits[0].argmax(1) == y).sum())
@@ -93,30 +96,20 @@ def _hfmaml_epoch(r: LocalRound) -> dict:
 def pfm(r: LocalRound) -> list[dict]:
     """PFM's local steps: SGD on the backbone plus beta * M / K per step (eq. 3), classical momentum SGD on the
     classifier and the DFC branch (eq. 1-2)."""
-    model = r.model
+    model, beta = r.model, r.objective.method.pfm_beta
     backbone = dict(model.backbone.named_parameters())
     others = [p for n, p in model.named_parameters() if not n.startswith("backbone.")]
-    optimiser = torch.optim.SGD([{"params": list(backbone.values())}, {"params": others, "momentum": r.pfm_beta}],
+    optimiser = torch.optim.SGD([{"params": list(backbone.values())}, {"params": others, "momentum": beta}],
                                 lr=r.lr)
     steps = r.epochs * len(r.loader)
     momentum = r.pfm_momentum or {}
     local_momentum = {n: momentum[f"backbone.{n}"] for n in backbone if f"backbone.{n}" in momentum}
-    push = lambda: apply_global_momentum(backbone, local_momentum, r.lr, r.pfm_beta, steps)  # noqa: E731
+    push = lambda: apply_global_momentum(backbone, local_momentum, r.lr, beta, steps)  # noqa: E731
     return [train_epoch(model, r.loader, optimiser, regulariser=r.regulariser, extra=r.extra, after_step=push)
             for _ in range(r.epochs)]
 
 
+# the local steps of each method, by its name (protocol.methods.METHODS: every name has an entry)
 LOCAL_ALGORITHMS: dict[str, Callable[[LocalRound], list[dict]]] = {
-    "supervised": supervised, "fedfr": fedfr, "hfmaml": hfmaml, "pfm": pfm}
-
-
-def local_algorithm(objective: TrainingConfig, pfm: bool) -> str:
-    """The local algorithm a round's settings ask for: PFM's steps when the federation aggregates with PFM, else
-    HF-MAML's, FedFR's objective (any of its terms on, or a weighted CosFace loss), or the supervised steps
-    (FedAvg, FedAvgM, FedProx)."""
-    if pfm:
-        return "pfm"
-    if objective.hfmaml:
-        return "hfmaml"
-    fedfr = objective.hard_negatives or objective.contrastive or objective.alpha_cos != 1.0
-    return "fedfr" if fedfr else "supervised"
+    "fedavg": supervised, "fedprox": supervised, "fedavgm": supervised, "pfm": pfm, "fedface": pfm, "fedfr": fedfr,
+    "hfmaml": hfmaml}

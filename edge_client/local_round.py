@@ -30,7 +30,6 @@ class LocalRound:
     negatives: object | None = None  # edge_client.local_training.HardNegatives
     global_net: torch.nn.Module | None = None
     previous_net: torch.nn.Module | None = None
-    pfm_beta: float = 0.9
     pfm_momentum: dict[str, torch.Tensor] | None = None
 
     def adam(self) -> torch.optim.Optimizer:

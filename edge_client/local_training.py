@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from edge_client.local_algorithms import LOCAL_ALGORITHMS, local_algorithm
+from edge_client.local_algorithms import LOCAL_ALGORITHMS
 from edge_client.local_round import LocalRound
 from models.faces.crops import FaceCrops
 from models.networks.dfc import NEGATIVE, fit_dfc
@@ -34,6 +34,7 @@ from models.training.fedfr import hard_negatives
 from models.training.hfmaml import anchored_to
 from models.training.trainable import frozen_batchnorm, top_blocks_only
 from protocol.messages import TrainingConfig
+from protocol.methods import HFMAML
 
 
 @dataclass
@@ -101,33 +102,31 @@ def train_round(model: FaceModel, crops: FaceCrops, global_state: dict[str, torc
     objective = objective or TrainingConfig()
     inputs = inputs or RoundInputs()
     public, previous_state, pfm_momentum = inputs.public, inputs.previous_state, inputs.pfm_momentum
-    prox_mu = objective.prox_mu if objective.algorithm == "fedprox" else 0.0
-    pfm_beta = objective.pfm_beta if objective.algorithm == "pfm" else None
+    method = objective.method
+    prox_mu = method.proximal_mu()
     epochs, batch_size, lr = (objective.optimisation.epochs, objective.optimisation.batch_size,
                               objective.optimisation.lr)
-    name = local_algorithm(objective, pfm=pfm_beta is not None)
     # the trunk in bf16 where the CPU has it (models.training.fast_step); HF-MAML's finite-difference Hessian products
     # (eq. 3) take the difference of two nearby gradients, which bf16 would drown, so it stays fp32
-    accelerate(model, "fp32" if objective.hfmaml else "auto")
+    accelerate(model, "fp32" if isinstance(method, HFMAML) else "auto")
     load_shareable_state(model, global_state)
     start = {k: v.clone() for k, v in shareable_state(model).items()}
     anchor = {n: p.detach().clone() for n, p in model.backbone.named_parameters()}
     private: dict[str, float] = {}
     negatives = _imprint_and_sample(model, crops, objective, public, seed, private)
     generator = torch.Generator().manual_seed(seed)
-    contrastive = objective.contrastive and name == "fedfr"
+    contrastive = method.uses_previous_local()
     round_ = LocalRound(model, train_loader(crops, batch_size, "weak", generator), epochs, lr, objective, generator,
                         regulariser=(lambda: prox_mu / 2.0 * proximal_term(model, anchor)) if prox_mu > 0 else None,
-                        negatives=negatives, pfm_beta=pfm_beta if pfm_beta is not None else 0.9,
-                        pfm_momentum=pfm_momentum,
+                        negatives=negatives, pfm_momentum=pfm_momentum,
                         global_net=frozen_copy(model.backbone) if contrastive else None,
                         previous_net=frozen_copy(model.backbone, previous_state) if contrastive else None)
-    if objective.embedding_reg > 0:  # eq. 4 against the round's starting model
-        round_.extra = anchored_to(frozen_copy(model.backbone), objective.embedding_reg)
+    if method.embedding_anchor() > 0:  # eq. 4 against the round's starting model
+        round_.extra = anchored_to(frozen_copy(model.backbone), method.embedding_anchor())
     with frozen_batchnorm(model.backbone if objective.batchnorm == "frozen" else model.backbone.features,
                           objective.batchnorm != "train"), \
             top_blocks_only(model.backbone, objective.top_blocks):
-        metrics = dict(LOCAL_ALGORITHMS[name](round_)[-1])
+        metrics = dict(LOCAL_ALGORITHMS[method.name](round_)[-1])
     for key in ("neg_loss", "total_loss"):  # figures that involve D_g: the device's log only
         if key in metrics:
             private[key] = metrics.pop(key)
@@ -145,7 +144,7 @@ def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: TrainingC
                         seed: int, private: dict[str, float]) -> HardNegatives | None:
     """The head's centres from the received model (not last round's backbone), and FedFR's sample of D_g
     under it; what the sample says about D_g goes to `private`, the device's log only."""
-    use_public = objective.hard_negatives and public is not None and len(public) > 0
+    use_public = objective.method.uses_public_set() and public is not None and len(public) > 0
     local_features = None
     if objective.model.imprint_head or use_public:
         local_features = frozen_features(model.backbone, crops.images, seed=seed)
@@ -153,7 +152,7 @@ def _imprint_and_sample(model: FaceModel, crops: FaceCrops, objective: TrainingC
         imprint(model.head, local_features, torch.from_numpy(crops.labels))
     if not use_public:
         return None
-    negatives = sample_hard_negatives(model.backbone, public, local_features, objective.t_hn, seed,
+    negatives = sample_hard_negatives(model.backbone, public, local_features, objective.method.t_hn, seed,
                                       model.head.centres is not None)
     private.update({"hn_fraction": len(negatives) / len(public), "hn_sampled": float(len(negatives))})
     if negatives.centres is not None:

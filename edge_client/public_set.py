@@ -112,7 +112,7 @@ class DevicePublicSet:
         """D_g, only when the round samples hard negatives; None (and why, in the log) when there is none."""
         from models.public_set import load_public_set
 
-        if not cfg.hard_negatives:
+        if not cfg.method.uses_public_set():
             return None
         if self.path is not None:
             try:

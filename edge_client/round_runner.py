@@ -63,7 +63,7 @@ class RoundRunner:
         self.public.fetch(job.config)  # strangers' faces for the adoption check and the calibration, too
         with self.work.session():
             self.adopted = self.work.judge(job, self.fetch_model(job))
-            momentum = self._fetch_momentum(job) if job.config.algorithm == "pfm" else None
+            momentum = self._fetch_momentum(job) if job.config.method.strategy == "pfm" else None
             fetched = time.perf_counter()
             trained = self.work.train(job, momentum)
             timing = {"fetch_seconds": fetched - started, "train_seconds": time.perf_counter() - fetched}

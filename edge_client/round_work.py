@@ -73,7 +73,8 @@ class RoundWork:
         feedback (what a sparse codec left out is sent in later rounds)."""
         cfg, global_state = job.config, self._judged()
         model = self.ensure_model(job)
-        previous = self._private(self.home.local_backbone, shareable_state(model)) if cfg.contrastive else None
+        previous = (self._private(self.home.local_backbone, shareable_state(model))
+                    if cfg.method.uses_previous_local() else None)
         pfm = None if momentum is None else self._momentum(job, momentum, global_state)
         result = train_round(model, self._crops(), global_state, cfg, seed=self.seed + job.round_id,
                              inputs=RoundInputs(self.public.for_round(cfg), previous, pfm))

@@ -50,7 +50,6 @@ class SimConfig:
     split: tuple[float, float, float] = (0.7, 0.1, 0.2)
     server: RoundSettings = field(default_factory=RoundSettings)  # the coordinator's rounds and devices' training
     gate: GateSetup = field(default_factory=GateSetup)  # the coordinator's quality gate (default faces: its people)
-    method: str | None = None          # the CLI's --method (protocol.methods.METHODS), for the run's label
     public_data: str | None = None     # FedFR's D_g: aligned faces of people no client has
     public_limit: int = 2000
     patience: int = 5                  # rounds without a better validation AUC before stopping; 0: never
@@ -120,7 +119,8 @@ class SimConfig:
                      ("--tune-steps", self.tune_steps), ("--patience", self.patience))],
                   (self.eval_clients is None or self.eval_clients >= 1, "--eval-clients must be at least 1"),
                   (0 <= self.min_delta < float("inf"), f"--min-delta must be a number >= 0 (got {self.min_delta})"),
-                  (not self.training.hard_negatives or self.public_data is not None or self.public_identities > 0,
+                  (not self.training.method.uses_public_set() or self.public_data is not None
+                   or self.public_identities > 0,
                    "hard negatives need a public set: --public-data DIR (aligned faces of people no client has, "
                    "e.g. ../shared/faces/utkface_aligned), --public-identities above 0, or --no-hard-negatives")]
         for ok, message in checks:
@@ -138,12 +138,9 @@ class SimConfig:
 
     def _validate_names(self) -> None:
         from fleet.attacks import ATTACKS
-        from protocol.methods import METHODS
 
         if self.attack not in ATTACKS:
             raise ValueError(f"unknown --attack {self.attack!r}; choose one of {', '.join(ATTACKS)}")
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"unknown --method {self.method!r}; choose one of {', '.join(METHODS)}")
 
     def _validate_paths(self) -> None:
         """--data, FedFR's public set D_g (other people than --data) and the quality gate's faces."""
@@ -217,7 +214,7 @@ def dotted(raw: dict, prefix: str = "") -> dict:
     for key, value in raw.items():
         if isinstance(value, dict) and key in PART_NAMES:
             out.update(dotted(value, prefix))
-        elif isinstance(value, dict) and key in ("server", "training", "gate", "bar"):
+        elif isinstance(value, dict) and key in ("server", "training", "method", "gate", "bar"):
             out.update(dotted(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
@@ -226,19 +223,20 @@ def dotted(raw: dict, prefix: str = "") -> dict:
 
 def _nested(raw: dict) -> dict:
     """A run folder's config.json from before the nested spec (one flat list of options), in today's form."""
-    from types import SimpleNamespace
+    from protocol.methods import FLAT_NAMES, from_flat, method_named
 
-    from models.cli.objective import objective_settings
-    from protocol.methods import method_named
-
-    old = SimpleNamespace(**{"method": None, "hard_negatives": None, "contrastive": None, "dfc_weight": None,
-                             "t_hn": 0.4, "tau": 0.5, "alpha_cos": 1.0, "alpha_con": 5.0, "dfc_steps": 300,
-                             "dfc_lr": 1e-2, "imprint_head": True, "embedding_reg": 0.0, "maml_alpha": 0.01,
-                             "maml_beta": 0.01, "maml_delta": 1e-3, **raw})
-    algorithm = raw.get("algorithm") or method_named(old.method or "fedprox").strategy
-    training = {"epochs": raw.get("local_epochs", 1), "algorithm": algorithm, **objective_settings(old),
-                **{k: raw[k] for k in ("batch_size", "lr", "dfc", "codec", "topk_fraction", "width_mult", "dp_clip",
-                                       "prox_mu") if k in raw}}
+    name = raw.get("method")  # the run's --method, where it was saved (FedFace is PFM on the wire)
+    flat = {k: raw[k] for k in FLAT_NAMES if raw.get(k) is not None}
+    flat.setdefault("algorithm", method_named(name or "fedprox").strategy)
+    method = from_flat(flat, name)
+    dfc_weight = raw.get("dfc_weight")  # unset: the method's own (FedFR's 10), as the run's command chose
+    if dfc_weight is None:
+        dfc_weight = method_named(method["name"]).model_defaults.get("dfc_weight", 1.0)
+    training = {"epochs": raw.get("local_epochs", 1), "method": method, "dfc_weight": dfc_weight,
+                "dfc_steps": raw.get("dfc_steps", 300), "dfc_lr": raw.get("dfc_lr", 1e-2),
+                "imprint_head": raw.get("imprint_head", True),
+                **{k: raw[k] for k in ("batch_size", "lr", "dfc", "codec", "topk_fraction", "width_mult", "dp_clip")
+                   if k in raw}}
     renamed = {"round_timeout": "round_timeout_s"}
     server = {renamed.get(k, k): raw[k] for k in ("rounds", "fraction", "round_timeout", "seed", "combine",
                                                     "dp_noise", "fv", "fv_candidates", "fv_phi", "fv_epsilon",
@@ -248,6 +246,21 @@ def _nested(raw: dict) -> dict:
             if old_name in raw}
     return {**raw, "server": {**server, "min_clients": 1, "training": training},
             "gate": {**gate, "seed": raw.get("seed", 0)}}
+
+
+def _method_of_run(raw: dict) -> dict:
+    """Format 5 -> 6: the run's `--method`, kept beside the spec for its label (FedFace was PFM on the wire), names
+    the round configuration's method, which now says it itself."""
+    from protocol.methods import FLAT_NAMES, from_flat
+
+    raw, name = dict(raw), raw.get("method")
+    raw.pop("method", None)
+    training = dict(raw.get("server", {}).get("training", {}))
+    if "method" not in training:
+        flat = {k: training.pop(k) for k in FLAT_NAMES if k in training}
+        if flat or name:
+            training["method"] = from_flat(flat, name)
+    return {**raw, "server": {**raw.get("server", {}), "training": training}}
 
 
 def _gate_part(raw: dict) -> dict:
@@ -264,11 +277,13 @@ def _no_public_people(raw: dict) -> dict:
 
 # a run folder's config.json: 1 one flat list of options; 2 `server` (with `training`) and `gate` (the bar); 3 `gate`
 # holds the gate's faces, switch and bar; 4 `public_identities`; 5 `server.training` nests its optimiser and model
-# parts (`protocol.training_parts`; the round configuration reads its flat form itself)
-CONFIG_FORMAT = 5
-READERS = {1: lambda raw: _no_public_people(_gate_part(_nested(raw))),  # each into today's form
-           2: lambda raw: _no_public_people(_gate_part(raw)), 3: _no_public_people, 4: lambda raw: raw,
-           5: lambda raw: raw}
+# parts (`protocol.training_parts`; the round configuration reads its flat form itself); 6 `server.training.method`
+# names the method with its own settings (`protocol.methods`; the run's `--method` beside the spec is gone)
+CONFIG_FORMAT = 6
+READERS = {1: lambda raw: _method_of_run(_no_public_people(_gate_part(_nested(raw)))),  # each into today's form
+           2: lambda raw: _method_of_run(_no_public_people(_gate_part(raw))),
+           3: lambda raw: _method_of_run(_no_public_people(raw)), 4: _method_of_run, 5: _method_of_run,
+           6: lambda raw: raw}
 
 
 def _norm(value):

@@ -21,10 +21,10 @@ def mean_std(stats: dict | None, metric: str) -> str:
 
 def method_label(c: dict) -> str:
     """e.g. 'fedavg +DFC', or 'fedfr +HN +con +DFC' for FedFR and its ablations."""
-    fedfr = c.get("method") == "fedfr"
-    hn = fedfr if c.get("hard_negatives") is None else c["hard_negatives"]
-    con = fedfr if c.get("contrastive") is None else c["contrastive"]
-    name = c.get("method") or c["algorithm"]
+    name = c.get("method") or c.get("method.name") or c["algorithm"]  # the run's --method; the wire's; before both
+    fedfr = name == "fedfr"
+    hn, con = (c.get(f"method.{k}", c.get(k)) for k in ("hard_negatives", "contrastive"))  # today's name, or older
+    hn, con = (fedfr if on is None else on for on in (hn, con))
     return " ".join([name] + [flag for flag, on in (("+HN", hn), ("+con", con), ("+DFC", c["dfc"])) if on])
 
 

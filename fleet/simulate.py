@@ -101,7 +101,7 @@ class Simulation:
         self.val = self.data.union(VAL, self.data.training_clients)  # evaluation sets, built once
         self.holdout = self.data.holdout()
         self.public_set = self._public_set()
-        if self.public_set is None and config.training.hard_negatives:
+        if self.public_set is None and config.training.method.uses_public_set():
             raise ValueError(f"hard negatives need a public set: the {len(self.data.partition.holdout_identities)} "
                              "people on no device are too few to spare --public-identities "
                              f"{config.public_identities:g} of them for one; give --public-data DIR (aligned faces of "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -27,6 +27,7 @@ from pydantic import (
 from protocol import SCHEMA_VERSION
 from protocol.auth import MAX_SEQ, PUBLIC_KEY_PATTERN, SIGNATURE_PATTERN, AuthError, ReplayGuard, Signer, verify
 from protocol.codecs import TOPK_FRACTION
+from protocol.methods import FLAT_NAMES, FedAvg, MethodSettings, from_flat
 from protocol.training_parts import ModelSpec, OptimiserSettings, nest
 
 MAX_MESSAGE_BYTES = 256 * 1024     # a round announcement for thousands of participants still fits
@@ -39,9 +40,6 @@ MAX_PUBLIC_SET_BYTES = 4 << 30     # 4 GiB: ~80k 128 px crops; a device refuses 
 DeviceId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
-# how the coordinator aggregates a round: the one list of these names, for the schema, the coordinator and the CLI
-Algorithm = Literal["fedavg", "fedprox", "fedavgm", "pfm"]
-ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 MetricName = Annotated[str, StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$")]
 
 
@@ -119,26 +117,19 @@ ROUND_MODEL = {"dfc": True}
 class TrainingConfig(_Body):
     """Local training settings, bounded so that no announcement can make a device train forever.
 
-    Format 2 nests the optimiser (`optimisation`) and the model (`model`) parts that centralised training embeds
-    too (`protocol.training_parts`), how updates travel (`transport`) and where the public set is (`public_set`);
-    format 1, every field at the top, is still read (`_format_1`)."""
+    Format 3 names the federated method with the settings only it takes (`method`, one of `protocol.methods`'
+    models, by `name`) and nests the optimiser (`optimisation`) and the model (`model`) parts that centralised
+    training embeds too (`protocol.training_parts`), how updates travel (`transport`) and where the public set is
+    (`public_set`). Formats 1 (every field at the top) and 2 (the method's settings at the top) are still read
+    (`_older_formats`)."""
 
     type: Literal["training_config"] = "training_config"
-    version: Literal[2] = 2
+    version: Literal[3] = 3
+    method: MethodSettings = Field(default_factory=FedAvg)
     optimisation: OptimiserSettings = Field(default_factory=OptimiserSettings)
     model: ModelSpec = Field(default_factory=lambda: ModelSpec(**ROUND_MODEL))
     transport: TransportSettings = Field(default_factory=TransportSettings)
-    algorithm: Algorithm = "fedavg"
-    pfm_beta: float = Field(0.9, ge=0, lt=1.0)  # FedFace's momentum parameter (PFM: eq. 1-3)
-    prox_mu: float = Field(0.01, ge=0, le=10.0)
     dp_clip: float | None = Field(None, gt=0, le=1e6)  # DP-FedAvg: clip the update to this L2 norm before sending
-    # FedFR's local objective (eq. 7: alpha_1 L_cos + alpha_2 L_con + alpha_3 L_BCE, alpha_3 = dfc_weight)
-    alpha_cos: float = Field(1.0, ge=0, le=100.0)
-    hard_negatives: bool = False          # sample the device's public set D_g with threshold t_hn
-    t_hn: float = Field(0.4, ge=-1.0, le=1.0)
-    contrastive: bool = False             # eq. 5 against the global and the previous local model
-    alpha_con: float = Field(5.0, ge=0, le=100.0)
-    tau: float = Field(0.5, gt=0.01, le=10.0)
     dfc_steps: int = Field(300, ge=0, le=20_000)  # fitting the DFC branch on frozen features after local training
     dfc_lr: float = Field(3e-3, gt=0, le=1.0)  # measured: bench/results/personalisation_lr.md
     dfc_views: int = Field(2, ge=1, le=16)     # views of each local image (the first unaugmented) for that fit
@@ -148,20 +139,22 @@ class TrainingConfig(_Body):
     # (None: all)
     batchnorm: Literal["train", "frozen", "frozen-trunk"] = "frozen"
     top_blocks: int | None = Field(None, ge=0, le=64)
-    # HF-MAML (eq. 1-3 of the HF-MAML face paper) and its embedding regulariser (eq. 4, weight C)
-    hfmaml: bool = False
-    maml_alpha: float = Field(0.01, gt=0, le=1.0)
-    maml_beta: float = Field(0.01, gt=0, le=1.0)
-    maml_delta: float = Field(1e-3, gt=0, le=1.0)
-    embedding_reg: float = Field(0.0, ge=0, le=100.0)
     public_set: PublicSetRef | None = None  # where the served public set is, when the coordinator serves one
+
+    @property
+    def algorithm(self) -> str:
+        """How the coordinator aggregates this configuration's rounds: its method's strategy."""
+        return self.method.strategy
 
     @model_validator(mode="before")
     @classmethod
-    def _format_1(cls, data):
-        """A configuration without `version` (an older coordinator's, or settings written before the parts) has
-        its parts' fields at the top: read into the parts, with a round's own defaults for them."""
-        if isinstance(data, dict) and "version" not in data:
+    def _older_formats(cls, data):
+        """Format 1 (no `version`: an older coordinator's, or settings written before the parts) has its parts'
+        fields at the top, read into the parts with a round's own defaults for them; formats 1 and 2 name the
+        method's settings at the top (`algorithm`, `prox_mu`, FedFR's and HF-MAML's terms), read into `method`."""
+        if not isinstance(data, dict) or data.get("version", 1) not in (1, 2):
+            return data
+        if "version" not in data:
             data = nest(data, {"optimisation": (OptimiserSettings, {}), "model": (ModelSpec, ROUND_MODEL),
                                "transport": (TransportSettings, {})})
             public = {PUBLIC_SET_FLAT[k]: data.pop(k) for k in PUBLIC_SET_FLAT if k in data}
@@ -169,7 +162,12 @@ class TrainingConfig(_Body):
                 if "public_set" in data:
                     raise ValueError("public_set given both ways: a configuration names its public set one way")
                 data["public_set"] = public
-        return data
+        flat = {k: data.pop(k) for k in FLAT_NAMES if k in data}
+        if flat and "method" in data:
+            raise ValueError(f"{', '.join(flat)} and method both given: a configuration names its method one way")
+        if flat:
+            data["method"] = from_flat(flat)
+        return {**data, "version": 3}
 
     @field_validator("optimisation")
     @classmethod

@@ -127,9 +127,12 @@ def nest(raw: Mapping, parts: Mapping[str, tuple[type, Mapping]]) -> dict:
 
 
 def flatten(raw: Mapping) -> dict:
-    """Today's form one level deep: each part's fields beside the owner's own (every name is distinct)."""
-    out = {k: v for k, v in raw.items() if k not in PART_NAMES or not isinstance(v, Mapping)}
+    """Today's form one level deep: each part's fields beside the owner's own (every name is distinct); a round's
+    method (`protocol.methods`), whose settings' names only it defines, as `method.name`, `method.prox_mu`, ..."""
+    out = {k: v for k, v in raw.items() if k not in (*PART_NAMES, "method") or not isinstance(v, Mapping)}
     for part in PART_NAMES:
         if isinstance(raw.get(part), Mapping):
             out.update(raw[part])
+    if isinstance(raw.get("method"), Mapping):
+        out.update({f"method.{k}": v for k, v in raw["method"].items()})
     return out

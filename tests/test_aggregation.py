@@ -39,10 +39,16 @@ def test_running_mean_keeps_one_model_of_memory():
         RunningMean().mean()
 
 
-def test_fedprox_server_side_is_fedavg_and_tells_devices_mu():
+def test_fedprox_server_side_is_fedavg_and_its_mu_is_the_methods_that_devices_are_sent():
+    from coordinator.aggregation import strategy_for
+    from coordinator.settings import RoundSettings
+    from protocol import methods
+    from protocol.messages import TrainingConfig
+
     state, delta = {"w": np.zeros(3, np.float32)}, {"w": np.ones(3)}
     assert np.array_equal(FedProx(mu=0.1).aggregate(state, delta)[0]["w"], FedAvg().aggregate(state, delta)[0]["w"])
-    assert FedProx(mu=0.1).client_config() == {"algorithm": "fedprox", "prox_mu": 0.1}
+    training = TrainingConfig(method=methods.FedProx(prox_mu=0.1))  # what the engine announces, as it is
+    assert strategy_for(RoundSettings(training=training)) == FedProx(mu=0.1) and training.method.proximal_mu() == 0.1
 
 
 def test_fedavgm_accumulates_server_momentum():
@@ -57,29 +63,18 @@ def test_fedavgm_accumulates_server_momentum():
     assert np.allclose(again["w"], [1.5, 0.5]) and strategy.broadcast_state(velocity) is None
 
 
-def test_what_each_strategy_tells_devices_is_a_round_configuration_they_read():
-    """client_config's names are the round configuration's own: the engine validates the announced configuration,
-    so a name that moved into a part (or never existed) is refused instead of silently dropped."""
-    from protocol.messages import TrainingConfig
-
-    for name, kind in STRATEGIES.items():
-        told = kind().client_config()
-        config = TrainingConfig.model_validate({**TrainingConfig().model_dump(), **told})
-        assert config.algorithm == name and all(getattr(config, k) == v for k, v in told.items())
-    with pytest.raises(ValueError):
-        TrainingConfig.model_validate({**TrainingConfig().model_dump(), "lr": 0.1})  # lr lives in `optimisation`
-
-
-@pytest.mark.parametrize("update", [{"lr": 0.1}, {"prox_mu": -1.0}, {"optimisation": {"epochs": 10 ** 6}},
-                                    {"algorithm": "fedsgd"}])
+@pytest.mark.parametrize("update", [{"lr": 0.1}, {"method": {"name": "fedprox", "prox_mu": -1.0}}, {"prox_mu": 0.5},
+                                    {"optimisation": {"epochs": 10 ** 6}}, {"method": {"name": "fedsgd"}}])
 def test_a_copied_round_configuration_is_validated_like_a_received_one(update):
-    """How the engine announces a round (`model_copy(update=)`): pydantic's own copy would take a moved name, an
-    out-of-bound value or an unknown method without a word; a message's copy refuses them."""
+    """A round configuration copied with a change (`model_copy(update=)`): pydantic's own copy would take a moved
+    name (`lr`, format 2's `prox_mu`), an out-of-bound value or an unknown method without a word; a message's copy
+    refuses them."""
     from protocol.messages import TrainingConfig
 
     with pytest.raises(ValueError):
         TrainingConfig().model_copy(update=update)
-    assert TrainingConfig().model_copy(update={"prox_mu": 0.5}).prox_mu == 0.5
+    copied = TrainingConfig().model_copy(update={"method": {"name": "fedprox", "prox_mu": 0.5}})
+    assert copied.method.proximal_mu() == 0.5
 
 
 def test_strategies_by_name():
@@ -147,33 +142,36 @@ def test_decoded_updates_fold_in_one_pass_to_the_same_mean_and_norm(codec):
 
 
 def test_every_algorithm_the_protocol_names_has_one_strategy_and_one_command_line_choice():
-    """The algorithm names are spelled once (protocol.messages.ALGORITHMS); the coordinator, the round
+    """The algorithm names are spelled once (protocol.methods.ALGORITHMS); the coordinator, the round
     configuration (which the fleet's spec nests) and the --method choices take them from there."""
-    from coordinator.aggregation import STRATEGIES
     from fleet.config import SimConfig
-    from protocol.messages import ALGORITHMS, TrainingConfig
-    from protocol.methods import METHODS
+    from protocol.messages import TrainingConfig
+    from protocol.methods import ALGORITHMS, METHODS
 
     assert tuple(STRATEGIES) == ALGORITHMS and set(ALGORITHMS) <= set(METHODS)
     assert isinstance(SimConfig().training, TrainingConfig)
     for name in ALGORITHMS:
-        assert TrainingConfig(algorithm=name).algorithm == name
+        assert TrainingConfig(method=METHODS[name]()).algorithm == name
     with pytest.raises(ValueError):
-        TrainingConfig(algorithm="fedsomething")
+        TrainingConfig(method={"name": "fedsomething"})
 
 
 def test_each_strategy_is_built_from_the_run_settings_it_owns():
     """`strategy_for` looks the class up by the round configuration's algorithm; each class reads its own settings."""
     from coordinator.aggregation import PFM, strategy_for
     from coordinator.settings import RoundSettings
-    from protocol.messages import ALGORITHMS, TrainingConfig
+    from protocol import methods
+    from protocol.messages import TrainingConfig
+    from protocol.methods import ALGORITHMS
+    from protocol.training_parts import OptimiserSettings
 
-    def built(algorithm: str, momentum: float = 0.9, **training):
-        return strategy_for(RoundSettings(training=TrainingConfig(algorithm=algorithm, **training),
-                                          server_momentum=momentum))
+    def built(algorithm: str, momentum: float = 0.9, lr: float = 1e-4, **settings):
+        training = TrainingConfig(method={"name": algorithm, **settings}, optimisation=OptimiserSettings(lr=lr))
+        return strategy_for(RoundSettings(training=training, server_momentum=momentum))
 
     assert type(built("fedavg")) is FedAvg
     assert built("fedprox", prox_mu=0.3) == FedProx(mu=0.3)
     assert built("fedavgm", momentum=0.5) == FedAvgM(momentum=0.5)
     assert built("pfm", lr=0.02, pfm_beta=0.7) == PFM(lr=0.02, beta=0.7)
+    assert strategy_for(RoundSettings(training=TrainingConfig(method=methods.FedFace(pfm_beta=0.6)))) == PFM(beta=0.6)
     assert [built(name).name for name in ALGORITHMS] == list(ALGORITHMS)  # every name on the wire has its class

@@ -22,5 +22,5 @@ def test_every_ablation_row_runs_the_same_fleet_and_the_same_gate(tmp_path, gate
     assert {(c.gate.off, c.gate.data) for c in configs.values()} == {(not gate, str(public) if gate else None)}
     assert configs["fedavg"].public_data is None
     assert {configs[k].public_data for k in ("hn", "con", "fedfr")} == {str(public)}
-    assert [c.training.hard_negatives for c in configs.values()] == [False, True, True, True]
+    assert [c.training.method.uses_public_set() for c in configs.values()] == [False, True, True, True]
     assert {(c.clients, c.partition, c.server.rounds, c.init) for c in configs.values()} == {(10, "iid", 2, "face")}

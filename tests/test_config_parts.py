@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from protocol.auth import Signer
 from protocol.messages import RoundAnnouncement, TrainingConfig, open_envelope, seal
+from protocol.methods import HFMAML, PFM, FedAvg, FedFR, FedProx
 from protocol.training_parts import ModelSpec, OptimiserSettings, TrainerSettings, flatten
 
 # a round configuration as a coordinator from before the parts sent it (format 1: every field at the top)
@@ -22,9 +23,41 @@ def test_a_round_configuration_from_an_older_coordinator_is_read_into_the_parts_
     assert config.optimisation == OptimiserSettings(epochs=2, batch_size=16, lr=0.001)
     # `dfc` was not sent: a round's default (the DFC branch on), not the model part's own (off)
     assert config.model == ModelSpec(width_mult=0.5, dfc_weight=10.0, imprint_head=False, dfc=True)
-    assert config.algorithm == "fedprox" and config.version == 2 and config.transport.chunk_bytes == 262144
+    assert config.method == FedProx(prox_mu=0.01) and config.version == 3 and config.transport.chunk_bytes == 262144
     again = TrainingConfig.model_validate_json(config.model_dump_json())
     assert again == config and json.loads(config.model_dump_json())["optimisation"]["lr"] == 0.001
+
+
+# format 2 (the parts nested, the method's settings at the top), as a coordinator or run folder of that version wrote it
+FORMAT_2 = {"type": "training_config", "version": 2, "algorithm": "fedavg", "pfm_beta": 0.9, "prox_mu": 0.01,
+            "alpha_cos": 1.0, "hard_negatives": False, "t_hn": 0.4, "contrastive": False, "alpha_con": 5.0,
+            "tau": 0.5, "hfmaml": False, "maml_alpha": 0.01, "maml_beta": 0.01, "maml_delta": 0.001,
+            "embedding_reg": 0.0, "optimisation": {"epochs": 1, "batch_size": 32, "lr": 0.0001}}
+
+
+@pytest.mark.parametrize("flat, method", [
+    ({}, FedAvg()),
+    ({"algorithm": "fedprox", "prox_mu": 0.2, "embedding_reg": 1.0}, FedProx(prox_mu=0.2, embedding_reg=1.0)),
+    ({"algorithm": "pfm", "pfm_beta": 0.5}, PFM(pfm_beta=0.5)),
+    ({"hard_negatives": True, "contrastive": True, "t_hn": 0.3}, FedFR(t_hn=0.3)),
+    ({"contrastive": True, "tau": 0.2}, FedFR(hard_negatives=False, tau=0.2)),
+    ({"hfmaml": True, "maml_beta": 0.05, "embedding_reg": 1.0}, HFMAML(maml_beta=0.05, embedding_reg=1.0)),
+])
+def test_a_format_2_round_configuration_is_read_into_the_method_it_ran(flat, method):
+    """Each method's settings travel in its own part (`method`); format 2's flat names are read into the method that
+    form ran, and what only another method reads (unused there) is left."""
+    config = TrainingConfig.model_validate_json(json.dumps({**FORMAT_2, **flat}))
+    assert config.method == method and config.version == 3
+    assert TrainingConfig.model_validate_json(config.model_dump_json()) == config
+
+
+@pytest.mark.parametrize("flat", [{"algorithm": "fedprox", "hard_negatives": True},  # no one method runs these
+                                  {"algorithm": "pfm", "hfmaml": True},
+                                  {"contrastive": True, "embedding_reg": 1.0},
+                                  {"algorithm": "fedprox", "method": {"name": "fedprox"}}])  # both ways
+def test_a_format_2_configuration_that_no_one_method_ran_is_refused(flat):
+    with pytest.raises(ValidationError):
+        TrainingConfig.model_validate_json(json.dumps({**FORMAT_2, **flat}))
 
 
 def test_an_older_coordinators_public_set_fields_are_read_into_their_part():
@@ -63,7 +96,7 @@ def test_a_public_set_named_in_part_is_refused(hostile):
     {"version": 2, "model": {"head": "arcface"}},            # a model part carries no head or file
     {"version": 2, "transport": {"codec": "zip"}},
     {"version": 2, "transport": {"chunk_bytes": 1 << 30}},
-    {"version": 3},
+    {"version": 4},                                          # a format from a newer ffr-edge
 ])
 def test_a_round_configuration_is_refused_when_its_parts_are_out_of_bounds_or_ambiguous(hostile):
     with pytest.raises(ValidationError):

@@ -295,7 +295,7 @@ def test_fedfr_through_the_cli_with_two_devices(tmp_path, mosquitto):
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
-    assert summary["config"]["algorithm"] == "fedavg" and summary["config"]["method"] == "fedfr"
+    assert summary["config"]["method.name"] == "fedfr" and summary["config"]["method.hard_negatives"]
     assert all(0.0 <= h["hn_fraction"] <= 1.0 for h in summary["history"][1:])
     assert (out / "public_set.safetensors").exists()
     assert f"the devices' public set is --public-data ({public})" in (out / "summary.md").read_text()

@@ -150,7 +150,8 @@ def test_hf_maml_through_the_cli(tmp_path, mosquitto):
     assert summary["rounds_completed"] == 1 and summary["history"][1]["updates"] == 2
     config = json.loads((out / "config.json").read_text())
     local = config["server"]["training"]  # the nested spec: the local round devices were sent
-    assert config["method"] == "hfmaml" and local["algorithm"] == "fedavg" and local["embedding_reg"] == 1.0
+    assert local["method"] == {"name": "hfmaml", "embedding_reg": 1.0, "maml_alpha": 0.01, "maml_beta": 0.02,
+                               "maml_delta": 0.001}
     tuned = summary["personalized"]["training_clients"]["tuned"]  # the paper's "tuned": global + a few local batches
     assert tuned["clients"] == 2 and tuned["auc"]["std"] >= 0 and "| tuned |" in (out / "summary.md").read_text()
 
@@ -160,4 +161,4 @@ def test_bad_hfmaml_combinations_are_refused(tmp_path, capsys):
 
     assert main(["-q", "fleet", "simulate", "--method", "fedfr", "--embedding-reg", "1", "--public-data", str(tmp_path),
                  "--out", str(tmp_path / "run")]) == 2
-    assert "--embedding-reg applies to" in capsys.readouterr().err
+    assert "--embedding-reg has no effect without --method fedavg, fedprox" in capsys.readouterr().err

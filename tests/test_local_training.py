@@ -10,6 +10,8 @@ from models.faces.crops import CropConfig, crop_index
 from models.faces.datasets import load_index
 from models.networks.face_model import FaceModel, ModelConfig, shareable_state
 from protocol.messages import TrainingConfig
+from protocol.methods import FedProx
+from protocol.training_parts import OptimiserSettings
 
 
 def _round(synthetic_dir, prox_mu: float):
@@ -19,10 +21,11 @@ def _round(synthetic_dir, prox_mu: float):
     global_state = {k: v.clone() for k, v in shareable_state(model).items()}
     head_before = model.head.weight.detach().clone()
     dfc_before = model.dfc.transform.weight.detach().clone()
-    settings = TrainingConfig(algorithm="fedprox", epochs=1, batch_size=16, lr=1e-2)
+    settings = TrainingConfig(method=FedProx(), optimisation=OptimiserSettings(epochs=1, batch_size=16, lr=1e-2))
     # mu = 50 is beyond what a round announcement may carry (10): set here past that check (pydantic's own, unvalidated
     # copy; a message's model_copy validates), as a strong pull
-    result = train_round(model, crops, global_state, BaseModel.model_copy(settings, update={"prox_mu": prox_mu}))
+    method = BaseModel.model_copy(settings.method, update={"prox_mu": prox_mu})
+    result = train_round(model, crops, global_state, BaseModel.model_copy(settings, update={"method": method}))
     return model, global_state, result, head_before, dfc_before
 
 

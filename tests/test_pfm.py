@@ -43,7 +43,15 @@ def test_pfm_with_one_client_and_one_step_per_round_is_centralised_momentum_sgd(
         global_state, server_state = strategy.aggregate(global_state, delta, server_state)
     for name, value in reference.state_dict().items():
         np.testing.assert_allclose(global_state[f"backbone.{name}"], value.numpy(), rtol=1e-9, atol=1e-12)
-    assert strategy.client_config() == {"algorithm": "pfm", "pfm_beta": beta}
+    from coordinator.aggregation import strategy_for
+    from coordinator.settings import RoundSettings
+    from protocol import methods
+    from protocol.messages import TrainingConfig
+    from protocol.training_parts import OptimiserSettings
+
+    # the strategy a run's PFM settings build, beta being the one devices are sent in the method's settings
+    training = TrainingConfig(method=methods.PFM(pfm_beta=beta), optimisation=OptimiserSettings(lr=lr))
+    assert strategy_for(RoundSettings(training=training)) == strategy
 
 
 def test_pfm_rounds_over_the_broker_send_the_momentum_and_devices_apply_it(tmp_path, mosquitto):

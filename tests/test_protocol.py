@@ -209,10 +209,10 @@ def test_a_receiver_with_a_newer_schema_still_verifies_an_older_sender():
 
 def _place(config: dict, fields: dict) -> None:
     """Each field where today's round configuration keeps it: at the top, or in its part (`optimisation`, `model`,
-    `transport`, `public_set`), so a hostile value meets that field's own bound rather than the refusal of an
+    `transport`, `public_set`, `method`), so a hostile value meets that field's own bound rather than the refusal of an
     unknown field; a value of `_GONE` takes the field out."""
     for key, value in fields.items():
-        parts = (*PART_NAMES, "public_set")
+        parts = (*PART_NAMES, "public_set", "method")
         part = next((p for p in parts if isinstance(config.get(p), dict) and key in config[p]), None)
         holder = config[part] if part else config
         if value is _GONE:
@@ -255,6 +255,13 @@ def test_hostile_public_set_fields_in_a_round_announcement_are_refused(fields):
         parse(json.dumps(envelope).encode())
 
 
+def _method_of(fields: dict):
+    """The method whose settings hold these fields (each meets its own bound, not an unknown field's refusal)."""
+    from protocol.methods import HFMAML, PFM
+
+    return HFMAML() if any(k.startswith("maml_") or k == "embedding_reg" for k in fields) else PFM()
+
+
 @pytest.mark.parametrize("fields, where", [
     ({"momentum_sha256": None}, "body"),           # the three come together
     ({"momentum_chunks": None}, "body"),
@@ -264,7 +271,7 @@ def test_hostile_public_set_fields_in_a_round_announcement_are_refused(fields):
     ({"momentum_chunks": -1}, "body"),
     ({"pfm_beta": 1.0}, "config"),                 # momentum that never decays
     ({"pfm_beta": -0.5}, "config"),
-    ({"algorithm": "fedsgd"}, "config"),
+    ({"name": "fedsgd"}, "config"),              # a method no one knows
     ({"maml_beta": 0.0}, "config"),
     ({"maml_delta": 5.0}, "config"),
     ({"embedding_reg": -1.0}, "config"),
@@ -275,7 +282,7 @@ def test_hostile_method_fields_in_a_round_announcement_are_refused(fields, where
     from protocol.messages import RoundAnnouncement
 
     body = RoundAnnouncement(round_id=1, model_version=0, model_sha256="0" * 64, model_bytes=1, model_chunks=1,
-                             total_rounds=1, deadline_unix=1e9, config=TrainingConfig(algorithm="pfm"),
+                             total_rounds=1, deadline_unix=1e9, config=TrainingConfig(method=_method_of(fields)),
                              participants=["a"], momentum_sha256="ab" * 32, momentum_bytes=10, momentum_chunks=1)
     envelope = json.loads(seal("coordinator", 1, body, Signer.generate()))
     assert parse(json.dumps(envelope).encode()).body.momentum_bytes == 10

@@ -12,17 +12,18 @@ from fleet.cli import _config
 from fleet.config import SimConfig
 from models.cli.objective import training_config
 from protocol.messages import TrainingConfig
+from protocol.methods import FedFace
 
 SHARED = ["--rounds", "3", "--fraction", "0.5", "--round-timeout", "60", "--method", "fedprox", "--prox-mu", "0.2",
           "--local-epochs", "2", "--batch-size", "8", "--lr", "0.001", "--width-mult", "0.5", "--codec", "int8",
-          "--combine", "median", "--norm-factor", "2", "--norm-ceiling", "0.2", "--hard-negatives", "--t-hn", "0.2",
-          "--contrastive", "--tau", "0.3", "--dfc-steps", "7", "--seed", "5"]
+          "--combine", "median", "--norm-factor", "2", "--norm-ceiling", "0.2", "--dfc-steps", "7", "--seed", "5"]
+SHARED_FEDFR = ["--method", "fedfr", "--t-hn", "0.2", "--tau", "0.3", "--alpha-cos", "2", "--no-dfc"]
 SHARED_FV_DP = ["--method", "fedavgm", "--server-momentum", "0.5", "--no-dfc", "--fv", "--fv-candidates", "4",
                 "--fv-phi", "0.5", "--fv-epsilon", "0.01", "--fv-timeout", "30", "--dp-clip", "2", "--dp-noise", "0.5",
                 "--dp-delta", "1e-6", "--codec", "topk", "--topk-fraction", "0.3"]
 
 
-@pytest.mark.parametrize("shared", [SHARED, SHARED_FV_DP])
+@pytest.mark.parametrize("shared", [SHARED, SHARED_FV_DP, SHARED_FEDFR])
 def test_serve_and_simulate_read_the_same_flags_into_the_same_spec(tmp_path, shared):
     """Every option both commands take builds the same RoundSettings and TrainingConfig: one name, one meaning."""
     parser = build_parser()
@@ -36,8 +37,9 @@ def test_serve_and_simulate_read_the_same_flags_into_the_same_spec(tmp_path, sha
     if shared is SHARED:
         assert simulated["rounds"] == 3 and simulated["combine"] == "median"
         assert simulated["training"]["optimisation"]["lr"] == 0.001
-        assert simulated["training"]["algorithm"] == "fedprox" and simulated["training"]["prox_mu"] == 0.2
-        assert simulated["training"]["t_hn"] == 0.2 and simulated["training"]["tau"] == 0.3
+        assert simulated["training"]["method"] == {"name": "fedprox", "embedding_reg": 0.0, "prox_mu": 0.2}
+    elif shared is SHARED_FEDFR:
+        assert simulated["training"]["method"]["t_hn"] == 0.2 and simulated["training"]["method"]["tau"] == 0.3
     else:
         assert simulated["server_momentum"] == 0.5 and simulated["fv_phi"] == 0.5 and simulated["dp_delta"] == 1e-6
         assert simulated["fv_timeout_s"] == 30 and simulated["training"]["transport"]["topk_fraction"] == 0.3
@@ -49,7 +51,9 @@ def test_serve_and_simulate_read_the_same_flags_into_the_same_spec(tmp_path, sha
     (["--server-momentum", "0.5"], "--server-momentum", "--method fedavgm"),
     (["--method", "fedfr", "--maml-beta", "0.1"], "--maml-beta", "--method hfmaml"),
     (["--method", "fedfr", "--no-hard-negatives", "--t-hn", "0.1"], "--t-hn", "--hard-negatives"),
-    (["--tau", "0.3"], "--tau", "--contrastive"),
+    (["--method", "fedfr", "--no-contrastive", "--tau", "0.3"], "--tau", "--contrastive"),
+    (["--tau", "0.3"], "--tau", "--method fedfr"),  # FedFR's own, refused with the default method
+    (["--method", "fedprox", "--hard-negatives"], "--hard-negatives", "--method fedfr"),
     (["--no-dfc", "--dfc-steps", "7"], "--dfc-steps", "--dfc"),
     (["--topk-fraction", "0.3"], "--topk-fraction", "--codec topk"),
     (["--combine", "median", "--trim", "0.1"], "--trim", "--combine trimmed-mean"),
@@ -104,7 +108,7 @@ def test_a_run_folder_from_before_the_nested_spec_still_loads(tmp_path):
     assert (config.clients, config.server.rounds, config.server.round_timeout_s, config.server.combine) == \
         (4, 6, 99.0, "median")
     assert config.training.optimisation.epochs == 2 and config.training.optimisation.lr == 0.01 and config.seed == 3
-    assert config.training.hard_negatives and not config.training.contrastive  # --method fedfr's defaults
+    assert config.training.method.hard_negatives and not config.training.method.contrastive  # fedfr's defaults
     assert config.training.model.dfc_weight == 10.0 and config.gate.bar.far == 0.01 and config.gate.bar.limit == 50
 
 
@@ -112,11 +116,22 @@ def test_a_run_folder_says_its_format_and_one_from_a_newer_version_is_refused_pl
     """config.json names its format; each older one has its reader, and a newer one is not half-read."""
     SimConfig(clients=3).save(tmp_path / "config.json")
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["format_version"] == 5 and SimConfig.load(tmp_path / "config.json").clients == 3
+    assert saved["format_version"] == 6 and SimConfig.load(tmp_path / "config.json").clients == 3
     assert SimConfig.load(tmp_path / "config.json").public_identities == 0.2
-    (tmp_path / "config.json").write_text(json.dumps({**saved, "format_version": 6}))
-    with pytest.raises(ValueError, match="config.json format 6: this ffr-edge reads formats 1-5 .*upgrade ffr-edge"):
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "format_version": 7}))
+    with pytest.raises(ValueError, match="config.json format 7: this ffr-edge reads formats 1-6 .*upgrade ffr-edge"):
         SimConfig.load(tmp_path / "config.json")
+    # format 5: the round configuration's format 2, the method's settings at its top
+    training = {**{k: v for k, v in saved["server"]["training"].items() if k != "method"}, "version": 2,
+                "algorithm": "fedprox", "prox_mu": 0.3, "hard_negatives": False}
+    fifth = {**saved, "format_version": 5, "server": {**saved["server"], "training": training}}
+    (tmp_path / "config.json").write_text(json.dumps(fifth))
+    assert SimConfig.load(tmp_path / "config.json").training.method.proximal_mu() == 0.3
+    # format 5 kept the run's --method beside the spec, FedFace being PFM on the wire: it names the method now
+    pfm = {**training, "algorithm": "pfm", "pfm_beta": 0.7}
+    fifth = {**fifth, "method": "fedface", "server": {**saved["server"], "training": pfm}}
+    (tmp_path / "config.json").write_text(json.dumps(fifth))
+    assert SimConfig.load(tmp_path / "config.json").training.method == FedFace(pfm_beta=0.7)
     flat = {"clients": 4, "rounds": 6, "method": "fedavg", "format_version": 1}
     (tmp_path / "config.json").write_text(json.dumps(flat))
     assert SimConfig.load(tmp_path / "config.json").server.rounds == 6
@@ -164,7 +179,7 @@ def test_each_part_refuses_what_cannot_work_with_the_flag_it_came_from(tmp_path,
 def test_method_names_the_aggregation_and_the_local_objective(tmp_path, method, algorithm, fv):
     args = build_parser().parse_args(["fleet", "simulate", "--out", str(tmp_path), "--method", method])
     config = _config(args)
-    assert config.training.algorithm == algorithm and config.server.fv == fv and config.method == method
+    assert config.training.algorithm == algorithm and config.server.fv == fv and config.training.method.name == method
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", "{not json", '{"server": 3}', '{"server": {"training": {"lr": 99}}}',
@@ -217,7 +232,8 @@ SERVE_NOT_FLAGS = {  # ... and those `ffr coordinator serve` has none for
     "service.tick_seconds": "the service's clock",
     "service.start_paused": "the dashboard's and tests' (POST /api/pause)",
 }
-CLI_DEFAULTS = {"method": "fedprox", "server.training.algorithm": "fedprox",  # DEFAULT_METHOD in every command
+CLI_DEFAULTS = {"server.training.method.name": "fedprox",  # DEFAULT_METHOD in every command
+                "server.training.method.prox_mu": 0.01,  # its own setting, which the spec's FedAvg lacks
                 "server.min_clients": 1}  # a simulated fleet is its own quorum
 
 
@@ -335,7 +351,7 @@ def test_with_no_options_the_spec_is_the_specs_defaults(tmp_path):
     defaults = dotted(SimConfig().to_dict())
     differ = {k: (defaults.get(k), parsed.get(k)) for k in set(parsed) | set(defaults)
               if parsed.get(k) != defaults.get(k)}
-    assert differ == {k: (defaults[k], v) for k, v in CLI_DEFAULTS.items()}
+    assert differ == {k: (defaults.get(k), v) for k, v in CLI_DEFAULTS.items()}
 
 
 def test_an_owned_options_help_states_the_specs_default():
@@ -343,20 +359,24 @@ def test_an_owned_options_help_states_the_specs_default():
     shown: it must be the spec's, for every owned option of `ffr fleet simulate`."""
     import re
 
-    by_field = {k.rsplit(".", 1)[-1]: v for k, v in _simulate_spec([]).items()}
     owned = _owned()
     actions = [a for a in _subparser(build_parser(), "fleet", "simulate")._actions
                if a.option_strings and a.option_strings[0] in owned]
     checked = 0
     for action in actions:
         assert action.default is None, f"{action.option_strings[0]} has a default of its own: {action.default}"
+        spec = _simulate_spec(owned[action.option_strings[0]].turn_on())  # with its owner on: a method's own
+        by_field = {k.rsplit(".", 1)[-1]: v for k, v in spec.items()}
         value = by_field[{"fv_timeout": "fv_timeout_s"}.get(action.dest, action.dest)]
         if value is None:  # Krum's f: computed from the round's size
             continue
         stated = re.search(r"\(default ([-\w.]+?)[:;,)]", action.help)
         assert stated, f"{action.option_strings[0]}'s help states no default"
         text = stated.group(1)
-        assert (float(text) == float(value)) if not isinstance(value, str) else text == value, \
-            f"{action.option_strings[0]}: help says {text}, the spec {value}"
+        if isinstance(value, bool):
+            assert text == ("on" if value else "off"), f"{action.option_strings[0]}: help says {text}, the spec {value}"
+        else:
+            assert (float(text) == float(value)) if not isinstance(value, str) else text == value, \
+                f"{action.option_strings[0]}: help says {text}, the spec {value}"
         checked += 1
     assert checked == len(actions) - 1 > 20  # every owned option but Krum's f

@@ -1,37 +1,54 @@
-"""The local-objective options shared by `ffr coordinator serve` and `ffr fleet simulate`.
+"""The federated method's and the local objective's options, shared by `ffr coordinator serve` and `ffr fleet simulate`.
 
-`--method fedfr` turns on FedFR's techniques with the paper's weights (alpha = 1, 5, 10; t_HN 0.4;
-tau 0.5); each technique has its own switch, so an ablation is one flag each
-(`--method fedfr --no-contrastive`, `--no-hard-negatives`, `--no-dfc`).
+`--method` and each method's options come from the methods' settings models (`protocol.methods`): an option is the
+`flag` of a method's setting, its help that setting's description, and it is refused with a method that lacks it.
+`--method fedfr` turns on FedFR's techniques with the paper's weights (alpha = 1, 5, 10; t_HN 0.4; tau 0.5); each
+technique has its own switch, so an ablation is one flag each (`--method fedfr --no-contrastive`,
+`--no-hard-negatives`, `--no-dfc`).
 """
 from __future__ import annotations
 
 import argparse
 
-from models.cli.common import Owned, deprecated_alias, given, one_line, refuse_unowned
+from models.cli.common import Owned, deprecated_alias, dest, given, one_line, refuse_unowned
 from protocol import methods
 from protocol.codecs import CODECS, TOPK_FRACTION
 from protocol.messages import TrainingConfig, TransportSettings
-from protocol.methods import DEFAULT_METHOD, Method, method_named, owner_of
-from protocol.training_parts import ModelSpec, OptimiserSettings, flatten
+from protocol.methods import DEFAULT_METHOD, method_named, owners_of
+from protocol.training_parts import ModelSpec, OptimiserSettings
 
 SPEC = TrainingConfig()  # the flags' defaults are the spec's
 
 
-def method_owned(option: str, of=lambda built: built) -> Owned:
-    """`option` is its method's own (`protocol.methods`): refused unless the part the command built (`of` finds the
-    round configuration in it) runs that method."""
-    method: Method = owner_of(option)
-    return Owned(f"--method {method.name}", lambda built: method.is_on(of(built)))
+def method_flags() -> dict[str, list[str]]:
+    """{option: the methods that take it}, every method's settings in the list's order."""
+    flags = [flag for kind in methods.METHODS.values() for flag in kind.flags()]
+    return {flag: owners_of(flag) for flag in dict.fromkeys(flags)}
 
 
-# Each method's and technique's own settings: given while their owner is off, the command refuses them
+def _either(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def method_owned(flag: str, owners: list[str]) -> Owned:
+    """A method's own option: refused unless the round configuration's method takes it."""
+    return Owned(f"--method {_either(owners)}", lambda t: flag in type(t.method).flags(),
+                 argv=("--method", owners[0]))
+
+
+# Each method's own settings, refused with a method that lacks them
+METHOD_OWNED: dict[str, Owned] = {flag: method_owned(flag, owners) for flag, owners in method_flags().items()}
+# FedFR's options that mean something only with their technique on (both are on with --method fedfr)
+_TECHNIQUE = {"--t-hn": ("--hard-negatives", lambda m: m.uses_public_set()),
+              "--tau": ("--contrastive", lambda m: m.uses_previous_local()),
+              "--alpha-con": ("--contrastive", lambda m: m.uses_previous_local())}
+
+# Each method's and technique's own settings: given while their owner is off, the command refuses them (a method's
+# first: `--t-hn` with FedProx names --method fedfr, with FedFR's hard negatives off --hard-negatives)
 OWNED: dict[str, Owned] = {
-    **{option: method_owned(option) for m in methods.METHODS.values() for option in m.options
-       if option != "--server-momentum"},  # the coordinator's own setting (coordinator.cli.ROUND_OWNED)
-    "--t-hn": Owned("--hard-negatives", lambda t: t.hard_negatives),
-    "--tau": Owned("--contrastive", lambda t: t.contrastive),
-    "--alpha-con": Owned("--contrastive", lambda t: t.contrastive),
+    **METHOD_OWNED,
+    **{flag: Owned(switch, lambda t, on=on: on(t.method), argv=("--method", "fedfr"))
+       for flag, (switch, on) in _TECHNIQUE.items()},
     "--dfc-weight": Owned("--dfc", lambda t: t.model.dfc),
     "--dfc-steps": Owned("--dfc", lambda t: t.model.dfc),
     "--dfc-lr": Owned("--dfc", lambda t: t.model.dfc),
@@ -40,42 +57,38 @@ OWNED: dict[str, Owned] = {
 
 
 def add_method_options(group, public_flag: str, old_spelling: str) -> None:
-    """--method (one choice: aggregation and local objective), --prox-mu and --server-momentum; `old_spelling` is the
-    command's former name for the aggregation choice (--strategy or --algorithm), kept as a deprecated alias."""
+    """--method (one choice: aggregation and local objective), each method's own options (from its settings model)
+    and --server-momentum; `old_spelling` is the command's former name for the aggregation choice (--strategy or
+    --algorithm), kept as a deprecated alias."""
     method = group.add_argument(
         "--method", choices=tuple(methods.METHODS), default=DEFAULT_METHOD,
-        help="; ".join(f"{m.name}: {m.summary.format(public=public_flag)}" for m in methods.METHODS.values()))
+        help="; ".join(f"{name}: {m.summary.format(public=public_flag)}" for name, m in methods.METHODS.items()))
     deprecated_alias(group, old_spelling, method)
-    prox = group.add_argument("--prox-mu", type=float,
-                              help=f"FedProx's proximal weight mu (default {SPEC.prox_mu:g}; --method fedprox)")
-    if old_spelling == "--strategy":  # `ffr coordinator serve --mu` meant FedProx's mu
-        deprecated_alias(group, "--mu", prox)
+    for flag, owners in method_flags().items():
+        action = _add_setting(group, flag, owners)
+        if flag == "--prox-mu" and old_spelling == "--strategy":  # `ffr coordinator serve --mu` meant FedProx's mu
+            deprecated_alias(group, "--mu", action)
     group.add_argument("--server-momentum", type=float,
                        help="FedAvgM's server momentum (default 0.9; --method fedavgm)")
 
 
+def _add_setting(group, flag: str, owners: list[str]) -> argparse.Action:
+    """One method setting's option: its type, default and help from the first owner's settings model."""
+    field = method_named(owners[0]).model_fields[method_named(owners[0]).flags()[flag]]
+    if field.annotation in (bool, "bool"):
+        state = "on" if field.default else "off"
+        return group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                  help=f"{field.description} (default {state}; --method {_either(owners)})")
+    kind = int if field.annotation in (int, "int") else float
+    return group.add_argument(flag, type=kind,
+                              help=f"{field.description} (default {field.default:g}; --method {_either(owners)})")
+
+
 def add_objective_options(group) -> None:
-    group.add_argument("--hard-negatives", action=argparse.BooleanOptionalAction, default=None,
-                       help="sample hard negatives from the device's public set (default: on with --method fedfr)")
-    group.add_argument("--t-hn", type=float, help=f"hard-negative cosine threshold t_HN (default {SPEC.t_hn:g})")
-    group.add_argument("--contrastive", action=argparse.BooleanOptionalAction, default=None,
-                       help="FedFR's contrastive regulariser, eq. 5 (default: on with --method fedfr)")
-    group.add_argument("--tau", type=float, help=f"contrastive temperature (default {SPEC.tau:g})")
-    group.add_argument("--alpha-cos", type=float, help="alpha_1: weight of the CosFace loss (default 1)")
-    group.add_argument("--alpha-con", type=float,
-                       help=f"alpha_2: weight of the contrastive term (default {SPEC.alpha_con:g})")
+    """What the local objective adds to any method: the DFC fit after training and the head's imprinting."""
     group.add_argument("--dfc-steps", type=int, help="steps fitting the DFC branch on frozen features after local "
                                                      f"training (default {SPEC.dfc_steps})")
     group.add_argument("--dfc-lr", type=float, help=f"learning rate of that fit (default {SPEC.dfc_lr:g})")
-    group.add_argument("--embedding-reg", type=float,
-                       help="C: add C * (1 - cos(global embedding, local embedding)) to the local loss (the HF-MAML "
-                            "paper's eq. 4; FedAvg/FedProx/HF-MAML; default 0: off)")
-    group.add_argument("--maml-alpha", type=float,
-                       help=f"HF-MAML inner step size alpha (default {SPEC.maml_alpha:g})")
-    group.add_argument("--maml-beta", type=float,
-                       help=f"HF-MAML outer step size beta (default {SPEC.maml_beta:g}, the paper's Tab. IV)")
-    group.add_argument("--maml-delta", type=float, help="HF-MAML finite-difference step delta of the Hessian-vector "
-                                                        f"product (default {SPEC.maml_delta:g})")
     group.add_argument("--imprint-head", action=argparse.BooleanOptionalAction, default=True,
                        help="each round, set the device's class centres to its people's mean embedding under the "
                             "received model before training (weight imprinting; default on)")
@@ -105,27 +118,35 @@ def training_config(args, **extra) -> TrainingConfig:
     """The round configuration devices are sent, from the options `add_method_options`,
     `add_local_training_options`, `add_codec_options` and `add_objective_options` added; every command that runs
     rounds builds it here, so a flag means the same in each. `extra`: fields a command sets itself."""
-    settings = objective_settings(args)
     if not 0 < given(args, ["--topk-fraction"]).get("topk_fraction", TOPK_FRACTION) <= 1:  # TrainingConfig's bounds
         raise ValueError("--codec must be fp16, fp32, int8 or topk, and --topk-fraction in (0, 1]")
-    if settings["hfmaml"] and (settings["hard_negatives"] or settings["contrastive"]):
-        raise ValueError("--method hfmaml takes no hard negatives or contrastive term (FedFR's)")
-    if settings["embedding_reg"] and (settings["hard_negatives"] or settings["contrastive"]):
-        raise ValueError("--embedding-reg applies to fedavg, fedprox and hfmaml, not to FedFR's objective")
+    kind = method_named(args.method or DEFAULT_METHOD)
+    flags = {"epochs": "--local-epochs", "algorithm": "--method", **{f: flag for flag, f in kind.flags().items()}}
     try:
+        method = method_settings(args)
         optimisation = OptimiserSettings(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr)
-        model = ModelSpec(dfc=args.dfc, width_mult=args.width_mult, dfc_weight=settings.pop("dfc_weight"),
-                          imprint_head=settings.pop("imprint_head"))
+        dfc_weight = args.dfc_weight if args.dfc_weight is not None else \
+            kind.model_defaults.get("dfc_weight", SPEC.model.dfc_weight)
+        model = ModelSpec(dfc=args.dfc, width_mult=args.width_mult, dfc_weight=dfc_weight,
+                          imprint_head=args.imprint_head)
         transport = TransportSettings(codec=args.codec, **given(args, ["--topk-fraction"]),
                                       **{k: extra.pop(k) for k in TransportSettings.model_fields if k in extra})
-        config = TrainingConfig(optimisation=optimisation, model=model, transport=transport,
-                                batchnorm=batchnorm(args), top_blocks=args.top_blocks,
-                                algorithm=method_named(args.method).strategy, dp_clip=args.dp_clip,
-                                **given(args, ["--prox-mu"]), **settings, **extra)
+        config = TrainingConfig(method=method, optimisation=optimisation, model=model, transport=transport,
+                                batchnorm=batchnorm(args), top_blocks=args.top_blocks, dp_clip=args.dp_clip,
+                                **given(args, ["--dfc-steps", "--dfc-lr"]), **extra)
     except ValueError as exc:  # pydantic's refusal, named as these commands spell the option
-        raise ValueError(one_line(exc, {"epochs": "--local-epochs", "algorithm": "--method"})) from None
+        raise ValueError(one_line(exc, flags)) from None
+    refuse_unowned(args, METHOD_OWNED, config)
     refuse_unowned(args, OWNED, config)
     return config
+
+
+def method_settings(args) -> methods.MethodSettings:
+    """The chosen method's settings model: each of its options given, else its own default. Another method's
+    options are left for `refuse_unowned` to name."""
+    kind = method_named(args.method or DEFAULT_METHOD)
+    return kind(**{field: getattr(args, dest(flag)) for flag, field in kind.flags().items()
+                   if getattr(args, dest(flag), None) is not None})
 
 
 def batchnorm(args) -> str:
@@ -134,18 +155,6 @@ def batchnorm(args) -> str:
     if args.batchnorm is not None:
         return args.batchnorm
     return SPEC.batchnorm if getattr(args, "init", "face") == "face" else "train"
-
-
-def objective_settings(args) -> dict:
-    """TrainingConfig fields for the chosen method and switches, in the flat form (`protocol.training_parts`): a
-    setting given wins, else the method's term (`protocol.methods`), else the spec's default."""
-    switched = ("hard_negatives", "contrastive", "hfmaml", "dfc_weight", "embedding_reg")  # what methods set
-    defaults = flatten(SPEC.model_dump())  # the round's defaults by name
-    terms = {**{k: defaults[k] for k in switched}, **method_named(args.method or DEFAULT_METHOD).terms}
-    switches = {k: getattr(args, k) for k in ("hard_negatives", "contrastive") if getattr(args, k) is not None}
-    return {**terms, **switches, "imprint_head": args.imprint_head,
-            **given(args, ["--alpha-cos", "--dfc-weight", "--embedding-reg", "--t-hn", "--tau", "--alpha-con",
-                           "--dfc-steps", "--dfc-lr", "--maml-alpha", "--maml-beta", "--maml-delta"])}
 
 
 def add_codec_options(group) -> None:
