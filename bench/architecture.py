@@ -6,8 +6,9 @@ Read from the source with `ast`, nothing imported or run:
   - classes over 300 lines, functions over 60 (argparse tables aside: the lines of `add_argument`,
     `add_parser` and `add_argument_group` statements are not counted);
   - configuration classes (dataclasses and pydantic models named ...Config, ...Settings, ...Spec, ...Objective,
-    ...Setup or ...Ref, and classes of those names derived from one) and the field names declared in two or more
-    of them;
+    ...Setup or ...Ref, and classes of those names derived from one; and each federated method's settings model in
+    `protocol.methods`, whatever its name) and the field names declared in two or more of them (class variables,
+    `ClassVar`, are not fields);
     a field whose type is a configuration class embeds that one home (`protocol.training_parts`: a round's,
     `ffr train`'s and `ffr pretrain`'s `optimisation`) and is listed as a part, not counted as a copy;
   - hand-written optimiser loops in the product's packages: functions that call both `.backward(` and `.step(`
@@ -28,6 +29,7 @@ from bench.common import write_results
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"protocol": 0, "models": 1, "coordinator": 2, "edge_client": 2, "fleet": 3, "ffr": 4, "bench": 5}
 MAX_CLASS, MAX_FUNCTION = 300, 60
+METHODS_MODULE = "protocol.methods"
 CONFIG_NAME = re.compile(r"(Config|Settings|Spec|Objective|Setup|Ref)$")  # GateSetup and PublicSetRef are too
 ARGPARSE_CALLS = {"add_argument", "add_parser", "add_argument_group", "add_mutually_exclusive_group"}
 
@@ -76,8 +78,26 @@ def _is_config(cls: ast.ClassDef) -> bool:
 
 
 def _config_classes(tree: dict[str, ast.Module]) -> dict[str, ast.ClassDef]:
-    return {f"{module}.{cls.name}": cls for module, node in tree.items()
-            for cls in ast.walk(node) if isinstance(cls, ast.ClassDef) and _is_config(cls)}
+    found = {f"{module}.{cls.name}": cls for module, node in tree.items()
+             for cls in ast.walk(node) if isinstance(cls, ast.ClassDef) and _is_config(cls)}
+    return {**found, **_method_settings(tree.get(METHODS_MODULE))}
+
+
+def _method_settings(node: ast.Module | None) -> dict[str, ast.ClassDef]:
+    """The methods' settings models: `protocol.methods`' pydantic models (`BaseModel` and the classes built on one),
+    named for the method they configure rather than ...Settings."""
+    models, found = {"BaseModel"}, {}
+    for cls in (node.body if node else []):
+        if isinstance(cls, ast.ClassDef) and any(ast.unparse(b) in models for b in cls.bases):
+            models.add(cls.name)
+            found[f"{METHODS_MODULE}.{cls.name}"] = cls
+    return found
+
+
+def _fields(cls: ast.ClassDef) -> list[str]:
+    """A configuration class's own fields: its annotated names, class variables aside."""
+    return [s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            and not ast.unparse(s.annotation).startswith("ClassVar")]
 
 
 def configs(tree: dict[str, ast.Module], count_parts: bool = False
@@ -86,8 +106,7 @@ def configs(tree: dict[str, ast.Module], count_parts: bool = False
     type is a configuration class (embedded parts, `parts`) are listed but not counted as copies unless
     `count_parts` (the rule before the parts, for comparison)."""
     classes = _config_classes(tree)
-    fields = {name: [s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
-              for name, cls in classes.items()}
+    fields = {name: _fields(cls) for name, cls in classes.items()}
     embedded = {} if count_parts else parts(tree)
     owners = defaultdict(list)
     for cls, names in fields.items():
