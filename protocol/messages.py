@@ -105,7 +105,7 @@ class PublicSetRef(_Body):
     size_bytes: int = Field(ge=1, le=MAX_PUBLIC_SET_BYTES)
 
 
-# format 1's flat names of the public set's fields (`TrainingConfig._format_1`)
+# format 1's flat names of the public set's fields (`TrainingConfig._older_formats`)
 PUBLIC_SET_FLAT = {"public_set_url": "url", "public_set_sha256": "sha256", "public_set_bytes": "size_bytes"}
 # a round's bounds on its optimiser, each with the option that sets it: no announcement can make a device train
 # forever or diverge by design
@@ -156,12 +156,7 @@ class TrainingConfig(_Body):
             return data
         if "version" not in data:
             data = nest(data, {"optimisation": (OptimiserSettings, {}), "model": (ModelSpec, ROUND_MODEL),
-                               "transport": (TransportSettings, {})})
-            public = {PUBLIC_SET_FLAT[k]: data.pop(k) for k in PUBLIC_SET_FLAT if k in data}
-            if any(v is not None for v in public.values()):  # all three or none: the part refuses one missing
-                if "public_set" in data:
-                    raise ValueError("public_set given both ways: a configuration names its public set one way")
-                data["public_set"] = public
+                               "transport": (TransportSettings, {}), "public_set": (PublicSetRef, {}, PUBLIC_SET_FLAT)})
         flat = {k: data.pop(k) for k in FLAT_NAMES if k in data}
         if flat and "method" in data:
             raise ValueError(f"{', '.join(flat)} and method both given: a configuration names its method one way")

@@ -112,17 +112,19 @@ def field_names(kind: type) -> list[str]:
     return list(getattr(kind, "model_fields", None) or (f.name for f in fields(kind)))
 
 
-def nest(raw: Mapping, parts: Mapping[str, tuple[type, Mapping]]) -> dict:
-    """A flat saved form (its parts' fields at the top) in today's nested form. `parts`: for each part its class
-    and the owner's defaults for it. A form that gives a part both ways is refused: which one meant it is
-    unknowable."""
+def nest(raw: Mapping, parts: Mapping[str, tuple]) -> dict:
+    """A flat saved form (its parts' fields at the top) in today's nested form. `parts`: for each part its class, the
+    owner's defaults for it and, where the flat form spelled them otherwise, {flat name: field} (format 1's
+    `public_set_url` is the public set's `url`). A part given only as nulls is given as none (refused unless the
+    owner's part may be none); one given both ways is refused: which one meant it is unknowable."""
     out = dict(raw)
-    for part, (kind, defaults) in parts.items():
-        flat = {k: out.pop(k) for k in field_names(kind) if k in out}
+    for part, (kind, defaults, *spelt) in parts.items():
+        names = spelt[0] if spelt else {name: name for name in field_names(kind)}
+        flat = {field: out.pop(name) for name, field in names.items() if name in out}
         if flat and part in out:
             raise ValueError(f"{', '.join(flat)} and {part} both given: a configuration names its {part} one way")
         if flat:
-            out[part] = {**defaults, **flat}
+            out[part] = None if all(value is None for value in flat.values()) else {**defaults, **flat}
     return out
 
 
