@@ -152,8 +152,9 @@ class TrainingConfig(_Body):
         """Format 1 (no `version`: an older coordinator's, or settings written before the parts) has its parts'
         fields at the top, read into the parts with a round's own defaults for them; formats 1 and 2 name the
         method's settings at the top (`algorithm`, `prox_mu`, FedFR's and HF-MAML's terms), read into `method`."""
-        if not isinstance(data, dict) or data.get("version", 1) not in (1, 2):
+        if not isinstance(data, dict) or data.get("version", 2) != 2:  # no `version`: format 1
             return data
+        data = dict(data)  # the caller's form is read, not changed
         if "version" not in data:
             data = nest(data, {"optimisation": (OptimiserSettings, {}), "model": (ModelSpec, ROUND_MODEL),
                                "transport": (TransportSettings, {}), "public_set": (PublicSetRef, {}, PUBLIC_SET_FLAT)})

@@ -154,7 +154,7 @@ assert {m.strategy for m in _ALL} <= set(ALGORITHMS)
 
 
 def method_named(name: str) -> type[_Method]:
-    if name not in METHODS:
+    if not isinstance(name, str) or name not in METHODS:
         raise ValueError(f"unknown --method {name!r}; choose one of {', '.join(METHODS)}")
     return METHODS[name]
 
@@ -176,9 +176,13 @@ def from_flat(flat: dict, name: str | None = None) -> dict:
     A form whose terms and aggregation no one method runs (FedFR's terms under FedProx) is refused: format 3
     cannot say it, and reading it as something else would change the run."""
     algorithm = flat.get("algorithm", "fedavg")
-    fedfr_on = bool(flat.get("hard_negatives") or flat.get("contrastive")) or flat.get("alpha_cos", 1.0) != 1.0
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {str(algorithm)[:40]!r}; a saved round configuration names one of "
+                         f"{', '.join(ALGORITHMS)}")
+    hfmaml, hard_negatives, contrastive = (_switch(flat, k) for k in ("hfmaml", "hard_negatives", "contrastive"))
+    fedfr_on = hard_negatives or contrastive or flat.get("alpha_cos", 1.0) != 1.0
     inferred = name is None
-    name = name or ("hfmaml" if flat.get("hfmaml") else "fedfr" if fedfr_on else algorithm)
+    name = name or ("hfmaml" if hfmaml else "fedfr" if fedfr_on else algorithm)
     kind = method_named(name)
     if kind.strategy != algorithm:
         raise ValueError(f"a saved round configuration runs {name}'s local steps with {algorithm}'s aggregation, "
@@ -190,3 +194,11 @@ def from_flat(flat: dict, name: str | None = None) -> dict:
     if name == "fedfr" and inferred:  # a flat form's switches were off unless it says so
         mine = {"hard_negatives": False, "contrastive": False, **mine}
     return {"name": name, **mine}
+
+
+def _switch(flat: dict, key: str) -> bool:
+    """A flat form's switch, which says the method it ran: true or false, nothing that only looks like one."""
+    value = flat.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} is true or false in a saved round configuration (got {str(value)[:40]!r})")
+    return value

@@ -54,10 +54,18 @@ def test_a_format_2_round_configuration_is_read_into_the_method_it_ran(flat, met
 @pytest.mark.parametrize("flat", [{"algorithm": "fedprox", "hard_negatives": True},  # no one method runs these
                                   {"algorithm": "pfm", "hfmaml": True},
                                   {"contrastive": True, "embedding_reg": 1.0},
-                                  {"algorithm": "fedprox", "method": {"name": "fedprox"}}])  # both ways
-def test_a_format_2_configuration_that_no_one_method_ran_is_refused(flat):
+                                  {"algorithm": "fedprox", "method": {"name": "fedprox"}},  # both ways
+                                  {"algorithm": ["fedavg"]}, {"algorithm": {"a": 1}}, {"algorithm": None},  # hostile
+                                  {"hfmaml": [1]}, {"hfmaml": 1}, {"hard_negatives": {}}, {"alpha_cos": [1]},
+                                  {"version": 1}])
+def test_a_format_2_configuration_that_no_one_method_ran_or_a_hostile_one_is_refused(flat):
+    """Refused as a schema's refusal (ValidationError, a message's reason), never another exception."""
+    form = {**FORMAT_2, **flat}
     with pytest.raises(ValidationError):
-        TrainingConfig.model_validate_json(json.dumps({**FORMAT_2, **flat}))
+        TrainingConfig.model_validate_json(json.dumps(form))
+    with pytest.raises(ValidationError):
+        TrainingConfig.model_validate(form)
+    assert form == {**FORMAT_2, **flat}  # the caller's form is read, not changed
 
 
 def test_an_older_coordinators_public_set_fields_are_read_into_their_part():
