@@ -223,16 +223,15 @@ def dotted(raw: dict, prefix: str = "") -> dict:
 
 def _nested(raw: dict) -> dict:
     """A run folder's config.json from before the nested spec (one flat list of options), in today's form."""
-    from protocol.methods import FLAT_NAMES, from_flat, method_named
+    from protocol.methods import DEFAULT_METHOD, FLAT_NAMES, method_named
 
-    name = raw.get("method")  # the run's --method, where it was saved (FedFace is PFM on the wire)
-    flat = {k: raw[k] for k in FLAT_NAMES if raw.get(k) is not None}
-    flat.setdefault("algorithm", method_named(name or "fedprox").strategy)
-    method = from_flat(flat, name)
-    dfc_weight = raw.get("dfc_weight")  # unset: the method's own (FedFR's 10), as the run's command chose
+    chosen = method_named(raw.get("method") or DEFAULT_METHOD)  # the run's --method (read by `_method_of_run`)
+    flat = {k: raw[k] for k in FLAT_NAMES if raw.get(k) is not None}  # null: the method's own
+    flat.setdefault("algorithm", chosen.strategy)
+    dfc_weight = raw.get("dfc_weight")  # unset: the run's --method's own (FedFR's 10), as its command chose
     if dfc_weight is None:
-        dfc_weight = method_named(method["name"]).model_defaults.get("dfc_weight", 1.0)
-    training = {"epochs": raw.get("local_epochs", 1), "method": method, "dfc_weight": dfc_weight,
+        dfc_weight = chosen.model_defaults.get("dfc_weight", 1.0)
+    training = {"epochs": raw.get("local_epochs", 1), **flat, "dfc_weight": dfc_weight,
                 "dfc_steps": raw.get("dfc_steps", 300), "dfc_lr": raw.get("dfc_lr", 1e-2),
                 "imprint_head": raw.get("imprint_head", True),
                 **{k: raw[k] for k in ("batch_size", "lr", "dfc", "codec", "topk_fraction", "width_mult", "dp_clip")

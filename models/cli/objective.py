@@ -74,7 +74,8 @@ def add_method_options(group, public_flag: str, old_spelling: str) -> None:
 
 def _add_setting(group, flag: str, owners: list[str]) -> argparse.Action:
     """One method setting's option: its type, default and help from the first owner's settings model."""
-    field = method_named(owners[0]).model_fields[method_named(owners[0]).flags()[flag]]
+    owner = method_named(owners[0])
+    field = owner.model_fields[owner.flags()[flag]]
     if field.annotation in (bool, "bool"):
         state = "on" if field.default else "off"
         return group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
@@ -123,7 +124,7 @@ def training_config(args, **extra) -> TrainingConfig:
     kind = method_named(args.method or DEFAULT_METHOD)
     flags = {"epochs": "--local-epochs", "algorithm": "--method", **{f: flag for flag, f in kind.flags().items()}}
     try:
-        method = method_settings(args)
+        method = method_settings(args, kind)
         optimisation = OptimiserSettings(epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr)
         dfc_weight = args.dfc_weight if args.dfc_weight is not None else \
             kind.model_defaults.get("dfc_weight", SPEC.model.dfc_weight)
@@ -141,10 +142,9 @@ def training_config(args, **extra) -> TrainingConfig:
     return config
 
 
-def method_settings(args) -> methods.MethodSettings:
-    """The chosen method's settings model: each of its options given, else its own default. Another method's
+def method_settings(args, kind: type) -> methods.MethodSettings:
+    """The chosen method's (`kind`'s) settings: each of its options given, else its own default. Another method's
     options are left for `refuse_unowned` to name."""
-    kind = method_named(args.method or DEFAULT_METHOD)
     return kind(**{field: getattr(args, dest(flag)) for flag, field in kind.flags().items()
                    if getattr(args, dest(flag), None) is not None})
 
