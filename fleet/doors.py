@@ -17,6 +17,7 @@ import numpy as np
 from edge_client.recognizer import calibrate, normalise, template_of
 from edge_client.verifier_choice import DEFAULT_FAR, check_split, preferred
 from fleet.data import TEST, TRAIN, FleetData
+from models.evaluation.bootstrap import rate_interval
 from models.faces.splits import relabel
 
 Embedder = Callable[[np.ndarray], np.ndarray]  # images -> embeddings (any scale)
@@ -53,7 +54,8 @@ def door_faces(data: FleetData, client: int, strangers: np.ndarray, public: np.n
 def door(embedder: Embedder, faces: DoorFaces, far: float = DEFAULT_FAR, min_shift: float = 0.0) -> dict | None:
     """The door a model gives: calibrated at `far` as the device calibrates (`min_shift`: the global model's capture
     shift, a personalised model's floor), then TAR on the test photos and FAR on the strangers' photos at that
-    threshold. None when the device cannot calibrate (fewer than two people with two judged images)."""
+    threshold, with its 95% interval over the strangers (`far_interval`, `models.evaluation.bootstrap.rate_interval`).
+    None when the device cannot calibrate (fewer than two people with two judged images)."""
     def embed(images: np.ndarray) -> np.ndarray:
         return normalise(embedder(images))
 
@@ -73,6 +75,8 @@ def door(embedder: Embedder, faces: DoorFaces, far: float = DEFAULT_FAR, min_shi
            "tar": float(np.mean(own > cal.threshold)) if len(own) else None,
            "far": float(above.mean()) if above.size else None, "false_accepts": int(above.sum()),
            "far_promised": far, "capture_shift": cal.capture_shift, "measurable": cal.measurable}
+    if faces.stranger_labels is not None and above.size:
+        out["far_interval"] = rate_interval(above.sum(1), np.full(len(above), above.shape[1]), faces.stranger_labels)
     if faces.stranger_labels is not None and above.any():
         _, who = np.unique(faces.stranger_labels, return_inverse=True)
         out["top_stranger_share"] = float(np.bincount(who, weights=above.sum(1)).max() / above.sum())
@@ -98,12 +102,17 @@ def device_doors(models: dict[str, Embedder], faces: DoorFaces, far: float = DEF
 
 def door_means(rows: dict[str, dict]) -> dict:
     """Over devices, for each model and for the one each device verifies with (`chosen`): mean TAR of its people,
-    mean and worst FAR on strangers, and how many devices chose the personalised model."""
+    mean and worst FAR on strangers, the devices over twice the promised FAR (`over_2x`) and those of them over it
+    beyond their interval over strangers (`beyond_2x`: not one look-alike's luck), and how many devices chose the
+    personalised model."""
     def means(doors: list[dict]) -> dict:
         tar = [d["tar"] for d in doors if d.get("tar") is not None]
         far = [d["far"] for d in doors if d.get("far") is not None]
+        over = [d for d in doors if d.get("far") is not None and d["far"] > 2 * d["far_promised"]]
         return {"devices": len(doors), "tar": float(np.mean(tar)) if tar else None,
-                "far": float(np.mean(far)) if far else None, "far_worst": max(far) if far else None}
+                "far": float(np.mean(far)) if far else None, "far_worst": max(far) if far else None,
+                "over_2x": len(over), "beyond_2x": sum(bool(d.get("far_interval"))
+                                                       and d["far_interval"][0] > 2 * d["far_promised"] for d in over)}
 
     out = {name: means([r[name] for r in rows.values() if name in r]) for name in ("start", "global", "personalised")}
     out["chosen"] = means([r[r["chosen"]] for r in rows.values() if "chosen" in r])

@@ -77,6 +77,14 @@ def test_the_door_bench_calibrates_many_devices_and_tries_strangers_on_each(tmp_
         assert 0 <= door["tar"] <= 1 and door["capture_shift"] >= 0
     assert size["summary"]["far_worst"] == max(d["far"] for d in size["devices"])
     assert "| 3 | 4 |" in (out / "tiny.md").read_text()
+    # an oracle door on the 4 people in no role, and each door's interval over its 5 strangers
+    assert all(0 <= d["far_oracle"] <= 1 and d["far_interval"][0] <= d["far"] <= d["far_interval"][1]
+               for d in size["devices"])
+    assert 0 <= size["summary"]["share_beyond_2x"] <= size["summary"]["share_over_2x"]
+    # served people of the set as the public set, as `ffr fleet simulate` does
+    assert door_far(["--data", str(faces), "--public-faces", str(public), "--out", str(out), "--name", "people",
+                     "--people", "3", "--devices", "2", "--strangers", "5", "--public-people", "2"]) == 0
+    assert "2 people of the set" in (out / "people.md").read_text()
 
 
 def test_the_door_summary_counts_the_devices_over_twice_the_promise():

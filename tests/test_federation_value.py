@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from coordinator.server_step import FIXED_STEP, STEPS, WHOLE, Judged, best_step, extrapolation_limit, point
-from models.evaluation.bootstrap import people_interval, weighted_tar_at_far
+from models.evaluation.bootstrap import people_interval, rate_interval, weighted_tar_at_far
 from models.evaluation.metrics import cosine_scores, make_pairs, tar_at_far
 from models.maths.interpolation import interpolate_arrays
 from models.networks.backbone import FaceEmbedder
@@ -41,6 +41,31 @@ def test_the_interval_over_people_narrows_with_more_people_and_holds_the_figure(
         assert interval["tar@1e-2"][0] <= interval["tar@1e-2"][1]
         widths.append(high - low)
     assert widths[1] < widths[0]
+
+
+def test_a_door_far_made_by_one_look_alike_has_a_wide_interval_and_one_spread_over_strangers_a_narrow_one():
+    people = np.repeat(np.arange(40), 20)  # 40 strangers, 20 photos each, each photo tried on 10 templates
+    trials = np.full(len(people), 10)
+    lookalike = np.where(people == 0, 2, 0)  # 40 false accepts, all of one stranger: FAR 0.005
+    spread = np.zeros(len(people))
+    spread[::20] = 1                         # 40 false accepts, one per stranger: FAR 0.005 too
+    low, high = rate_interval(lookalike, trials, people)
+    assert low == 0.0 and high > 0.01        # a draw without that stranger has no false accept
+    low, high = rate_interval(spread, trials, people)
+    assert low == pytest.approx(0.005) == high  # every draw of strangers keeps the rate
+    assert rate_interval(np.zeros(0), np.zeros(0), np.zeros(0, int)) is None
+
+
+def test_the_doors_count_devices_over_twice_the_promise_and_those_beyond_their_interval():
+    from fleet.doors import door_means
+
+    def row(far, interval):
+        return {"chosen": "global", "global": {"tar": 0.9, "far": far, "far_promised": 1e-3, "far_interval": interval}}
+
+    rows = {"0": row(0.0005, [0.0, 0.001]), "1": row(0.003, [0.0, 0.008]), "2": row(0.004, [0.0025, 0.006])}
+    means = door_means(rows)
+    assert means["global"]["over_2x"] == 2 and means["global"]["beyond_2x"] == 1
+    assert means["chosen"] == {**means["global"], "personalised": 0}
 
 
 def test_the_server_step_takes_the_point_that_separates_the_held_faces_best():

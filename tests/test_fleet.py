@@ -82,6 +82,8 @@ def test_simulation_runs_real_rounds_and_writes_the_summary(simulated):
         for name in ("start", "global", "personalised"):
             assert 0 <= row[name]["tar"] <= 1 and 0 <= row[name]["far"] <= 1 and row[name]["capture_shift"] == 0
         assert row["start"]["threshold"] != row["global"]["threshold"], "two rounds moved the global model's door"
+        low, high = row["global"]["far_interval"]  # over the strangers drawn
+        assert 0 <= low <= row["global"]["far"] <= high <= 1
     assert doors["chosen"] == {**doors["global"], "personalised": 0} and doors["start"]["devices"] == 3
     assert "## Each device's door (mean over devices)" in markdown
     assert "| start (before the federation) | 3 |" in markdown
@@ -143,7 +145,8 @@ def test_report_puts_runs_side_by_side(simulated, capsys):
     assert table[0].startswith("| run |") and len(table) == 4
     assert "| start AUC | global AUC |" in table[0] and "pers. TAR@1e-3 start" in table[0]
     assert "| pers. TAR@1e-3 local+dfc | pers. TAR@1e-3 global+dfc |" in table[0]  # what a device personalises
-    assert "| door TAR start | door TAR now | door FAR start | door FAR now |" in table[0]
+    assert "| door TAR start | door TAR now | door FAR start | door FAR now | doors over 2x now (beyond interval) |" \
+        in table[0]
     doors = json.loads((simulated / "summary.json").read_text())["personalized"]["doors"]
     assert f"| {doors['start']['tar']:.3f} | {doors['chosen']['tar']:.3f} |" in table[2]
     assert compare([simulated]).count("fedprox +DFC") == 1

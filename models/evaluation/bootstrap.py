@@ -56,3 +56,21 @@ def people_interval(scores: np.ndarray, same: np.ndarray, people: np.ndarray, fa
     tail = (1 - level) / 2 * 100
     return {k: [float(np.percentile(v, tail)), float(np.percentile(v, 100 - tail))] if len(v) >= resamples // 2
             else None for k, v in draws.items()}
+
+
+def rate_interval(hits: np.ndarray, trials: np.ndarray, people: np.ndarray, resamples: int = RESAMPLES,
+                  seed: int = 0, level: float = LEVEL) -> list[float] | None:
+    """[low, high] of a rate such as a door's FAR on strangers, over draws of the probes' people: `hits` and
+    `trials` per probe (a stranger's photo: the templates it passed, the templates it was tried on), `people` whose
+    photo each is. One stranger who resembles an enrolled person makes most of a door's false accepts, so the rate
+    measured on a few dozen strangers can be several times the promise at a threshold that keeps it (None: no
+    trials)."""
+    ids, who = np.unique(people, return_inverse=True)
+    hit = np.bincount(who, weights=hits, minlength=len(ids))
+    tried = np.bincount(who, weights=trials, minlength=len(ids))
+    if tried.sum() <= 0:
+        return None
+    counts = np.random.default_rng(seed).multinomial(len(ids), np.full(len(ids), 1 / len(ids)), size=resamples)
+    rates = (counts @ hit) / np.maximum(counts @ tried, 1e-12)
+    tail = (1 - level) / 2 * 100
+    return [float(np.percentile(rates, tail)), float(np.percentile(rates, 100 - tail))]
