@@ -149,6 +149,53 @@ def _door_lines(doors: dict) -> list[str]:
     return lines
 
 
+OWN_GAIN = 0.10  # issue 47's bar: a device's own people 10 points of TAR@1e-3 above the starting model
+
+
+def _tar(row: dict, name: str) -> float | None:
+    return (row.get(name) or {}).get("tar@1e-3")
+
+
+def _door_cell(doors: dict, key: str, digits: int) -> str:
+    """'start -> now' of one door figure: the starting model's door against the one the device verifies with."""
+    start, now = doors.get("start") or {}, doors.get(doors.get("chosen") or "", {})
+    return f"{_f(start.get(key), digits)} -> {_f(now.get(key), digits)}"
+
+
+def _device_lines(personalized: dict) -> list[str]:
+    """Each training device: its own people's TAR@1e-3 against strangers with the starting, the global and its
+    personalised model, and its door start -> now, with how many devices reach the 10-point bar and how many end
+    below the start; nothing for a run from before doors were scored."""
+    doors = (personalized.get("doors") or {}).get("per_client") or {}
+    rows = [r for r in personalized.get("per_client") or [] if not r.get("held_out") and _tar(r, "start") is not None]
+    if not rows or not doors:
+        return []
+    lines = ["", "### Per device", "",
+             "Own people TAR@1e-3: against strangers at their own FAR=1e-3 threshold; personalised: the global "
+             "backbone with the device's DFC branch. The door: at the threshold the device calibrated, start -> the "
+             "model it verifies with now; the FAR's 95% interval over the strangers in brackets.", "",
+             "| device | own TAR@1e-3 start | global | personalised | gain | verifies with | door TAR | door FAR |",
+             "|---|---|---|---|---|---|---|---|"]
+    gains, worse = [], 0
+    for r in rows:
+        d = doors.get(str(r["client"])) or {}
+        start, mine = _tar(r, "start"), _tar(r, "global+dfc")
+        used = _tar(r, "global+dfc" if d.get("chosen") == "personalised" else "global")
+        gain = None if mine is None else mine - start
+        gains.append(gain)
+        worse += used is not None and used < start
+        now = d.get(d.get("chosen") or "", {})
+        interval = now.get("far_interval")
+        far = _door_cell(d, "far", 5) + (f" [{interval[0]:.5f}, {interval[1]:.5f}]" if interval else "")
+        lines.append(f"| {r['client']} | {_f(start)} | {_f(_tar(r, 'global'))} | {_f(mine)} | "
+                     f"{'n/a' if gain is None else f'{gain:+.3f}'} | {d.get('chosen', 'no door scored')} | "
+                     f"{_door_cell(d, 'tar', 3)} | {far} |")
+    reached = sum(g is not None and g >= OWN_GAIN for g in gains)
+    lines += ["", f"{reached} of {len(rows)} devices gain {OWN_GAIN * 100:.0f} points or more on their own people "
+              f"with the personalised model; {worse} end below the start with the model they verify with."]
+    return lines
+
+
 def _people_lines(people: dict | None) -> list[str]:
     """Who the people on no device are used for (absent from runs before it was recorded)."""
     if not people:
@@ -200,6 +247,7 @@ def summary_markdown(summary: dict) -> str:
                     f"{mean_std(s, 'tar@1e-3')} |"
                 )
     lines += _door_lines(summary["personalized"].get("doors") or {})
+    lines += _device_lines(summary["personalized"])
     b = summary["bytes"]
     lines += [
         "",

@@ -152,6 +152,33 @@ def test_report_puts_runs_side_by_side(simulated, capsys):
     assert compare([simulated]).count("fedprox +DFC") == 1
 
 
+def test_the_summary_lists_each_device_start_against_now_and_counts_the_bar():
+    from fleet.report import _device_lines
+
+    def door(tar, far, interval=None):
+        return {"tar": tar, "far": far, "far_interval": interval}
+
+    per_client = [{"client": 0, "held_out": False, "start": {"tar@1e-3": 0.60}, "global": {"tar@1e-3": 0.62},
+                   "global+dfc": {"tar@1e-3": 0.75}},
+                  {"client": 1, "held_out": False, "start": {"tar@1e-3": 0.70}, "global": {"tar@1e-3": 0.68},
+                   "global+dfc": {"tar@1e-3": 0.72}},
+                  {"client": 2, "held_out": True, "start": {"tar@1e-3": 0.5}}]
+    doors = {"per_client": {"0": {"start": door(0.9, 0.001), "global": door(0.91, 0.001),
+                                  "personalised": door(0.95, 0.0025, [0.001, 0.004]), "chosen": "personalised"},
+                            "1": {"start": door(0.8, 0.0), "global": door(0.79, 0.0005, [0.0, 0.001]),
+                                  "chosen": "global"}}}
+    lines = _device_lines({"per_client": per_client, "doors": doors})
+    table = [line for line in lines if line.startswith("| 0 |") or line.startswith("| 1 |") or line.startswith("| 2")]
+    assert table == ["| 0 | 0.600 | 0.620 | 0.750 | +0.150 | personalised | 0.900 -> 0.950 | "
+                     "0.00100 -> 0.00250 [0.00100, 0.00400] |",
+                     "| 1 | 0.700 | 0.680 | 0.720 | +0.020 | global | 0.800 -> 0.790 | 0.00000 -> 0.00050 [0.00000, "
+                     "0.00100] |"]
+    # device 0 clears the bar; device 1 verifies with its global model, below its start on its own people
+    assert lines[-1] == ("1 of 2 devices gain 10 points or more on their own people with the personalised model; "
+                         "1 end below the start with the model they verify with.")
+    assert _device_lines({"per_client": per_client}) == []  # a run from before doors were scored
+
+
 @pytest.mark.parametrize("text, says", [('{"x":', "Expecting value"), ("[1, 2]", "not a JSON object"),
                                         ('{"history": "zz"}', "KeyError")])
 def test_report_names_a_damaged_summary_in_one_line(simulated, tmp_path, capsys, text, says):
