@@ -14,9 +14,8 @@ beyond each door's 95% interval over its strangers (`fleet.doors`), and for an o
 set on every other person of the set (the people of no device, no stranger and no public set) against its templates,
 so its FAR over all of them is the promise; what it measures on the strangers shows how much of "over 2x" the
 sampling of a few dozen strangers makes alone. `--public-people N` serves each device N people of the set instead
-of the public faces, as `ffr fleet simulate` does by default. The `floor_` columns score a candidate rule the device
-does not use yet (`template_floor`: each enrolled person's own threshold, raised where the public faces score high
-against their template).
+of the public faces, as `ffr fleet simulate` does by default. Each door decides as the device does, at each enrolled
+person's own threshold (`edge_client.person_threshold`).
 
     python -m bench.door_far --out bench/results [--people 3 8 20] [--devices 200] [--public-people 12]
 """
@@ -26,7 +25,6 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import NormalDist
 
 import numpy as np
 
@@ -74,24 +72,7 @@ def one_door(faces: Faces, people: np.ndarray, strangers: np.ndarray, public: np
     if others is not None and len(others):
         threshold, _ = threshold_at_far((faces.embeddings[np.isin(faces.labels, others)] @ templates.T).ravel(), far)
         row["far_oracle"] = float(np.mean(strangers_scores > threshold))
-    if public is not None and len(public) >= 2:
-        own_scores = np.sum(faces.embeddings[test] * templates[door_faces.test_labels], axis=1)
-        row.update(template_floor(row, public @ templates.T, strangers_scores, own_scores,
-                                  door_faces.test_labels, far))
     return row
-
-
-def template_floor(row: dict, public_scores: np.ndarray, strangers: np.ndarray, own: np.ndarray,
-                   own_labels: np.ndarray, far: float) -> dict:
-    """A candidate rule, not the device's: each person's threshold raised to where a normal fitted to the public
-    faces' scores against their template (moved by the door's capture shift) passes `far`, so a person many
-    strangers resemble gets a higher bar than the door's one threshold. Its FAR on the strangers (each photo against
-    each template at that template's threshold) and its people's TAR."""
-    scores = public_scores + row["capture_shift"]
-    floor = scores.mean(0) + NormalDist().inv_cdf(1 - far) * scores.std(0, ddof=1)
-    per_person = np.maximum(row["threshold"], floor)
-    return {"far_template_floor": float(np.mean(strangers > per_person)) if strangers.size else None,
-            "tar_template_floor": float(np.mean(own > per_person[own_labels])) if len(own) else None}
 
 
 def doors(faces: Faces, size: int, devices: int, strangers: int, public: int, far: float, seed: int,
@@ -128,21 +109,10 @@ def summary(rows: list[dict], far: float) -> dict:
             "share_beyond_2x": len(beyond) / len(rows),
             "oracle_far_mean": float(oracle.mean()) if len(oracle) else None,
             "oracle_share_over_2x": float(np.mean(oracle > 2 * far)) if len(oracle) else None,
-            **_floor_summary(rows, far),
             "over_2x_top_stranger_share": float(np.mean([r["top_stranger_share"] for r in over])) if over else None,
             "tar_mean": float(np.mean(tar)) if tar else None,
             "threshold_mean": float(np.mean([r["threshold"] for r in rows])),
             "capture_shift_mean": float(np.mean([r["capture_shift"] for r in rows]))}
-
-
-def _floor_summary(rows: list[dict], far: float) -> dict:
-    """The candidate per-person floor's figures over the devices (`template_floor`), none without public faces."""
-    kept = np.array([r["far_template_floor"] for r in rows if r.get("far_template_floor") is not None])
-    tar = [r["tar_template_floor"] for r in rows if r.get("tar_template_floor") is not None]
-    if not len(kept):
-        return {}
-    return {"floor_far_mean": float(kept.mean()), "floor_share_over_2x": float(np.mean(kept > 2 * far)),
-            "floor_tar_mean": float(np.mean(tar)) if tar else None}
 
 
 def embed_sets(data: Path, public_dir: Path, public_limit: int, seed: int) -> Faces:

@@ -186,7 +186,7 @@ def _enroll_one(args, home: DeviceHome, vault: Vault, recognizer: Recognizer) ->
     template = embedded[chosen].sum(0)
     template /= max(float(np.linalg.norm(template)), 1e-12)
     verifier = Verifier(recognizer)
-    threshold, matched = verifier.threshold, verifier.count_matches(rest, template)
+    threshold, matched = verifier.threshold_for(template), verifier.count_matches(rest, template)
     if len(rest) >= REST_TO_CHECK and matched < len(rest) / 2 and not args.force:
         raise DeviceError(f"the template made from {len(best)} views matches only {matched} of the other {len(rest)} "
                           f"faces of the same source at threshold {threshold:.3f}: too few or too alike views to "
@@ -339,7 +339,7 @@ def _verify_files(args, verifier: Verifier, person) -> int:
 
     records, lines = per_face(args, verifier.recognizer, decide)
     answered = [f for r in records for f in r["faces"] if "problem" not in f]
-    threshold, note = verifier.threshold, verifier.threshold_note
+    threshold, note = verifier.threshold_for(person.template), verifier.threshold_note
     summary = (f"{sum(f['match'] for f in answered)} of {len(answered)} face(s) in {len(records)} file(s) match "
                f"{args.name} at threshold {threshold:.3f} ({note})")
     rc = _per_face_exit(records, "match")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.home import DeviceHome
+from edge_client.person_threshold import person_thresholds, stranger_spread
 from edge_client.vault import Person, Vault, VaultError, new_person
 from models.evaluation.separation import leave_one_out_scores
 from models.evaluation.thresholds import gaussian_tail, threshold_at_far
@@ -137,6 +138,17 @@ class Calibration:
     impostor_pairs: int
     model_sha256: str
     capture_shift: float = 0.0    # how far the public faces' scores were moved up (`capture_shift`)
+    stranger_mean: list[float] | None = None        # the public faces' embeddings: mean and covariance, from which
+    stranger_cov: list[list[float]] | None = None   # each person's own threshold (`edge_client.person_threshold`)
+
+    def thresholds_for(self, templates: np.ndarray) -> np.ndarray:
+        """The threshold each template (one per row, or one) is decided at: the device's, raised for a person whom
+        the public faces resemble; the device's alone for a calibration made without public faces."""
+        templates = np.atleast_2d(templates)
+        if self.stranger_mean is None or self.stranger_cov is None or templates.shape[1] != len(self.stranger_mean):
+            return np.full(len(templates), self.threshold)  # none kept, or kept for a model of another width
+        return person_thresholds(templates, np.asarray(self.stranger_mean), np.asarray(self.stranger_cov),
+                                 self.capture_shift, self.far_target, self.threshold)
 
 
 @dataclass
@@ -160,7 +172,7 @@ class Settings:
             raw = json.loads(path.read_text())
             mac = raw.pop("mac")
             body = _canonical(raw)
-            settings = cls(Calibration(**raw["calibration"]) if raw.get("calibration") else None,
+            settings = cls(_checked(Calibration(**raw["calibration"])) if raw.get("calibration") else None,
                            {str(k): str(v) for k, v in raw.get("models", {}).items()},
                            str(raw["verifier"]) if raw.get("verifier") is not None else None,
                            str(raw["public_set"]) if raw.get("public_set") is not None else None)
@@ -178,6 +190,17 @@ class Settings:
         tmp.write_text(json.dumps({**raw, "mac": mac}, indent=1))
         tmp.replace(home.root / "device.json")
         vault.seal_settings(mac)
+
+
+def _checked(cal: Calibration) -> Calibration:
+    """The calibration as read, refused (ValueError) when the strangers' spread is not a mean of d numbers and a d x d
+    covariance: every decision would fail on it."""
+    if cal.stranger_mean is not None or cal.stranger_cov is not None:
+        mean, cov = np.asarray(cal.stranger_mean, np.float64), np.asarray(cal.stranger_cov, np.float64)
+        if mean.ndim != 1 or cov.shape != (len(mean), len(mean)) or not (np.isfinite(mean).all()
+                                                                         and np.isfinite(cov).all()):
+            raise ValueError("the strangers' spread in the calibration has the wrong shape")
+    return cal
 
 
 def _canonical(raw: dict) -> bytes:
@@ -207,7 +230,8 @@ class Recognizer:
             return "uncalibrated default; run `ffr device calibrate`"
         if cal.model_sha256 != self.model_sha256:
             return "calibrated for an older model; run `ffr device calibrate` again"
-        return f"calibrated for FAR {cal.far_target:g}"
+        return f"calibrated for FAR {cal.far_target:g}" + (
+            ", raised for each person whom strangers resemble" if cal.stranger_mean is not None else "")
 
     def embed(self, crops: np.ndarray) -> np.ndarray:
         return normalise(self.embedder.embed(crops))
@@ -301,5 +325,16 @@ def calibrate(embeddings: list[np.ndarray], far: float, model_sha256: str, stran
     threshold, measurable = threshold_at_far(impostor, far)
     if not measurable:
         threshold = max(threshold, gaussian_tail(impostor, far))
-    return Calibration(threshold, far, float(np.mean(genuine <= threshold)), measurable, len(genuine),
-                       len(impostor), model_sha256, shift)
+    cal = Calibration(threshold, far, 0.0, measurable, len(genuine), len(impostor), model_sha256, shift)
+    if strangers is not None and len(strangers) >= 2:
+        mean, cov = stranger_spread(strangers)
+        cal.stranger_mean, cal.stranger_cov = _kept(mean).tolist(), _kept(cov).tolist()
+    kept = np.stack([template_of(embeddings[i]) for i in keep]) if templates is None else templates[keep]
+    each = np.repeat(cal.thresholds_for(kept), [len(embeddings[i]) for i in keep])  # genuine's order: by person
+    cal.expected_frr = float(np.mean(genuine <= each))
+    return cal
+
+
+def _kept(values: np.ndarray) -> np.ndarray:
+    """As the sealed settings keep them: 7 significant digits (the decision is made on exactly what is kept)."""
+    return np.vectorize(lambda v: float(f"{v:.7g}"), otypes=[float])(values)

@@ -47,23 +47,31 @@ def templates_of(people: list[Person]) -> np.ndarray:
 
 
 class Verifier:
-    """Decides at the device's calibrated threshold, or at `threshold` when a call gives its own."""
+    """Decides at the device's calibrated threshold, raised for a person whom strangers resemble
+    (`edge_client.person_threshold`), or at `threshold` for everyone when a call gives its own."""
 
     def __init__(self, recognizer: Recognizer, threshold: float | None = None):
         self.recognizer = recognizer
         self.threshold = recognizer.threshold if threshold is None else float(threshold)
         self.threshold_note = recognizer.threshold_note if threshold is None else GIVEN
+        self._calibration = recognizer.settings.calibration if threshold is None else None
+
+    def threshold_for(self, template: np.ndarray) -> float:
+        """The threshold a score against this template is decided at."""
+        if self._calibration is None:
+            return self.threshold
+        return float(self._calibration.thresholds_for(template)[0])
 
     def verify(self, embeddings: np.ndarray, person: Person, live: bool | None = None) -> Answer:
         """Is this probe (one or more faces of one person) `person`? `live` False refuses whatever the score."""
         score = float(probe_scores(embeddings, person.template)[0])
-        return self._answer(person.name, score, live)
+        return self._answer(person, score, live)
 
     def identify(self, embeddings: np.ndarray, people: list[Person], live: bool | None = None) -> Answer:
         """Which enrolled person is this probe (one or more faces of one person), if anyone?"""
         scores = self.scores(embeddings, people)
         best = int(np.argmax(scores))
-        return self._answer(people[best].name, float(scores[best]), live)
+        return self._answer(people[best], float(scores[best]), live)
 
     def each(self, embeddings: np.ndarray, people: list[Person]) -> list[Answer]:
         """Each face on its own (a group photo answered face by face, as face_recognition does): one product with the
@@ -72,23 +80,21 @@ class Verifier:
             return []
         scores = embeddings @ templates_of(people).T
         best = np.argmax(scores, axis=1)
-        return [self._answer(people[b].name, float(row[b]), None) for b, row in zip(best, scores)]
+        return [self._answer(people[b], float(row[b]), None) for b, row in zip(best, scores)]
 
     def count_matches(self, faces: np.ndarray, template: np.ndarray) -> int:
         """How many of these faces, each on its own, the template accepts (enrolment checks a new template so)."""
-        return int(np.sum(self._accepts(faces @ template))) if len(faces) else 0
+        return int(np.sum(faces @ template > self.threshold_for(template))) if len(faces) else 0
 
     def scores(self, embeddings: np.ndarray, people: list[Person]) -> np.ndarray:
         """The probe's score against each person, in `people`'s order."""
         return probe_scores(embeddings, templates_of(people))
 
-    def _accepts(self, scores):
-        """The one comparison every answer comes from: above the threshold, not at it."""
-        return scores > self.threshold
-
-    def _answer(self, closest: str, score: float, live: bool | None) -> Answer:
-        accepted = bool(self._accepts(score)) and live is not False
-        return Answer(closest if accepted else None, score, closest, self.threshold)
+    def _answer(self, closest: Person, score: float, live: bool | None) -> Answer:
+        """The one comparison every answer comes from: above the person's threshold, not at it."""
+        threshold = self.threshold_for(closest.template)
+        accepted = score > threshold and live is not False
+        return Answer(closest.name if accepted else None, score, closest.name, threshold)
 
 
 def usable_faces(bgr: np.ndarray, detector, gate: FaceQuality, recognizer: Recognizer

@@ -53,9 +53,10 @@ def door_faces(data: FleetData, client: int, strangers: np.ndarray, public: np.n
 
 def door(embedder: Embedder, faces: DoorFaces, far: float = DEFAULT_FAR, min_shift: float = 0.0) -> dict | None:
     """The door a model gives: calibrated at `far` as the device calibrates (`min_shift`: the global model's capture
-    shift, a personalised model's floor), then TAR on the test photos and FAR on the strangers' photos at that
-    threshold, with its 95% interval over the strangers (`far_interval`, `models.evaluation.bootstrap.rate_interval`).
-    None when the device cannot calibrate (fewer than two people with two judged images)."""
+    shift, a personalised model's floor), then TAR on the test photos and FAR on the strangers' photos at each
+    person's threshold, with its 95% interval over the strangers (`far_interval`,
+    `models.evaluation.bootstrap.rate_interval`). None when the device cannot calibrate (fewer than two people with
+    two judged images)."""
     def embed(images: np.ndarray) -> np.ndarray:
         return normalise(embedder(images))
 
@@ -70,9 +71,10 @@ def door(embedder: Embedder, faces: DoorFaces, far: float = DEFAULT_FAR, min_shi
         return None
     own = np.sum(embed(faces.tests) * templates[faces.test_labels], axis=1) if len(faces.tests) else np.zeros(0)
     strangers = embed(faces.strangers) @ templates.T if len(faces.strangers) else np.zeros((0, len(people)))
-    above = strangers > cal.threshold
+    each = cal.thresholds_for(templates)  # each person's own, as the device decides (`edge_client.person_threshold`)
+    above = strangers > each
     out = {"threshold": cal.threshold, "tar_promised": 1 - cal.expected_frr,
-           "tar": float(np.mean(own > cal.threshold)) if len(own) else None,
+           "tar": float(np.mean(own > each[faces.test_labels])) if len(own) else None,
            "far": float(above.mean()) if above.size else None, "false_accepts": int(above.sum()),
            "far_promised": far, "capture_shift": cal.capture_shift, "measurable": cal.measurable}
     if faces.stranger_labels is not None and above.size:

@@ -81,9 +81,6 @@ def test_the_door_bench_calibrates_many_devices_and_tries_strangers_on_each(tmp_
     assert all(0 <= d["far_oracle"] <= 1 and d["far_interval"][0] <= d["far"] <= d["far_interval"][1]
                for d in size["devices"])
     assert 0 <= size["summary"]["share_beyond_2x"] <= size["summary"]["share_over_2x"]
-    # the candidate per-person floor only ever raises a threshold: fewer strangers and fewer of its people pass
-    assert all(d["far_template_floor"] <= d["far"] and d["tar_template_floor"] <= d["tar"] for d in size["devices"])
-    assert size["summary"]["floor_far_mean"] <= size["summary"]["far_mean"]
     # served people of the set as the public set, as `ffr fleet simulate` does
     assert door_far(["--data", str(faces), "--public-faces", str(public), "--out", str(out), "--name", "people",
                      "--people", "3", "--devices", "2", "--strangers", "5", "--public-people", "2"]) == 0
