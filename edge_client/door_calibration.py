@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.home import DeviceHome
-from edge_client.recognizer import Calibration, Recognizer, calibrate
+from edge_client.recognizer import Calibration, Recognizer, calibrate, template_of
 
 MAX_CALIBRATION_FAR = 0.5
 MAX_EXPECTED_FRR = 0.2
@@ -41,9 +41,20 @@ def calibrate_door(home: DeviceHome, recognizer: Recognizer, far: float,
     note = "" if cal.measurable else (
         f"; only {cal.impostor_pairs} impostor scores, too few to count FAR {far:g}:"
         " the threshold is the higher of the highest of them and a normal fitted to them (add people or --data DIR)")
-    line = (f"threshold {cal.threshold:.3f} for FAR {far:g}: expected false-reject rate {cal.expected_frr:.3f} "
-            f"({cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor pairs{source}){note}")
+    raised = _raised(cal, embeddings, names)
+    line = (f"threshold {cal.threshold:.3f} for FAR {far:g}{raised}: expected false-reject rate "
+            f"{cal.expected_frr:.3f} ({cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor pairs{source}){note}")
     return DoorCalibration(cal, calibration_problems(cal, embeddings, names), line)
+
+
+def _raised(cal: Calibration, embeddings: list[np.ndarray], names: list[str]) -> str:
+    """Words for the people whose own threshold is above the device's (`edge_client.person_threshold`), if any."""
+    usable = [(n, e) for n, e in zip(names, embeddings) if len(e)]
+    if cal.stranger_mean is None or not usable:
+        return ""
+    own = cal.thresholds_for(np.stack([template_of(e) for _, e in usable]))
+    raised = [f"{n} {t:.3f}" for (n, _), t in zip(usable, own) if t > cal.threshold]
+    return f" (raised for {len(raised)} whom strangers resemble: {', '.join(raised[:5])})" if raised else ""
 
 
 def _strangers(home: DeviceHome, recognizer: Recognizer, people: list, far: float, public_set: Path | None

@@ -10,8 +10,15 @@ import pytest
 
 from edge_client.home import DeviceHome
 from edge_client.person_threshold import person_thresholds, stranger_spread
-from edge_client.recognizer import (Calibration, Recognizer, Settings, calibrate, install_default_model, normalise,
-                                    template_of)
+from edge_client.recognizer import (
+    Calibration,
+    Recognizer,
+    Settings,
+    calibrate,
+    install_default_model,
+    normalise,
+    template_of,
+)
 from edge_client.vault import Vault, VaultError, new_person
 from edge_client.verifier import Verifier
 
@@ -98,3 +105,12 @@ def test_a_sealed_calibration_whose_spread_has_the_wrong_shape_is_refused(home_w
     settings.save(home, vault)
     with pytest.raises(VaultError, match="damaged"):
         Settings.load(home, vault)
+
+
+def test_the_calibration_line_names_the_people_whose_threshold_was_raised():
+    from edge_client.door_calibration import _raised
+
+    mine = _people(3, 5)
+    cal = calibrate(mine, 1e-2, "0" * 64, _strangers(300, 0.9 * template_of(mine[0])))
+    assert _raised(cal, mine, ["ada", "bo", "cy"]).startswith(" (raised for 1 whom strangers resemble: ada 0.")
+    assert _raised(calibrate(mine, 1e-2, "0" * 64), mine, ["ada", "bo", "cy"]) == ""  # no strangers' faces
