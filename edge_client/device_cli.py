@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
 
@@ -578,7 +579,8 @@ def cmd_calibrate(args) -> int:
         recognizer.settings.save(home, vault)
     applied = "not applied (--dry-run)" if args.dry_run else "applied"
     _out(args, f"{door.line}; {applied}" + (f"; forced despite: {'; '.join(problems)}" if problems else ""),
-         {**cal.__dict__, "applied": not args.dry_run, "problems": problems})
+         {**{k: v for k, v in asdict(cal).items() if k not in ("stranger_mean", "stranger_cov")},
+          "person_thresholds": door.person_thresholds, "applied": not args.dry_run, "problems": problems})
     return MATCH
 
 

@@ -25,6 +25,7 @@ class DoorCalibration:
     calibration: Calibration
     problems: list[str]  # why applying it would make the device worse (empty: none)
     line: str            # the one line a person reads: threshold, FAR, expected FRR and what it rests on
+    person_thresholds: dict[str, float]  # each person's own (`edge_client.person_threshold`), the device's or above
 
 
 def calibrate_door(home: DeviceHome, recognizer: Recognizer, far: float,
@@ -41,20 +42,22 @@ def calibrate_door(home: DeviceHome, recognizer: Recognizer, far: float,
     note = "" if cal.measurable else (
         f"; only {cal.impostor_pairs} impostor scores, too few to count FAR {far:g}:"
         " the threshold is the higher of the highest of them and a normal fitted to them (add people or --data DIR)")
-    raised = _raised(cal, embeddings, names)
-    line = (f"threshold {cal.threshold:.3f} for FAR {far:g}{raised}: expected false-reject rate "
+    own = own_thresholds(cal, names, embeddings)
+    raised = [f"{n} {t:.3f}" for n, t in own.items() if t > cal.threshold]
+    said = f" (raised for {len(raised)} whom strangers resemble: {', '.join(raised[:5])})" if raised else ""
+    line = (f"threshold {cal.threshold:.3f} for FAR {far:g}{said}: expected false-reject rate "
             f"{cal.expected_frr:.3f} ({cal.genuine_pairs} genuine / {cal.impostor_pairs} impostor pairs{source}){note}")
-    return DoorCalibration(cal, calibration_problems(cal, embeddings, names), line)
+    return DoorCalibration(cal, calibration_problems(cal, embeddings, names), line, own)
 
 
-def _raised(cal: Calibration, embeddings: list[np.ndarray], names: list[str]) -> str:
-    """Words for the people whose own threshold is above the device's (`edge_client.person_threshold`), if any."""
+def own_thresholds(cal: Calibration, names: list[str], embeddings: list[np.ndarray]) -> dict[str, float]:
+    """Each person's own threshold under `cal` (`edge_client.person_threshold`), their template made of `embeddings`;
+    a person with no face has none."""
     usable = [(n, e) for n, e in zip(names, embeddings) if len(e)]
-    if cal.stranger_mean is None or not usable:
-        return ""
+    if not usable:
+        return {}
     own = cal.thresholds_for(np.stack([template_of(e) for _, e in usable]))
-    raised = [f"{n} {t:.3f}" for (n, _), t in zip(usable, own) if t > cal.threshold]
-    return f" (raised for {len(raised)} whom strangers resemble: {', '.join(raised[:5])})" if raised else ""
+    return {n: float(t) for (n, _), t in zip(usable, own)}
 
 
 def _strangers(home: DeviceHome, recognizer: Recognizer, people: list, far: float, public_set: Path | None

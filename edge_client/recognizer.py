@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -145,10 +146,16 @@ class Calibration:
         """The threshold each template (one per row, or one) is decided at: the device's, raised for a person whom
         the public faces resemble; the device's alone for a calibration made without public faces."""
         templates = np.atleast_2d(templates)
-        if self.stranger_mean is None or self.stranger_cov is None or templates.shape[1] != len(self.stranger_mean):
+        if self._spread is None or templates.shape[1] != len(self._spread[0]):
             return np.full(len(templates), self.threshold)  # none kept, or kept for a model of another width
-        return person_thresholds(templates, np.asarray(self.stranger_mean), np.asarray(self.stranger_cov),
-                                 self.capture_shift, self.far_target, self.threshold)
+        return person_thresholds(templates, *self._spread, self.capture_shift, self.far_target, self.threshold)
+
+    @cached_property
+    def _spread(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The kept mean and covariance as arrays, made once (a `watch` decides on every frame)."""
+        if self.stranger_mean is None or self.stranger_cov is None:
+            return None
+        return np.asarray(self.stranger_mean, np.float64), np.asarray(self.stranger_cov, np.float64)
 
 
 @dataclass

@@ -730,6 +730,9 @@ def test_calibration_scores_strangers_from_a_public_set_and_refuses_one_changed_
     given = json.loads(out)
     assert rc == 0 and given["applied"] is False, err
     assert given["impostor_pairs"] == alone["impostor_pairs"] + 40 * 3  # 40 strangers' faces x 3 templates
+    # each enrolled person's own threshold, the device's or above; without strangers' faces, the device's for all
+    assert len(given["person_thresholds"]) == 3 and min(given["person_thresholds"].values()) >= given["threshold"]
+    assert set(alone["person_thresholds"].values()) == {alone["threshold"]} and "stranger_cov" not in given
     received = home / "public" / f"{sha}.safetensors"
     received.parent.mkdir(exist_ok=True)
     shutil.copy(public, received)

@@ -107,10 +107,12 @@ def test_a_sealed_calibration_whose_spread_has_the_wrong_shape_is_refused(home_w
         Settings.load(home, vault)
 
 
-def test_the_calibration_line_names_the_people_whose_threshold_was_raised():
-    from edge_client.door_calibration import _raised
+def test_the_calibration_gives_each_persons_threshold_by_name():
+    from edge_client.door_calibration import own_thresholds
 
     mine = _people(3, 5)
     cal = calibrate(mine, 1e-2, "0" * 64, _strangers(300, 0.9 * template_of(mine[0])))
-    assert _raised(cal, mine, ["ada", "bo", "cy"]).startswith(" (raised for 1 whom strangers resemble: ada 0.")
-    assert _raised(calibrate(mine, 1e-2, "0" * 64), mine, ["ada", "bo", "cy"]) == ""  # no strangers' faces
+    own = own_thresholds(cal, ["ada", "bo", "cy"], mine)
+    assert own["ada"] > cal.threshold == own["bo"] == own["cy"]  # only the one strangers resemble is raised
+    plain = calibrate(mine, 1e-2, "0" * 64)  # no strangers' faces: everyone at the device's threshold
+    assert set(own_thresholds(plain, ["ada", "bo", "cy"], mine).values()) == {plain.threshold}
