@@ -322,7 +322,9 @@ def calibrate(embeddings: list[np.ndarray], far: float, model_sha256: str, stran
     nobody it knows), and the false-reject rate expected there. Needs two people with two or more faces each.
     With fewer than 1/far impostor scores the rate cannot be counted: the threshold is then the higher of the
     highest impostor score and the fitted normal's tail at `far`, never only the highest seen (a few people's
-    97th percentile)."""
+    97th percentile). With `strangers`, it also keeps their embeddings' mean and covariance, from which each person
+    gets a threshold of their own (`edge_client.person_threshold`), and the expected false-reject rate is counted at
+    each person's."""
     keep = [i for i, e in enumerate(embeddings) if len(e) >= 2]
     if len(keep) < 2:
         raise ValueError("calibration needs at least two people with at least two face images each "
