@@ -102,6 +102,14 @@ def device_doors(models: dict[str, Embedder], faces: DoorFaces, far: float = DEF
     return doors
 
 
+def over_promise(door: dict, times: float = 2.0) -> tuple[bool, bool]:
+    """Whether a door's FAR on strangers is over `times` its promise, and whether it is over it beyond its interval
+    over the strangers (`far_interval`: not one look-alike's luck)."""
+    limit = times * door["far_promised"]
+    over = door.get("far") is not None and door["far"] > limit
+    return over, over and bool(door.get("far_interval")) and door["far_interval"][0] > limit
+
+
 def door_means(rows: dict[str, dict]) -> dict:
     """Over devices, for each model and for the one each device verifies with (`chosen`): mean TAR of its people,
     mean and worst FAR on strangers, the devices over twice the promised FAR (`over_2x`) and those of them over it
@@ -110,11 +118,10 @@ def door_means(rows: dict[str, dict]) -> dict:
     def means(doors: list[dict]) -> dict:
         tar = [d["tar"] for d in doors if d.get("tar") is not None]
         far = [d["far"] for d in doors if d.get("far") is not None]
-        over = [d for d in doors if d.get("far") is not None and d["far"] > 2 * d["far_promised"]]
+        over = [over_promise(d) for d in doors]
         return {"devices": len(doors), "tar": float(np.mean(tar)) if tar else None,
                 "far": float(np.mean(far)) if far else None, "far_worst": max(far) if far else None,
-                "over_2x": len(over), "beyond_2x": sum(bool(d.get("far_interval"))
-                                                       and d["far_interval"][0] > 2 * d["far_promised"] for d in over)}
+                "over_2x": sum(o for o, _ in over), "beyond_2x": sum(b for _, b in over)}
 
     out = {name: means([r[name] for r in rows.values() if name in r]) for name in ("start", "global", "personalised")}
     out["chosen"] = means([r[r["chosen"]] for r in rows.values() if "chosen" in r])
