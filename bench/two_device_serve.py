@@ -112,10 +112,10 @@ def coordinator_rounds(state: Path) -> list[dict]:
 
 
 def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
-    """What the device's door does with strangers: the model it verifies with and its threshold (its sealed settings),
-    each of its people's template (the mean embedding of their images), and every photo of the people no device holds
-    scored against each template; `far`: the share of those scores above the threshold, against the FAR it promises,
-    and how many strangers' photos match someone."""
+    """What the device's door does with strangers: the model it verifies with and its thresholds (its sealed settings:
+    the device's, and each person's own from it), each of its people's template (the mean embedding of their images),
+    and every photo of the people no device holds scored against each template; `far`: the share of those scores above
+    their person's threshold, against the FAR it promises, and how many strangers' photos match someone."""
     import numpy as np
 
     from edge_client.home import DeviceHome
@@ -135,10 +135,12 @@ def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
     templates = normalise(np.stack([mine[own.labels == k].mean(0) for k in np.unique(own.labels)]))
     scores = normalise(embedder.embed(others.images)) @ templates.T
     cal = settings.calibration
-    above = scores > cal.threshold
+    each = cal.thresholds_for(templates)  # each person's own, as the device decides (`edge_client.person_threshold`)
+    above = scores > each
     pairs = {f"{others.identities[s]} as {own.identities[p]}": int(np.sum(above[others.labels == s, i]))
              for s in np.unique(others.labels) for i, p in enumerate(np.unique(own.labels))}
-    return {"model": model.name, "threshold": cal.threshold, "far_promised": cal.far_target,
+    return {"model": model.name, "threshold": cal.threshold, "person_thresholds": [round(float(t), 4) for t in each],
+            "far_promised": cal.far_target,
             "far": float(above.mean()), "strangers_photos": int(len(others.images)),
             "photos_matching_someone": int(above.any(axis=1).sum()),
             "matches": {pair: n for pair, n in sorted(pairs.items(), key=lambda kv: -kv[1]) if n}}
@@ -181,14 +183,17 @@ def main(argv: list[str] | None = None) -> int:
                        + (f" with a public set of {args.public_limit} faces" if args.public_faces else "")
                        + f", two devices of {PEOPLE_PER_DEVICE} CelebA people; "
                        f"{UNSEEN} people no device holds", command)
-    doors = ["", "Each device's door after the run: the model it verifies with, its threshold, and the photos of the "
-             "people no device holds scored against each of its people's templates.", "",
-             "| device | model | threshold | FAR promised | FAR on strangers | strangers' photos matching someone | "
-             "which stranger as whom (photos) |", "|---|---|---|---|---|---|---|"]
+    doors = ["", "Each device's door after the run: the model it verifies with, its threshold and its people's own "
+             "(the device's, raised for a person whom strangers resemble), and the photos of the people no device "
+             "holds scored against each of its people's templates, each at that person's threshold.", "",
+             "| device | model | threshold | people's thresholds | FAR promised | FAR on strangers | strangers' photos "
+             "matching someone | which stranger as whom (photos) |", "|---|---|---|---|---|---|---|---|"]
     for name, s in result["strangers"].items():
         matches = ", ".join(f"{pair}: {n}" for pair, n in s["matches"].items()) or "none"
-        doors.append(f"| {name} | {s['model']} | {s['threshold']:.3f} | {s['far_promised']:g} | {s['far']:.4f} | "
-                     f"{s['photos_matching_someone']} of {s['strangers_photos']} | {matches} |")
+        each = s.get("person_thresholds") or [s["threshold"]]  # a result from before each person's threshold
+        doors.append(f"| {name} | {s['model']} | {s['threshold']:.3f} | {min(each):.3f} - {max(each):.3f} | "
+                     f"{s['far_promised']:g} | {s['far']:.4f} | {s['photos_matching_someone']} of "
+                     f"{s['strangers_photos']} | {matches} |")
     doors += ["", f"The coordinator's rounds ({result['gate']}):", ""]
     doors += [f"- round {r['round']}: {r['status']}" + (f" ({r['reason']})" if r["reason"] else "")
               + "".join(f", {k} {v:.4g}" for k, v in r.items() if k not in ("round", "status", "reason"))
