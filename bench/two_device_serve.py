@@ -113,13 +113,13 @@ def coordinator_rounds(state: Path) -> list[dict]:
 
 def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
     """What the device's door does with strangers: the model it verifies with and its thresholds (its sealed settings:
-    the device's, and each person's own from it), each of its people's template (the mean embedding of their images),
+    the device's, and each person's own from it), each of its people's template (`template_of`, as the device makes it),
     and every photo of the people no device holds scored against each template; `far`: the share of those scores above
     their person's threshold, against the FAR it promises, and how many strangers' photos match someone."""
     import numpy as np
 
     from edge_client.home import DeviceHome
-    from edge_client.recognizer import Settings, current_model, normalise
+    from edge_client.recognizer import Settings, current_model, normalise, template_of
     from edge_client.vault import Vault
     from models.faces.crops import CropConfig, crop_index
     from models.faces.datasets import load_index
@@ -132,7 +132,7 @@ def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
     config = CropConfig(detector="auto", fallback_center=True)
     own, others = (crop_index(load_index(folder), config, progress=False) for folder in (people, unseen))
     mine = normalise(embedder.embed(own.images))
-    templates = normalise(np.stack([mine[own.labels == k].mean(0) for k in np.unique(own.labels)]))
+    templates = np.stack([template_of(mine[own.labels == k]) for k in np.unique(own.labels)])
     scores = normalise(embedder.embed(others.images)) @ templates.T
     cal = settings.calibration
     each = cal.thresholds_for(templates)  # each person's own, as the device decides (`edge_client.person_threshold`)
