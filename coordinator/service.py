@@ -27,6 +27,7 @@ from coordinator.aggregation import strategy_for
 from coordinator.broker import EmbeddedBroker, broker_file
 from coordinator.broker_acl import BrokerUsers
 from coordinator.engine import Engine, RoundSettings
+from coordinator.inbound_queue import InboundQueue
 from coordinator.quality_gate import GateSetup, QualityGate, stand_in_faces
 from coordinator.store import Store
 from protocol import topics
@@ -49,6 +50,7 @@ class ServiceConfig:
     http_port: int = 8080
     init: str = "face"                 # round 0: the shipped face embedder, imagenet, or none (random)
     tick_seconds: float = 0.2
+    keepalive_s: int = 30       # MQTT keepalive: the broker drops a client silent for 1.5 times this
     start_paused: bool = False  # rounds start only when the caller resumes the engine or opens one
     broker_acl: bool = True     # the embedded broker enforces per-device logins and ACLs
     tls: bool = False           # the embedded broker speaks TLS with a CA generated in STATE/tls
@@ -116,10 +118,12 @@ class Service:
         self.client = make_client("ffr-coordinator", address, ca_file)  # with a login its id is the login
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
-        self.client.on_message = self._on_message
+        self.client.manual_ack_set(True)  # a message is acknowledged once handled, off paho's thread
+        self.inbound = InboundQueue(self.client, self.engine_message)
+        self.client.on_message = self.inbound.on_message
         self.disconnects, self.last_disconnect = 0, None
         try:  # before the store and the gate: nothing is written for a broker that is not there
-            self.client.connect(address.host, address.port, keepalive=30)
+            self.client.connect(address.host, address.port, keepalive=config.keepalive_s)
         except OSError as exc:  # refused, unknown host, unreachable: said in one line, not as a traceback
             raise ValueError(f"cannot reach the broker {self.broker_url} ({exc.strerror or exc}); start it first, "
                              "or leave out --broker to run the embedded one") from None
@@ -164,11 +168,9 @@ class Service:
         """An operator's measurement of a released model, made elsewhere (the dashboard plots it)."""
         self.engine.store.record_evaluation(version, metrics, source)
 
-    def _on_message(self, client, userdata, msg) -> None:
-        try:
-            self.engine.on_message(msg.topic, msg.payload)
-        except Exception:  # noqa: BLE001 - the engine already guards; this is the last line before paho's thread
-            log.exception("message handler failed")
+    def engine_message(self, topic: str, payload: bytes) -> None:
+        """The inbound queue's worker: the engine waits out a round's aggregation here, not on paho's thread."""
+        self.engine.on_message(topic, payload)
 
     def mqtt_state(self) -> str:
         """'connected' only while paho's network thread is alive and connected to the broker."""
@@ -195,6 +197,7 @@ class Service:
         if reason_code.is_failure:
             log.error("broker refused the connection: %s", reason_code)
             return
+        self.inbound.on_connect()
         if self.disconnects:
             log.warning("reconnected to the broker %s", self.broker_url)
         client.subscribe(topics.all_device_messages(), qos=1)
@@ -209,6 +212,7 @@ class Service:
 
     def broker_health(self) -> dict:
         return {"mqtt": self.mqtt_state(), "broker_disconnects": self.disconnects,
+                "messages_waiting": self.inbound.waiting, "messages_dropped": self.inbound.dropped,
                 "last_broker_disconnect": self.last_disconnect}
 
     def _tick_loop(self) -> None:
@@ -231,6 +235,7 @@ class Service:
         self._stop.set()
         self._ticker.join(timeout=5)
         self.client.loop_stop()
+        self.inbound.stop()
         self._release()
 
     def _release(self) -> None:

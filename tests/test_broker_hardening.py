@@ -13,10 +13,10 @@ from protocol.messages import TrainingConfig
 from protocol.transport import BrokerAddress
 
 
-def _service(tmp_path):
+def _service(tmp_path, **config):
     from coordinator.service import Service, ServiceConfig
 
-    return Service(ServiceConfig(state=tmp_path / "state", init="none"),
+    return Service(ServiceConfig(state=tmp_path / "state", init="none", **config),
                    RoundSettings(rounds=1, min_clients=5, training=TrainingConfig(width_mult=0.25)))
 
 
@@ -115,5 +115,58 @@ def test_coordinator_disconnect_is_logged_and_shown_in_health(tmp_path, caplog):
         assert health["mqtt"] == "disconnected" and health["broker_disconnects"] >= 1
         assert health["last_broker_disconnect"]["reason"]
         assert any("disconnected from the broker" in r.getMessage() for r in caplog.records)
+    finally:
+        service.close()
+
+
+def test_the_coordinator_keeps_its_connection_while_a_round_holds_the_engine(tmp_path):
+    """A round's aggregation and quality gate hold the engine's lock for minutes on a loaded machine. A device's
+    message arriving meanwhile used to block paho's network thread on that lock, its keepalive pings stopped, and the
+    broker dropped the coordinator (1.5 keepalives of silence). Here the lock is held for 4 keepalives while messages
+    arrive: the coordinator stays connected, and every message is handled, in order, once the lock is free."""
+    keepalive = 3
+    service = _service(tmp_path, keepalive_s=keepalive)
+    try:
+        mallory = service.admit("mallory")
+        client, connected, _ = _raw_client(service, mallory, "mallory")
+        assert connected.wait(WAIT)
+        handled = service.engine.handled
+        with service.engine.lock:  # what a long aggregation does
+            for _ in range(5):
+                client.publish(topics.device("mallory", "heartbeat"), b"not a message", qos=1).wait_for_publish(WAIT)
+            time.sleep(4 * keepalive)
+            assert service.disconnects == 0 and service.mqtt_state() == "connected"
+            assert service.engine.handled == handled and service.broker_health()["messages_waiting"] == 5
+        deadline = time.monotonic() + WAIT
+        while service.engine.handled < handled + 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.engine.handled == handled + 5 and service.disconnects == 0
+        assert service.engine.rejected >= 5, "each message reached the engine (and was refused as malformed)"
+        client.loop_stop()
+    finally:
+        service.close()
+
+
+def test_a_flood_of_qos0_messages_during_a_round_is_bounded_and_counted(tmp_path):
+    """QoS-0 messages have no broker window to hold them back while the engine is busy: beyond a bound they are
+    dropped and counted, so a device cannot fill the coordinator's memory while a round aggregates."""
+    from coordinator.inbound_queue import MAX_UNACKED
+
+    service = _service(tmp_path)
+    try:
+        mallory = service.admit("mallory")
+        client, connected, _ = _raw_client(service, mallory, "mallory")
+        assert connected.wait(WAIT)
+        flood = MAX_UNACKED + 200
+        with service.engine.lock:
+            for _ in range(flood):
+                client.publish(topics.device("mallory", "heartbeat"), b"x", qos=0)
+            deadline = time.monotonic() + WAIT
+            while service.inbound.received + service.inbound.dropped < flood and time.monotonic() < deadline:
+                time.sleep(0.05)
+            health = service.broker_health()
+            assert health["messages_dropped"] == 200 and health["messages_waiting"] == MAX_UNACKED
+            assert health["mqtt"] == "connected"
+        client.loop_stop()
     finally:
         service.close()
