@@ -15,6 +15,7 @@ model each verifies with, at what TAR of its own people.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import subprocess
@@ -155,6 +156,14 @@ def _public_set(faces: Path, limit: int, work: Path) -> Path:
     return out
 
 
+def _empty(folder: Path) -> Path:
+    """A new folder for `--work`, refused if it holds anything (a run's homes and state must not mix)."""
+    if folder.exists() and any(folder.iterdir()):
+        raise SystemExit(f"--work {folder} is not empty: give a new folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder.resolve()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, help="labelled faces (default: $FFR_FACES_DIR/celeba_subset)")
@@ -165,13 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--public-faces", type=Path,
                    help="unlabelled faces of nobody's people made into the coordinator's --public-set (default: none)")
     p.add_argument("--public-limit", type=int, default=2000, help="at most this many of them (default 2000)")
+    p.add_argument("--work", type=Path, help="keep the run's folders here (the coordinator's state, the devices' "
+                   "homes and logs) for a look afterwards (default: a temporary folder, removed)")
     args = p.parse_args(argv)
     data = face_set(args.data)
     if data is None:
         print("no labelled faces: set FFR_FACES_DIR or give --data", file=sys.stderr)
         return 2
     extra = ["--server-step", args.server_step] if args.server_step else []
-    with tempfile.TemporaryDirectory(prefix="ffr-serve-") as tmp:
+    with contextlib.nullcontext(str(_empty(args.work))) if args.work else \
+            tempfile.TemporaryDirectory(prefix="ffr-serve-") as tmp:
         if args.public_faces is not None:
             extra += ["--public-set", str(_public_set(args.public_faces, args.public_limit, Path(tmp)))]
         result = run(data, Path(tmp), args.rounds, extra)
