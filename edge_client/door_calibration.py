@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.home import DeviceHome
-from edge_client.recognizer import Calibration, Recognizer, calibrate, template_of
+from edge_client.recognizer import Calibration, Recognizer, calibrate, file_sha256, template_of
 
 MAX_CALIBRATION_FAR = 0.5
 MAX_EXPECTED_FRR = 0.2
@@ -32,13 +32,19 @@ def calibrate_door(home: DeviceHome, recognizer: Recognizer, far: float,
                    more: list[tuple[str, np.ndarray]] = (), public_set: Path | None = None) -> DoorCalibration:
     """The calibration for FAR `far` (not applied: the caller saves it into the sealed settings); `more`: (name,
     embeddings) of more of the device's people; raises `models.public_set.PublicSetError` for a damaged set."""
+    from edge_client.verifier_choice import shift_floor
+
     if not 0 < far <= MAX_CALIBRATION_FAR:
         raise ValueError(f"far must be in (0, {MAX_CALIBRATION_FAR:g}], got {far:g}")
     people = recognizer.people()
     embeddings = [recognizer.embed(p.crops) for p in people] + [e for _, e in more]
     names = [p.name for p in people] + [n for n, _ in more]
     strangers, shift, source = _strangers(home, recognizer, people, far, public_set)
-    cal = calibrate(embeddings, far, recognizer.model_sha256, strangers, min_shift=shift)
+    same_set = strangers is not None and uses_sealed_set(home, recognizer, public_set)
+    floor = shift_floor(recognizer.settings, recognizer.settings.public_set) if same_set else None
+    cal = calibrate(embeddings, far, recognizer.model_sha256, strangers, min_shift=max(shift, floor or 0.0))
+    if same_set:  # the first shift measured on the sealed public set goes on (`verifier_choice.shift_floor`)
+        cal.shift_floor = floor if floor is not None else cal.capture_shift
     note = "" if cal.measurable else (
         f"; only {cal.impostor_pairs} impostor scores, too few to count FAR {far:g}:"
         " the threshold is the higher of the highest of them and a normal fitted to them (add people or --data DIR)")
@@ -83,6 +89,15 @@ def _strangers(home: DeviceHome, recognizer: Recognizer, people: list, far: floa
         labels = np.concatenate([np.full(len(c), i) for i, c in enumerate(crops)])
         shift = global_shift(home, recognizer.settings, far, np.concatenate(crops), labels, public)
     return recognizer.embed(public), shift, f", {len(public)} strangers' faces from {path.name}"
+
+
+def uses_sealed_set(home: DeviceHome, recognizer: Recognizer, public_set: Path | None) -> bool:
+    """Whether the strangers come from the public set the sealed settings name (the received one, or a file given
+    that is the same): only then is its shift floor used and kept; another set's shift is measured afresh and not
+    kept, since the next round calibrates on the sealed set again."""
+    sealed = recognizer.settings.public_set
+    used = public_set or received_public_set(home, sealed)
+    return used is not None and sealed is not None and file_sha256(used) == sealed
 
 
 def received_public_set(home: DeviceHome, sha256: str | None) -> Path | None:

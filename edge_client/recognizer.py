@@ -139,6 +139,7 @@ class Calibration:
     impostor_pairs: int
     model_sha256: str
     capture_shift: float = 0.0    # how far the public faces' scores were moved up (`capture_shift`)
+    shift_floor: float | None = None  # the least they are moved up on this public set (`verifier_choice`)
     stranger_mean: list[float] | None = None        # the public faces' embeddings: mean and covariance, from which
     stranger_cov: list[list[float]] | None = None   # each person's own threshold (`edge_client.person_threshold`)
 
@@ -201,7 +202,9 @@ class Settings:
 
 def _checked(cal: Calibration) -> Calibration:
     """The calibration as read, refused (ValueError) when the strangers' spread is not a mean of d numbers and a d x d
-    covariance: every decision would fail on it."""
+    covariance, or its shift floor is no cosine difference: every decision would fail on it (or let anyone in)."""
+    if cal.shift_floor is not None and not 0 <= float(cal.shift_floor) <= 2:  # cosines: a shift lies within 2
+        raise ValueError("the calibration's shift floor is not a cosine difference")
     if cal.stranger_mean is not None or cal.stranger_cov is not None:
         mean, cov = np.asarray(cal.stranger_mean, np.float64), np.asarray(cal.stranger_cov, np.float64)
         if mean.ndim != 1 or cov.shape != (len(mean), len(mean)) or not (np.isfinite(mean).all()
@@ -303,8 +306,9 @@ def capture_shift(own: np.ndarray, public: np.ndarray) -> float:
     its templates (10 CelebA devices, CelebA-HQ public faces: by 0.02-0.07; a threshold set on them let in 4x the
     promised FAR, moved 1.1x, `bench/results/personalisation_door.md`). Their many scores give the tail's shape, the
     device's own impostor scores its place; never moved down. Measured under a model fitted on the device's own
-    people (a personalised one) it comes out too small, as those people were pushed apart: such a model is given
-    the global model's shift as `min_shift` (`edge_client.verifier_choice`).
+    people it comes out too small, as those people were pushed apart: a personalised model is given the global
+    model's shift as `min_shift`, and every model the shift first measured on the public set, before the device's
+    updates went into the global model (`edge_client.verifier_choice.shift_floor`).
 
     The place is the difference of medians plus one standard error of the device's median: with a few people it
     rests on a few dozen scores, and since the FAR above a threshold is convex in it, an error either way lets in

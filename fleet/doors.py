@@ -87,11 +87,15 @@ def door(embedder: Embedder, faces: DoorFaces, far: float = DEFAULT_FAR, min_shi
 
 def device_doors(models: dict[str, Embedder], faces: DoorFaces, far: float = DEFAULT_FAR) -> dict:
     """Each model's door, and the one the device verifies with: `global`, or `personalised` where that keeps more
-    of its judged people (`verifier_choice.preferred`). `models`: `start` and `global`, `personalised` optional."""
+    of its judged people (`verifier_choice.preferred`). `models`: `start` and `global`, `personalised` optional.
+    The later models' capture shift is at least the start model's, which the device measured first on the public
+    set (`verifier_choice.shift_floor`)."""
     doors: dict[str, dict] = {}
-    for name in ("start", "global"):
-        if name in models and (d := door(models[name], faces, far)) is not None:
-            doors[name] = d
+    if "start" in models and (d := door(models["start"], faces, far)) is not None:
+        doors["start"] = d
+    first = doors["start"]["capture_shift"] if "start" in doors else 0.0  # its round-1 shift: the device's floor
+    if "global" in models and (d := door(models["global"], faces, far, first)) is not None:
+        doors["global"] = d
     if "personalised" in models and "global" in doors:
         floor = doors["global"]["capture_shift"]
         if (d := door(models["personalised"], faces, far, floor)) is not None:

@@ -671,13 +671,13 @@ def test_the_python_api_enrols_identifies_verifies_and_compares(tmp_path, faces_
     assert rc == 0 and [p["name"] for p in json.loads(out)["people"]] == ["s1", "s2"], (out, err)
 
 
-def orl_public_set(faces_dir: Path, tmp_path: Path) -> Path:
-    """A public set of 40 faces of ORL people no test enrols (s20-s39, two photos each)."""
+def orl_public_set(faces_dir: Path, tmp_path: Path, people: range = range(20, 40)) -> Path:
+    """A public set of ORL people no test enrols (default s20-s39: 40 faces), two photos each."""
     from models.public_set import build_public_set
 
     folder = tmp_path / "public_faces"
-    folder.mkdir()
-    for person in [f"s{k}" for k in range(20, 40)]:
+    folder.mkdir(parents=True)
+    for person in [f"s{k}" for k in people]:
         for photo in sorted((faces_dir / "orl" / person).iterdir())[:2]:
             shutil.copy(photo, folder / f"{person}_{photo.name}")
     build_public_set(folder, tmp_path / "public.safetensors", limit=100)
@@ -717,7 +717,7 @@ def test_calibration_scores_strangers_from_a_public_set_and_refuses_one_changed_
     (HOME/public/<sha256>.safetensors, its hash in the sealed settings). A file read back from disk may have been
     planted or changed: one the settings do not name is never taken, and the named one is checked against its hash."""
     from edge_client.home import DeviceHome
-    from edge_client.recognizer import Settings
+    from edge_client.recognizer import Calibration, Settings
     from models.public_set import sha256_of
 
     public = orl_public_set(faces_dir, tmp_path)
@@ -747,6 +747,23 @@ def test_calibration_scores_strangers_from_a_public_set_and_refuses_one_changed_
         assert rc == 0 and json.loads(out)["impostor_pairs"] == given["impostor_pairs"], err
         rc, out, err = ffr(*base[:-1])
         assert rc == 0 and f"40 strangers' faces from {received.name}" in out, out
+        # the capture shift first measured on the sealed set is the floor of this one, and goes on with it
+        # (`verifier_choice.shift_floor`); another set given is measured afresh and keeps no floor
+        settings, kept = Settings.load(device, vault), Settings.load(device, vault).calibration
+        settings.calibration = Calibration(0.5, 0.01, 0.1, True, 10, 100, "0" * 64, shift_floor=given["capture_shift"]
+                                           + 0.25)
+        settings.save(device, vault)
+        rc, out, err = ffr(*base)
+        floored = json.loads(out)
+        assert rc == 0 and floored["capture_shift"] == pytest.approx(given["capture_shift"] + 0.25), err
+        assert floored["shift_floor"] == pytest.approx(given["capture_shift"] + 0.25)
+        assert floored["threshold"] > given["threshold"]
+        rc, out, err = ffr(*base, "--public-set", str(orl_public_set(faces_dir, tmp_path / "other", range(20, 30))))
+        other = json.loads(out)
+        assert rc == 0 and other["shift_floor"] is None and other["capture_shift"] < floored["capture_shift"], err
+        settings = Settings.load(device, vault)
+        settings.calibration = kept
+        settings.save(device, vault)
         received.write_bytes(received.read_bytes()[:-8] + b"changed!")
         rc, out, err = ffr(*base)
         assert rc == 2 and "does not match its sha256" in err, (out, err)

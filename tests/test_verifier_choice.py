@@ -158,3 +158,31 @@ def test_the_personalised_model_must_win_outright_and_only_with_strangers_to_cal
     assert preferred({"global": 0.90, "personalised": 0.95}, strangers=False) == "global"
     assert preferred({"global": 0.90}, strangers=True) == "global"
     assert preferred({"personalised": 0.80}, strangers=False) == "personalised"  # the only model a device has
+
+
+def test_the_shift_first_measured_on_a_public_set_is_the_floor_of_every_later_model(tmp_path, faces):
+    """A global model the device's updates went into pushes its people apart, so the capture shift measured on them
+    falls round by round, and the threshold with it. The first shift measured on a public set goes on with the
+    calibration and no later model on that set is moved less; a new public set measures its own."""
+    home, (images, labels, public) = _calibrated_home(tmp_path / "home"), faces
+    vault = Vault.open(home.root / "store")
+    export_models(_model(_blind_state()), home, "dev", _face_state(), images, labels, public, public_sha256="ab" * 32)
+    first = Settings.load(home, vault).calibration
+    assert first.shift_floor == first.capture_shift  # the first on this set: its own measurement
+    settings = Settings.load(home, vault)
+    settings.calibration.shift_floor = first.capture_shift + 0.2  # as if the first model had measured more
+    settings.save(home, vault)
+    export_models(_model(_blind_state()), home, "dev", _face_state(), images, labels, public, public_sha256="ab" * 32)
+    floored = Settings.load(home, vault).calibration
+    assert floored.shift_floor == pytest.approx(first.capture_shift + 0.2)
+    assert floored.capture_shift == pytest.approx(first.capture_shift + 0.2) and floored.threshold > first.threshold
+    export_models(_model(_blind_state()), home, "dev", _face_state(), images, labels, public, public_sha256="cd" * 32)
+    fresh = Settings.load(home, vault).calibration
+    assert fresh.capture_shift == pytest.approx(first.capture_shift) == fresh.shift_floor  # another set: measured
+    settings = Settings.load(home, vault)
+    settings.calibration.shift_floor = 5.0  # no cosine difference: every stranger would be let in or kept out
+    settings.save(home, vault)
+    from edge_client.vault import VaultError
+
+    with pytest.raises(VaultError, match="damaged"):
+        Settings.load(home, vault)
