@@ -144,8 +144,8 @@ def shift_floor(settings: Settings, public_sha256: str | None) -> float | None:
 
     Why: the shift belongs to the cameras and crops, but it is measured on the device's own people's scores, and each
     global model the device's updates went into pushes those people apart, so the measured shift falls round by
-    round and the threshold with it (two-device `serve` run: dev1's shift 0.033 -> 0.028 -> 0.017, strangers let in
-    0.34% -> 0.57% for 0.1% promised; floored at the first, 0.42%)."""
+    round and the threshold with it (two-device `serve` run: dev1's shift 0.033 -> 0.028 -> 0.017, its door's
+    strangers let in 0.53% for 0.1% promised; with the floor 0.38%, `bench/results/two_device_serve_shift_floor.md`)."""
     cal = settings.calibration
     if cal is None or public_sha256 is None or settings.public_set != public_sha256:
         return None
