@@ -55,7 +55,7 @@ def serve_spec(args, public: dict | None = None):
     config = ServiceConfig(state=args.state, broker=args.broker, username=args.username, password=args.password,
                            ca_file=args.ca_file, http_host=args.http_host, http_port=args.http_port,
                            init=args.init, broker_acl=not args.no_broker_acl, tls=args.tls,
-                           public_set=args.public_set, gate=gate_setup(args, args.seed))
+                           public_set=args.public_set, gate=gate_setup(args, args.seed), keepalive_s=args.keepalive)
     refuse_unowned(args, SERVE_OWNED, config)
     return config, settings
 
@@ -254,6 +254,9 @@ def add_commands(csub) -> None:
                         "CA in their credential files")
     p.add_argument("--no-broker-acl", action="store_true",
                    help="run the embedded broker without logins and ACLs (not for deployments)")
+    p.add_argument("--keepalive", type=at_least(1), default=30, metavar="S",
+                   help="MQTT keepalive of the coordinator's connection, in seconds: the broker drops it after 1.5 "
+                        "times this without a packet (default: %(default)s)")
     p.set_defaults(func=cmd_coordinator_serve)
 
     p = csub.add_parser("admit", help="admit a device: issue its one-time credential file",

@@ -61,6 +61,8 @@ class ServiceConfig:
         """What would fail only after the broker started, refused first."""
         if Path(self.state).exists() and not Path(self.state).is_dir():
             raise ValueError(f"--state {self.state} is a file; give a folder for the coordinator's state")
+        if not 1 <= self.keepalive_s <= 65535:  # MQTT's two-byte field; 0 would switch keepalive off
+            raise ValueError(f"--keepalive must be 1 to 65535 seconds (got {self.keepalive_s})")
 
 
 def api_token(state: Path) -> tuple[str, bool]:

@@ -139,9 +139,9 @@ class Calibration:
     impostor_pairs: int
     model_sha256: str
     capture_shift: float = 0.0    # how far the public faces' scores were moved up (`capture_shift`)
-    shift_floor: float | None = None  # the least they are moved up on this public set (`verifier_choice`)
     stranger_mean: list[float] | None = None        # the public faces' embeddings: mean and covariance, from which
     stranger_cov: list[list[float]] | None = None   # each person's own threshold (`edge_client.person_threshold`)
+    shift_floor: float | None = None  # the least the public faces' scores are moved up on this set (`verifier_choice`)
 
     def thresholds_for(self, templates: np.ndarray) -> np.ndarray:
         """The threshold each template (one per row, or one) is decided at: the device's, raised for a person whom

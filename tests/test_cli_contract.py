@@ -158,6 +158,7 @@ def test_a_deprecated_alias_through_main_still_runs(tmp_path, capsys):
                                          "--frames"),
                                         (["device", "enroll", "--name", "a", "--image", "x", "--best", "x"], "--best"),
                                         (["coordinator", "serve", "--state", "s", "--chunk-kib", "0"], "--chunk-kib"),
+                                        (["coordinator", "serve", "--state", "s", "--keepalive", "0"], "--keepalive"),
                                         (["train", "--data", "d", "--out", "o", "--holdout-identities", "1.5"],
                                          "--holdout-identities"),
                                         (["train", "--data", "d", "--out", "o", "--val-fraction", "x"],
