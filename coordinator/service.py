@@ -121,8 +121,6 @@ class Service:
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.manual_ack_set(True)  # a message is acknowledged once handled, off paho's thread
-        self.inbound = InboundQueue(self.client, self.engine_message)
-        self.client.on_message = self.inbound.on_message
         self.disconnects, self.last_disconnect = 0, None
         try:  # before the store and the gate: nothing is written for a broker that is not there
             self.client.connect(address.host, address.port, keepalive=config.keepalive_s)
@@ -134,6 +132,8 @@ class Service:
         self.engine = Engine(store, strategy, settings, self._publish, self._initial_model, self.signer, gate=self.gate)
         if config.start_paused:
             self.engine.pause()
+        self.inbound = InboundQueue(self.client, self.engine.on_message)  # the engine waits out a round there
+        self.client.on_message = self.inbound.on_message
         self.client.loop_start()
         self._ticker = threading.Thread(target=self._tick_loop, name="coordinator-clock", daemon=True)
         self._ticker.start()
@@ -169,10 +169,6 @@ class Service:
     def record_evaluation(self, version: int, metrics: dict[str, float], source: str) -> None:
         """An operator's measurement of a released model, made elsewhere (the dashboard plots it)."""
         self.engine.store.record_evaluation(version, metrics, source)
-
-    def engine_message(self, topic: str, payload: bytes) -> None:
-        """The inbound queue's worker: the engine waits out a round's aggregation here, not on paho's thread."""
-        self.engine.on_message(topic, payload)
 
     def mqtt_state(self) -> str:
         """'connected' only while paho's network thread is alive and connected to the broker."""

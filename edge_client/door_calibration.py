@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.home import DeviceHome
-from edge_client.recognizer import Calibration, Recognizer, calibrate, file_sha256, template_of
+from edge_client.recognizer import Calibration, Recognizer, calibrate, template_of
 
 MAX_CALIBRATION_FAR = 0.5
 MAX_EXPECTED_FRR = 0.2
@@ -95,9 +95,14 @@ def uses_sealed_set(home: DeviceHome, recognizer: Recognizer, public_set: Path |
     """Whether the strangers come from the public set the sealed settings name (the received one, or a file given
     that is the same): only then is its shift floor used and kept; another set's shift is measured afresh and not
     kept, since the next round calibrates on the sealed set again."""
+    from models.public_set import sha256_of
+
     sealed = recognizer.settings.public_set
-    used = public_set or received_public_set(home, sealed)
-    return used is not None and sealed is not None and file_sha256(used) == sealed
+    if sealed is None:
+        return False
+    if public_set is None:  # the received set, which `_strangers` read only if it still had that hash
+        return received_public_set(home, sealed) is not None
+    return sha256_of(public_set) == sealed
 
 
 def received_public_set(home: DeviceHome, sha256: str | None) -> Path | None:

@@ -203,8 +203,10 @@ class Settings:
 def _checked(cal: Calibration) -> Calibration:
     """The calibration as read, refused (ValueError) when the strangers' spread is not a mean of d numbers and a d x d
     covariance, or its shift floor is no cosine difference: every decision would fail on it (or let anyone in)."""
-    if cal.shift_floor is not None and not 0 <= float(cal.shift_floor) <= 2:  # cosines: a shift lies within 2
-        raise ValueError("the calibration's shift floor is not a cosine difference")
+    if cal.shift_floor is not None:  # a number (not a string that compares), and a cosine difference: within 2
+        cal.shift_floor = float(cal.shift_floor)
+        if not 0 <= cal.shift_floor <= 2:
+            raise ValueError("the calibration's shift floor is not a cosine difference")
     if cal.stranger_mean is not None or cal.stranger_cov is not None:
         mean, cov = np.asarray(cal.stranger_mean, np.float64), np.asarray(cal.stranger_cov, np.float64)
         if mean.ndim != 1 or cov.shape != (len(mean), len(mean)) or not (np.isfinite(mean).all()

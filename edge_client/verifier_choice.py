@@ -130,7 +130,8 @@ def choose(home: DeviceHome, vault: Vault, images: np.ndarray, labels: np.ndarra
     kind = preferred({KINDS[stem]: t for stem, t in tar.items()}, strangers)
     best = home.personalised_onnx if kind == "personalised" else home.generic_onnx
     if strangers and public_sha256 is not None:  # the floor goes on with the calibration: the first on this set
-        calibrations[best].shift_floor = floor if floor is not None else next(iter(calibrations.values())).capture_shift
+        measured = calibrations.get(home.generic_onnx, calibrations[best]).capture_shift  # the global model's
+        calibrations[best].shift_floor = floor if floor is not None else measured
     settings.verifier, settings.calibration = best.name, calibrations[best]
     settings.public_set = public_sha256 if strangers else None  # the file `ffr device calibrate` may take them from
     settings.save(home, vault)

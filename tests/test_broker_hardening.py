@@ -121,11 +121,12 @@ def test_coordinator_disconnect_is_logged_and_shown_in_health(tmp_path, caplog):
 
 def test_the_coordinator_keeps_its_connection_while_a_round_holds_the_engine(tmp_path):
     """A round's aggregation and quality gate hold the engine's lock for minutes on a loaded machine. A device's
-    message arriving meanwhile used to block paho's network thread on that lock, its keepalive pings stopped, and the
-    broker dropped the coordinator (1.5 keepalives of silence). Here the lock is held for 4 keepalives while messages
-    arrive: the coordinator stays connected, and every message is handled, in order, once the lock is free."""
-    keepalive = 3
-    service = _service(tmp_path, keepalive_s=keepalive)
+    message arriving meanwhile used to block paho's network thread on that lock: it read nothing more, sent no
+    keepalive ping, and the broker dropped the coordinator. Here, with the lock held and device messages waiting for
+    it, the network thread still completes a round trip to the broker (a QoS-1 publish acknowledged; with the old
+    handler this never completes, whatever the machine's speed), and every message is handled, in order, once the
+    lock is free."""
+    service = _service(tmp_path)
     try:
         mallory = service.admit("mallory")
         client, connected, _ = _raw_client(service, mallory, "mallory")
@@ -134,9 +135,14 @@ def test_the_coordinator_keeps_its_connection_while_a_round_holds_the_engine(tmp
         with service.engine.lock:  # what a long aggregation does
             for _ in range(5):
                 client.publish(topics.device("mallory", "heartbeat"), b"not a message", qos=1).wait_for_publish(WAIT)
-            time.sleep(4 * keepalive)
-            assert service.disconnects == 0 and service.mqtt_state() == "connected"
+            deadline = time.monotonic() + WAIT
+            while service.inbound.received < 5 and time.monotonic() < deadline:  # all five reached the coordinator
+                time.sleep(0.05)
+            probe = service.client.publish("ffr/v1/probe", b"x", qos=1)
+            probe.wait_for_publish(WAIT)
+            assert probe.is_published(), "paho's network thread is blocked: the broker's ack was never read"
             assert service.engine.handled == handled and service.broker_health()["messages_waiting"] == 5
+            assert service.disconnects == 0 and service.mqtt_state() == "connected"
         deadline = time.monotonic() + WAIT
         while service.engine.handled < handled + 5 and time.monotonic() < deadline:
             time.sleep(0.05)

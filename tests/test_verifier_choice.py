@@ -179,10 +179,13 @@ def test_the_shift_first_measured_on_a_public_set_is_the_floor_of_every_later_mo
     export_models(_model(_blind_state()), home, "dev", _face_state(), images, labels, public, public_sha256="cd" * 32)
     fresh = Settings.load(home, vault).calibration
     assert fresh.capture_shift == pytest.approx(first.capture_shift) == fresh.shift_floor  # another set: measured
-    settings = Settings.load(home, vault)
-    settings.calibration.shift_floor = 5.0  # no cosine difference: every stranger would be let in or kept out
-    settings.save(home, vault)
+    from dataclasses import replace
+
     from edge_client.vault import VaultError
 
-    with pytest.raises(VaultError, match="damaged"):
-        Settings.load(home, vault)
+    good = Settings.load(home, vault)
+    for hostile in (5.0, float("nan"), "x", [0.1]):  # no cosine difference, or no number: refused, never decided on
+        Settings(replace(good.calibration, shift_floor=hostile), good.models, good.verifier, good.public_set).save(
+            home, vault)
+        with pytest.raises(VaultError, match="damaged"):
+            Settings.load(home, vault)
