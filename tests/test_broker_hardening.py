@@ -38,6 +38,13 @@ def _raw_client(service, credential, client_id: str) -> tuple[mqtt.Client, threa
     return client, connected, reasons
 
 
+def _mallory(service) -> tuple[mqtt.Client, list]:
+    """An admitted device, connected under its own login and id; its client and disconnect reasons."""
+    client, connected, reasons = _raw_client(service, service.admit("mallory"), "mallory")
+    assert connected.wait(WAIT)
+    return client, reasons
+
+
 def test_a_device_cannot_take_over_the_coordinators_session(tmp_path):
     service = _service(tmp_path)
     try:
@@ -79,9 +86,7 @@ def test_a_message_above_the_protocols_largest_is_refused_by_the_broker(tmp_path
 
     service = _service(tmp_path)
     try:
-        mallory = service.admit("mallory")
-        client, connected, reasons = _raw_client(service, mallory, "mallory")
-        assert connected.wait(WAIT)
+        client, reasons = _mallory(service)
         handled = service.engine.handled
         client.publish(topics.device("mallory", "heartbeat"), b"x" * 1024, qos=1).wait_for_publish(WAIT)
         deadline = time.monotonic() + WAIT
@@ -128,9 +133,7 @@ def test_the_coordinator_keeps_its_connection_while_a_round_holds_the_engine(tmp
     lock is free."""
     service = _service(tmp_path)
     try:
-        mallory = service.admit("mallory")
-        client, connected, _ = _raw_client(service, mallory, "mallory")
-        assert connected.wait(WAIT)
+        client, _ = _mallory(service)
         handled = service.engine.handled
         with service.engine.lock:  # what a long aggregation does
             for _ in range(5):
@@ -160,9 +163,7 @@ def test_a_flood_of_qos0_messages_during_a_round_is_bounded_and_counted(tmp_path
 
     service = _service(tmp_path)
     try:
-        mallory = service.admit("mallory")
-        client, connected, _ = _raw_client(service, mallory, "mallory")
-        assert connected.wait(WAIT)
+        client, _ = _mallory(service)
         flood = MAX_UNACKED + 200
         with service.engine.lock:
             for _ in range(flood):
