@@ -92,6 +92,7 @@ def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: i
     overrides = dict(overrides)
     how = str(overrides.pop("dfc_negatives", "none"))
     vote = overrides.pop("posterior_weight", None)  # gamma of `models.networks.dfc.personalised_embedding`
+    beta = overrides.pop("custom_weight", None)  # its beta: the customised half's share of a cosine
     if how not in NEGATIVES:
         raise SystemExit(f"dfc_negatives={how!r}: choose one of {', '.join(NEGATIVES)}")
     config = TrainingConfig(**{**BASE, **overrides})
@@ -106,6 +107,8 @@ def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: i
                                     personal_negatives(torch_state, fitted, config, fit, how, seed + k))
         if vote is not None:
             model.dfc.posterior_weight = float(vote)
+        if beta is not None:
+            model.dfc.custom_weight = float(beta)
         row = own_vs_strangers(data, k, lambda idx: embed(model, images[idx], True), strangers)
         if row is not None:
             per_device[str(k)] = row
@@ -113,7 +116,8 @@ def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: i
                          floors.get(str(k), 0.0))) is not None:
             doors[str(k)] = gate
     return {"overrides": {**overrides, **({"dfc_negatives": how} if how != "none" else {}),
-                          **({"posterior_weight": vote} if vote is not None else {})},
+                          **({"posterior_weight": vote} if vote is not None else {}),
+                          **({"custom_weight": beta} if beta is not None else {})},
             "tar@1e-3": _mean([r["tar@1e-3"] for r in per_device.values()]),
             "tar@1e-2": _mean([r["tar@1e-2"] for r in per_device.values()]), "per_client": per_device,
             **door_means(doors)}

@@ -124,6 +124,22 @@ def test_the_branchs_classifiers_vote_for_an_enrolled_person_and_not_for_a_stran
     assert torch.allclose(voted(a).norm(dim=1), torch.ones(50), atol=1e-5) and voted(a).shape == (50, 128 + 12)
 
 
+def test_the_customised_halfs_share_weighs_the_two_cosines():
+    """With beta the customised half's share, a cosine of two personalised embeddings is (1 - beta) cos_Theta +
+    beta cos_Pi; FedFR's equal halves are beta 0.5, and a share outside [0, 1] is refused."""
+    torch.manual_seed(0)
+    g, c = torch.randn(6, 16), torch.randn(6, 16)
+    cos_g = (F.normalize(g[:3], dim=1) * F.normalize(g[3:], dim=1)).sum(1)
+    cos_c = (F.normalize(c[:3], dim=1) * F.normalize(c[3:], dim=1)).sum(1)
+    for beta in (0.0, 0.5, 0.8, 1.0):
+        e = personalised_embedding(g, c, custom_weight=beta)
+        assert torch.allclose((e[:3] * e[3:]).sum(1), (1 - beta) * cos_g + beta * cos_c, atol=1e-6)
+        assert torch.allclose(e.norm(dim=1), torch.ones(6), atol=1e-6)
+    for beta in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="custom_weight"):
+            personalised_embedding(g, c, custom_weight=beta)
+
+
 def test_generic_and_personalised_embeddings_are_both_available():
     model = FaceModel(ModelConfig(n_classes=3, width_mult=0.35, pretrained=False, dfc=True)).eval()
     x = torch.randn(2, 3, 128, 128)

@@ -74,15 +74,16 @@ class BinaryClassifiers(nn.Module):
 # gamma of `personalised_embedding`; 0 (FedFR's [Theta, Pi] alone) until a device's calibrated door gains from the
 # vote: at 0.3 own people's TAR@1e-3 against strangers rose 0.775 -> 0.815, but the door kept 0.873 of them, not 0.891
 POSTERIOR_WEIGHT = 0.0
+CUSTOM_WEIGHT = 0.5  # beta of `personalised_embedding`: the customised half's share of a cosine (FedFR: equal halves)
 
 
 class DFCBranch(nn.Module):
     """Pi (a fully connected transform, initialised to identity) followed by Omega."""
 
     def __init__(self, dim: int, n_classes: int, lam: float = 0.7, r: float = 30.0, m: float = 0.4, t: float = 3.0,
-                 posterior_weight: float = POSTERIOR_WEIGHT):
+                 posterior_weight: float = POSTERIOR_WEIGHT, custom_weight: float = CUSTOM_WEIGHT):
         super().__init__()
-        self.posterior_weight = posterior_weight
+        self.posterior_weight, self.custom_weight = posterior_weight, custom_weight
         self.transform = nn.Linear(dim, dim)
         with torch.no_grad():
             self.transform.weight.copy_(torch.eye(dim))
@@ -100,7 +101,7 @@ class DFCBranch(nn.Module):
     def personalise(self, generic: torch.Tensor) -> torch.Tensor:
         """The device's verifying embedding of generic embeddings (`personalised_embedding`)."""
         return personalised_embedding(generic, self.customise(generic), self.posteriors(generic),
-                                      self.posterior_weight)
+                                      self.posterior_weight, self.custom_weight)
 
     def loss(self, generic: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.classifiers.loss(self.transform(generic), labels)
@@ -136,13 +137,17 @@ def fit_dfc(branch: DFCBranch, features: torch.Tensor, labels: torch.Tensor, ste
 
 
 def personalised_embedding(generic: torch.Tensor, custom: torch.Tensor, posteriors: torch.Tensor | None = None,
-                           weight: float = POSTERIOR_WEIGHT) -> torch.Tensor:
-    """[Theta(x), Pi(Theta(x))] (both halves count equally in a cosine, FedFR), then sqrt(gamma) * Omega's posteriors
-    p(x), as one unit vector: a cosine of two of them adds gamma * sum_k p_k(a) p_k(b), "both are enrolled person
-    k", to the halves' cosine, and a stranger (every p_k near 0) gains nothing. So FedFR's binary classifiers, fitted
+                           weight: float = POSTERIOR_WEIGHT, custom_weight: float = CUSTOM_WEIGHT) -> torch.Tensor:
+    """[sqrt(1 - beta) Theta(x), sqrt(beta) Pi(Theta(x))] (beta = `custom_weight`; 0.5, both halves counting equally
+    in a cosine, is FedFR's concatenation), then sqrt(gamma) * Omega's posteriors p(x), as one unit vector: a cosine
+    of two of them is (1 - beta) cos_Theta + beta cos_Pi, plus gamma * sum_k p_k(a) p_k(b), "both are enrolled person
+    k", and a stranger (every p_k near 0) gains nothing from that last term. So FedFR's binary classifiers, fitted
     for the device's people, vote in verification too rather than only shaping Pi (measured:
     `bench/results/personalisation_posteriors.md`). The width is 2 x dim + K (the people enrolled at the fit)."""
-    halves = torch.cat([F.normalize(generic, dim=1), F.normalize(custom, dim=1)], dim=1) / math.sqrt(2.0)
+    if not 0.0 <= custom_weight <= 1.0:
+        raise ValueError(f"custom_weight must be in [0, 1] (got {custom_weight!r})")
+    halves = torch.cat([math.sqrt(1.0 - custom_weight) * F.normalize(generic, dim=1),
+                        math.sqrt(custom_weight) * F.normalize(custom, dim=1)], dim=1)
     if posteriors is None or weight <= 0:
         return halves
     return F.normalize(torch.cat([halves, math.sqrt(weight) * posteriors], dim=1), dim=1)
