@@ -36,6 +36,8 @@ from protocol.methods import FedFR
 
 FAR = 1e-3  # the false-accept rate a device promises unless its owner calibrated for another
 NEGATIVES = ("none", "all", "hard")  # the arm key `dfc_negatives`: which of the fit share join the DFC fit
+# arm keys that set the fitted branch's own settings (`models.networks.dfc.personalised_embedding`'s gamma and beta)
+BRANCH_SETTINGS = ("posterior_weight", "custom_weight")
 
 
 def public_faces(folder: Path | None, limit: int, seed: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -91,8 +93,7 @@ def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: i
     device's capture shift under the global model)."""
     overrides = dict(overrides)
     how = str(overrides.pop("dfc_negatives", "none"))
-    vote = overrides.pop("posterior_weight", None)  # gamma of `models.networks.dfc.personalised_embedding`
-    beta = overrides.pop("custom_weight", None)  # its beta: the customised half's share of a cosine
+    branch = {key: float(overrides.pop(key)) for key in BRANCH_SETTINGS if key in overrides}
     if how not in NEGATIVES:
         raise SystemExit(f"dfc_negatives={how!r}: choose one of {', '.join(NEGATIVES)}")
     config = TrainingConfig(**{**BASE, **overrides})
@@ -105,10 +106,8 @@ def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: i
         fitted = crops if check is None else crops.select(~check)
         model = personalised_global(torch_state, fitted, config, seed + k,
                                     personal_negatives(torch_state, fitted, config, fit, how, seed + k))
-        if vote is not None:
-            model.dfc.posterior_weight = float(vote)
-        if beta is not None:
-            model.dfc.custom_weight = float(beta)
+        for key, value in branch.items():
+            setattr(model.dfc, key, value)
         row = own_vs_strangers(data, k, lambda idx: embed(model, images[idx], True), strangers)
         if row is not None:
             per_device[str(k)] = row
@@ -116,8 +115,7 @@ def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: i
                          floors.get(str(k), 0.0))) is not None:
             doors[str(k)] = gate
     return {"overrides": {**overrides, **({"dfc_negatives": how} if how != "none" else {}),
-                          **({"posterior_weight": vote} if vote is not None else {}),
-                          **({"custom_weight": beta} if beta is not None else {})},
+                          **branch},
             "tar@1e-3": _mean([r["tar@1e-3"] for r in per_device.values()]),
             "tar@1e-2": _mean([r["tar@1e-2"] for r in per_device.values()]), "per_client": per_device,
             **door_means(doors)}

@@ -29,6 +29,7 @@ from edge_client.vault import Person, Vault, VaultError, new_person
 from models.evaluation.separation import leave_one_out_scores
 from models.evaluation.thresholds import gaussian_tail, threshold_at_far
 from models.runtime import OnnxEmbedder
+from protocol.training_parts import is_real
 
 log = logging.getLogger(__name__)
 
@@ -203,10 +204,8 @@ class Settings:
 def _checked(cal: Calibration) -> Calibration:
     """The calibration as read, refused (ValueError) when the strangers' spread is not a mean of d numbers and a d x d
     covariance, or its shift floor is no cosine difference: every decision would fail on it (or let anyone in)."""
-    if cal.shift_floor is not None:  # a number (not a string that compares), and a cosine difference: within 2
-        cal.shift_floor = float(cal.shift_floor)
-        if not 0 <= cal.shift_floor <= 2:
-            raise ValueError("the calibration's shift floor is not a cosine difference")
+    if cal.shift_floor is not None and not (is_real(cal.shift_floor) and 0 <= cal.shift_floor <= 2):
+        raise ValueError("the calibration's shift floor is not a cosine difference")  # a number within 2, nothing else
     if cal.stranger_mean is not None or cal.stranger_cov is not None:
         mean, cov = np.asarray(cal.stranger_mean, np.float64), np.asarray(cal.stranger_cov, np.float64)
         if mean.ndim != 1 or cov.shape != (len(mean), len(mean)) or not (np.isfinite(mean).all()

@@ -36,7 +36,8 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _real(value) -> bool:
+def is_real(value) -> bool:
+    """A finite number as JSON gives one (not a bool, not a numeric string): for values read from a hostile file."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -60,7 +61,7 @@ class OptimiserSettings:
         _refuse_unless([(_whole(e) and e >= 1, f"--epochs must be at least 1 (got {e!r})"),
                         (_whole(b) and b >= lowest_batch, f"--batch-size must be at least {lowest_batch} (got {b!r})"
                                                           f"{why}"),
-                        (_real(lr) and lr > 0, f"--lr must be positive (got {lr!r})")])
+                        (is_real(lr) and lr > 0, f"--lr must be positive (got {lr!r})")])
 
 
 @dataclass
@@ -74,7 +75,7 @@ class TrainerSettings(OptimiserSettings):
 
     def __post_init__(self) -> None:
         self._check(lowest_batch=2, why=": BatchNorm and the pairwise losses need two faces a batch")
-        _refuse_unless([(_real(self.weight_decay) and self.weight_decay >= 0,
+        _refuse_unless([(is_real(self.weight_decay) and self.weight_decay >= 0,
                          f"--weight-decay must not be negative (got {self.weight_decay!r})"),
                         (self.precision in PRECISIONS,
                          f"--precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")])
@@ -97,9 +98,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         d, w, a = self.embedding_dim, self.width_mult, self.dfc_weight
         _refuse_unless([(_whole(d) and 16 <= d <= 1024, f"--embedding-dim must be in [16, 1024] (got {d!r})"),
-                        (_real(w) and WIDTH_MULTS[0] <= w <= WIDTH_MULTS[1],
+                        (is_real(w) and WIDTH_MULTS[0] <= w <= WIDTH_MULTS[1],
                          f"--width-mult must be in [{WIDTH_MULTS[0]:g}, {WIDTH_MULTS[1]:g}] (got {w!r})"),
-                        (_real(a) and 0 <= a <= 100, f"--dfc-weight must be in [0, 100] (got {a!r})"),
+                        (is_real(a) and 0 <= a <= 100, f"--dfc-weight must be in [0, 100] (got {a!r})"),
                         (isinstance(self.dfc, bool) and isinstance(self.imprint_head, bool),
                          "--dfc and --imprint-head are on or off")])
 

@@ -184,7 +184,7 @@ def test_the_shift_first_measured_on_a_public_set_is_the_floor_of_every_later_mo
     from edge_client.vault import VaultError
 
     good = Settings.load(home, vault)
-    for hostile in (5.0, float("nan"), "x", [0.1]):  # no cosine difference, or no number: refused, never decided on
+    for hostile in (5.0, float("nan"), "x", "0.5", True, [0.1]):  # no cosine difference, or no number: refused
         Settings(replace(good.calibration, shift_floor=hostile), good.models, good.verifier, good.public_set).save(
             home, vault)
         with pytest.raises(VaultError, match="damaged"):
