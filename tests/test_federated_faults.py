@@ -192,11 +192,11 @@ def test_device_dropping_mid_upload_does_not_block_the_round(tmp_path, mosquitto
         flaky.upload(_header(1, service.engine.version, enc.data, enc.sha256, "t-half"), enc.data,
                      chunk_bytes=64 * 1024, upto=3)
         flaky.close()  # gone, mid-upload
-        started = time.monotonic()
         wait_for(lambda: service.finished, 60, "the round to close without the dropped device")
-        assert time.monotonic() - started < 45
         round_1 = service.engine.store.rounds()[0]
         assert (round_1["status"], round_1["n_updates"], round_1["n_dropped"]) == ("completed", 2, 1)
+        # closed by its deadline, not by the dropped device's half upload: read from the round's record, not a clock
+        assert round_1["closed_at"] >= round_1["deadline"]
     finally:
         _stop(service, devices)
 
