@@ -184,4 +184,5 @@ def _fit_dfc(model: FaceModel, crops: FaceCrops, objective: TrainingConfig, nega
         public_features = frozen_features(model.backbone, negatives.images.permute(0, 2, 3, 1).numpy(), seed=seed)
         features = torch.cat([features, public_features])
         labels = torch.cat([labels, torch.full((len(public_features),), NEGATIVE)])
-    return fit_dfc(model.dfc, features, labels, objective.dfc_steps, objective.dfc_lr, seed=seed)
+    return fit_dfc(model.dfc, features, labels, objective.dfc_steps, objective.dfc_lr, seed=seed,
+                   anchor=objective.dfc_anchor)

@@ -133,6 +133,7 @@ class TrainingConfig(_Body):
     dfc_steps: int = Field(300, ge=0, le=20_000)  # fitting the DFC branch on frozen features after local training
     dfc_lr: float = Field(3e-3, gt=0, le=1.0)  # measured: bench/results/personalisation_lr.md
     dfc_views: int = Field(2, ge=1, le=16)     # views of each local image (the first unaugmented) for that fit
+    dfc_anchor: float = Field(0.0, ge=0, le=1e4)  # that fit pays this x Pi's drift from the identity (dfc.fit_dfc)
     # what of the shared embedder a round may change (models.training.trainable): BatchNorm's statistics (frozen:
     # a device's few people never become the shared model's statistics; frozen-trunk: the embedding layer's own
     # BatchNorm still learns; bench.honest_round measured them), and how many of the trunk's last blocks train

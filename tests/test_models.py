@@ -12,6 +12,7 @@ from models.networks.dfc import BinaryClassifiers, DFCBranch, fit_dfc, personali
 from models.networks.face_model import FaceModel, ModelConfig, load_shareable_state, private_state, shareable_state
 from models.networks.heads import ArcFaceHead, CosFaceHead, SoftmaxHead, build_head, inverse_frequency_weights
 from models.networks.pretrained import PretrainedWeightsError, imagenet_weights_path, verified_imagenet_weights
+from protocol.messages import TrainingConfig
 
 
 def test_embedding_is_128d_unit_norm_and_width_is_configurable():
@@ -163,3 +164,28 @@ def test_only_the_backbone_is_shareable():
     assert torch.equal(other.backbone.embedding.weight, model.backbone.embedding.weight)
     with pytest.raises(ValueError, match="unknown"):
         load_shareable_state(other, {**shared, "head.weight": torch.zeros(1)})
+
+
+def test_an_anchored_fit_keeps_a_few_peoples_branch_from_folding_strangers_onto_them():
+    """Fitted freely on three people, Pi folds faces towards their few directions, and a stranger's customised
+    cosine with an enrolled face rises far above its generic one; paying for Pi's drift from the identity
+    (`fit_dfc`'s anchor, `DFCBranch.drift`) keeps it near the generic cosine, and the people still apart."""
+    torch.manual_seed(0)
+    centres = F.normalize(torch.randn(9, 64), dim=1)  # 0-2 enrolled, 3-8 strangers
+    faces = lambda person, n: F.normalize(centres[person] + 0.12 * torch.randn(n, 64), dim=1)  # noqa: E731
+    enrolled, labels = torch.cat([faces(k, 10) for k in range(3)]), torch.arange(3).repeat_interleave(10)
+    a, stranger = faces(0, 50), torch.cat([faces(k, 10) for k in range(3, 9)])
+    generic = (a @ stranger.T).mean()
+    rises, drifts = {}, {}
+    for anchor in (0.0, 1.0):
+        branch = DFCBranch(64, 3)
+        fit_dfc(branch, enrolled, labels, steps=300, lr=1e-2, anchor=anchor)
+        with torch.no_grad():
+            rises[anchor] = float((branch.customise(a) @ branch.customise(stranger).T).mean() - generic)
+            drifts[anchor] = float(branch.drift())
+            own = branch.customise(faces(1, 50))
+            assert float((branch.customise(a) @ own.T).mean()) < float((own @ own.T).mean()) - 0.3
+    assert drifts[1.0] < 0.25 * drifts[0.0]
+    assert rises[0.0] > 0.1 and rises[1.0] < 0.5 * rises[0.0], rises
+    with pytest.raises(ValueError):
+        TrainingConfig(dfc_anchor=-1.0)

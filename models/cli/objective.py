@@ -52,6 +52,7 @@ OWNED: dict[str, Owned] = {
     "--dfc-weight": Owned("--dfc", lambda t: t.model.dfc),
     "--dfc-steps": Owned("--dfc", lambda t: t.model.dfc),
     "--dfc-lr": Owned("--dfc", lambda t: t.model.dfc),
+    "--dfc-anchor": Owned("--dfc", lambda t: t.model.dfc),
     "--topk-fraction": Owned("--codec topk", lambda t: t.transport.codec == "topk"),
 }
 
@@ -90,6 +91,10 @@ def add_objective_options(group) -> None:
     group.add_argument("--dfc-steps", type=int, help="steps fitting the DFC branch on frozen features after local "
                                                      f"training (default {SPEC.dfc_steps})")
     group.add_argument("--dfc-lr", type=float, help=f"learning rate of that fit (default {SPEC.dfc_lr:g})")
+    group.add_argument("--dfc-anchor", type=float,
+                       help="what that fit pays for each unit of the DFC transform's squared distance from the "
+                            f"identity it starts as: a device of few people keeps strangers apart (default "
+                            f"{SPEC.dfc_anchor:g})")
     group.add_argument("--imprint-head", action=argparse.BooleanOptionalAction, default=True,
                        help="each round, set the device's class centres to its people's mean embedding under the "
                             "received model before training (weight imprinting; default on)")
@@ -134,7 +139,7 @@ def training_config(args, **extra) -> TrainingConfig:
                                       **{k: extra.pop(k) for k in TransportSettings.model_fields if k in extra})
         config = TrainingConfig(method=method, optimisation=optimisation, model=model, transport=transport,
                                 batchnorm=batchnorm(args), top_blocks=args.top_blocks, dp_clip=args.dp_clip,
-                                **given(args, ["--dfc-steps", "--dfc-lr"]), **extra)
+                                **given(args, ["--dfc-steps", "--dfc-lr", "--dfc-anchor"]), **extra)
     except ValueError as exc:  # pydantic's refusal, named as these commands spell the option
         raise ValueError(one_line(exc, flags)) from None
     refuse_unowned(args, METHOD_OWNED, config)

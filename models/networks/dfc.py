@@ -106,16 +106,26 @@ class DFCBranch(nn.Module):
     def loss(self, generic: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.classifiers.loss(self.transform(generic), labels)
 
+    def drift(self) -> torch.Tensor:
+        """||W - I||^2 + ||b||^2: how far Pi has moved from the identity it starts as (L2-SP's distance to the
+        starting point, Li et al., ICML 2018), which an anchored fit pays for (`fit_dfc`'s `anchor`)."""
+        weight = self.transform.weight
+        eye = torch.eye(weight.shape[0], dtype=weight.dtype, device=weight.device)
+        return ((weight - eye) ** 2).sum() + (self.transform.bias ** 2).sum()
+
 
 NEGATIVE = -1  # the label of a public face: nobody this device knows
 
 
 def fit_dfc(branch: DFCBranch, features: torch.Tensor, labels: torch.Tensor, steps: int = 300, lr: float = 1e-2,
-            batch_size: int = 128, seed: int = 0) -> float:
-    """Fit Pi and Omega to frozen generic features with FedFR's L_BCE (eq. 6); returns the last loss.
+            batch_size: int = 128, seed: int = 0, anchor: float = 0.0) -> float:
+    """Fit Pi and Omega to frozen generic features with FedFR's L_BCE (eq. 6), plus `anchor` x Pi's drift from the
+    identity (`DFCBranch.drift`); returns the last loss.
 
     `features` are Theta(x) of the device's images (labels 0..K-1) and, optionally, of public faces
-    (label NEGATIVE). Only the branch changes; its own Adam, because the backbone's rate is far too low."""
+    (label NEGATIVE). Only the branch changes; its own Adam, because the backbone's rate is far too low. Why the
+    anchor: fitted freely on a device of two or three people, Pi folds every face towards their few directions, and
+    strangers score against their templates as high as they do (the door then refuses its own people)."""
     if steps <= 0 or len(features) == 0:
         return float("nan")
     generator = torch.Generator().manual_seed(seed)
@@ -131,7 +141,11 @@ def fit_dfc(branch: DFCBranch, features: torch.Tensor, labels: torch.Tensor, ste
         nonlocal last
         last = step
 
-    optimise(batches, lambda batch: Step(branch.loss(features[batch], labels[batch])), optimiser, after=[keep])
+    def step(batch: torch.Tensor) -> Step:
+        loss = branch.loss(features[batch], labels[batch])
+        return Step(loss + anchor * branch.drift() if anchor > 0 else loss)
+
+    optimise(batches, step, optimiser, after=[keep])
     branch.train(was_training)
     return last.value
 
