@@ -23,7 +23,7 @@ import torch
 from bench.common import faces_dir, write_results
 from bench.honest_round import BASE, _mean, _n, add_fleet_options, device_crops, fleet_data, own_vs_strangers, parse_arm
 from edge_client.local_training import personalised_global
-from edge_client.verifier_choice import check_split
+from edge_client.verifier_choice import check_split, preferred
 from fleet.doors import door as door_of
 from fleet.doors import door_faces
 from fleet.evaluation import embed
@@ -130,12 +130,47 @@ def door_means(doors: dict[str, dict]) -> dict:
             "door_tar_own_shift": _mean([r["tar_own_shift"] for r in rows]), "doors": doors}
 
 
-def row_of(arm: str, settings: str, scores: dict) -> dict:
-    """One line of the table: the ROC figures (threshold chosen on the strangers) and the door's (calibrated)."""
+def gains_of(start: dict, scores: dict) -> list[float]:
+    """Each device's own people's TAR@1e-3 against strangers with the arm's model, minus the starting model's (the
+    devices where both could be measured)."""
+    pairs = [(row["tar@1e-3"], start["per_client"].get(k, {}).get("tar@1e-3"))
+             for k, row in scores["per_client"].items()]
+    return [now - before for now, before in pairs if now is not None and before is not None]
+
+
+def chosen_doors(start: dict, scores: dict) -> list[dict]:
+    """The door of the model each device would verify with: the arm's personalised one only where it keeps more of
+    its judged people than the starting model (`verifier_choice.preferred`, as a device decides after a round)."""
+    doors = []
+    for k, own in scores["doors"].items():
+        if (first := start["doors"].get(k)) is not None:
+            kind = preferred({"global": first["tar_promised"], "personalised": own["tar_promised"]}, True)
+            doors.append({**(own if kind == "personalised" else first), "kind": kind})
+    return doors
+
+
+def row_of(arm: str, settings: str, scores: dict, start: dict) -> dict:
+    """One line of the table: the ROC figures (threshold chosen on the strangers), how many devices gained the
+    federation issue's 10 points there, the personalised model's door (calibrated) and the door each device would
+    verify with (`chosen_doors`)."""
+    gains, chosen = gains_of(start, scores), chosen_doors(start, scores)
     return {"arm": arm, "settings": settings, "tar@1e-3": scores["tar@1e-3"], "tar@1e-2": scores["tar@1e-2"],
+            "devices +10 points": f"{sum(g >= 0.1 - 1e-9 for g in gains)} of {len(gains)}",
+            "worst gain": min(gains, default=None),
             "door TAR": scores["door_tar"], "door FAR": scores["door_far"],
-            "worst device FAR": scores["door_far_worst"], "door TAR, own shift": scores["door_tar_own_shift"],
-            "door FAR, own shift": scores["door_far_own_shift"]}
+            "worst device FAR": scores["door_far_worst"],
+            "chosen door TAR": _mean([d["tar"] for d in chosen]), "chosen door FAR": _mean([d["far"] for d in chosen]),
+            "chosen worst FAR": max((d["far"] for d in chosen), default=None),
+            "personalised chosen": f"{sum(d['kind'] == 'personalised' for d in chosen)} of {len(chosen)}",
+            "door TAR, own shift": scores["door_tar_own_shift"], "door FAR, own shift": scores["door_far_own_shift"]}
+
+
+def table_of(results: dict) -> list[dict]:
+    """The table of a run's results (`results`: as the run's JSON keeps them)."""
+    start = results["start"]
+    table = [row_of("start", "the starting model, no personalisation", start, start)]
+    return table + [row_of(n, ", ".join(f"{k}={v}" for k, v in a["overrides"].items()) or "defaults", a, start)
+                    for n, a in results["arms"].items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,10 +216,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({'n/a' if gain is None else f'{gain:+.3f}'}); door TAR {_n(arm['door_tar'])} FAR "
               f"{_n(arm['door_far'], 4)} (worst {_n(arm['door_far_worst'], 4)}); "
               f"{time.perf_counter() - started:.0f} s", flush=True)
-        table = [row_of("start", "the starting model, no personalisation", results["start"])]
-        table += [row_of(n, ", ".join(f"{k}={v}" for k, v in a["overrides"].items()) or "defaults", a)
-                  for n, a in results["arms"].items()]
-        write_results(args.out, args.name, results, table,
+        write_results(args.out, args.name, results, table_of(results),
                       f"Personalised models fitted on the starting backbone, {args.clients} CelebA devices, "
                       f"{args.partition}: own people against strangers (mean over devices)",
                       "python -m bench.personalisation " + " ".join(sys.argv[1:] if argv is None else argv))

@@ -34,6 +34,7 @@ def test_it_replays_rounds_and_scores_the_start_beside_each(tmp_path):
 
 def test_the_personalisation_bench_scores_each_arm_against_the_start(tmp_path):
     from bench.personalisation import main as personalisation
+    from bench.personalisation import table_of
     from models.faces.synthetic import write_dataset
 
     faces = write_dataset(tmp_path / "faces", n_identities=10, n_images=12, seed=2)
@@ -57,6 +58,11 @@ def test_the_personalisation_bench_scores_each_arm_against_the_start(tmp_path):
         assert same["threshold"] == pytest.approx(gate["threshold"], abs=1e-4) and same["far"] == gate["far"]
         assert 0 <= gate["tar"] <= 1 and gate["far_promised"] == 1e-3 and gate["capture_shift"] >= 0
     assert "| few | dfc_steps=5, dfc_negatives=hard |" in (out / "tiny.md").read_text()
+    # the door each device would verify with: an unfitted branch ties the starting model, and a tie keeps it
+    rows = {row["arm"]: row for row in table_of(results)}
+    assert rows["none"]["personalised chosen"] == "0 of 2" and rows["none"]["devices +10 points"].startswith("0 of")
+    assert rows["none"]["chosen door TAR"] == rows["start"]["door TAR"]
+    assert rows["none"]["chosen door FAR"] == rows["start"]["door FAR"]
 
 
 def test_the_door_bench_calibrates_many_devices_and_tries_strangers_on_each(tmp_path):
