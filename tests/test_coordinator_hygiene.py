@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_federated import wait_for
 
 from coordinator.broker import free_port
 from coordinator.engine import RoundSettings
@@ -90,6 +91,14 @@ def test_api_docs_are_off_unless_asked_for(live):
     assert _status(port, "/health") == 200
 
 
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def _mosquitto_running(pid: int) -> bool:
     try:
         return b"mosquitto" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -109,7 +118,7 @@ def test_serve_stops_cleanly_on_a_signal_and_keeps_its_secrets(tmp_path, sig):
     deadline = time.monotonic() + 90
     while not any(line.startswith("HTTP API token") for line in lines) and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(1.0)  # uvicorn is up
+    wait_for(lambda: _listening(port), 60, "uvicorn to listen on its port")  # not a fixed sleep: load makes it slow
     broker_pid = int((state / "broker" / "mosquitto.pid").read_text())
     assert _mosquitto_running(broker_pid)
     # a second coordinator on its state, or on its port, is refused in one line before starting anything
@@ -124,8 +133,7 @@ def test_serve_stops_cleanly_on_a_signal_and_keeps_its_secrets(tmp_path, sig):
     out = "".join(lines)
     assert process.returncode == 0, out
     assert "Traceback" not in out
-    time.sleep(0.5)
-    assert not _mosquitto_running(broker_pid), "the embedded broker was left running"
+    wait_for(lambda: not _mosquitto_running(broker_pid), 60, "the embedded broker to stop (was it left running?)")
     token = (state / "api-token").read_text().strip()
     assert token not in out, "the API token was printed into a log"
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
