@@ -144,7 +144,8 @@ def test_the_customised_halfs_share_weighs_the_two_cosines():
 def test_generic_and_personalised_embeddings_are_both_available():
     model = FaceModel(ModelConfig(n_classes=3, width_mult=0.35, pretrained=False, dfc=True)).eval()
     x = torch.randn(2, 3, 128, 128)
-    assert model.embed(x).shape == (2, 128) and model.embed_personalised(x).shape == (2, 256)  # no posteriors
+    people = 3 if model.dfc.posterior_weight > 0 else 0  # the classifiers' vote, one posterior per person, if on
+    assert model.embed(x).shape == (2, 128) and model.embed_personalised(x).shape == (2, 256 + people)
     with pytest.raises(ValueError, match="no DFC branch"):
         FaceModel(ModelConfig(n_classes=3, width_mult=0.35, pretrained=False)).embed_personalised(x)
 
