@@ -27,6 +27,7 @@ from edge_client.verifier_choice import check_split, preferred
 from fleet.doors import door as door_of
 from fleet.doors import door_faces
 from fleet.evaluation import embed
+from fleet.report import OWN_GAIN
 from models.networks.face_model import global_embedder, initial_global_state
 from models.public_set import SIZE
 from models.training.distill_data import list_images, load_crops
@@ -155,7 +156,7 @@ def row_of(arm: str, settings: str, scores: dict, start: dict) -> dict:
     verify with (`chosen_doors`)."""
     gains, chosen = gains_of(start, scores), chosen_doors(start, scores)
     return {"arm": arm, "settings": settings, "tar@1e-3": scores["tar@1e-3"], "tar@1e-2": scores["tar@1e-2"],
-            "devices +10 points": f"{sum(g >= 0.1 - 1e-9 for g in gains)} of {len(gains)}",
+            "devices +10 points": f"{sum(g >= OWN_GAIN for g in gains)} of {len(gains)}",
             "worst gain": min(gains, default=None),
             "door TAR": scores["door_tar"], "door FAR": scores["door_far"],
             "worst device FAR": scores["door_far_worst"],
