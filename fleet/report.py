@@ -164,8 +164,9 @@ def _door_cell(doors: dict, key: str, digits: int) -> str:
 
 def _device_lines(personalized: dict) -> list[str]:
     """Each training device: its own people's TAR@1e-3 against strangers with the starting, the global and its
-    personalised model, and its door start -> now, with how many devices reach the 10-point bar and how many end
-    below the start; nothing for a run from before doors were scored."""
+    personalised model, and its door start -> now, with how many devices reach the 10-point bar, how many end
+    below the start, and how many start so high that the bar is out of reach (a device of one person at 1.000 would
+    otherwise read as a miss); nothing for a run from before doors were scored."""
     doors = (personalized.get("doors") or {}).get("per_client") or {}
     rows = [r for r in personalized.get("per_client") or [] if not r.get("held_out") and _tar(r, "start") is not None]
     if not rows or not doors:
@@ -191,8 +192,11 @@ def _device_lines(personalized: dict) -> list[str]:
                      f"{'n/a' if gain is None else f'{gain:+.3f}'} | {d.get('chosen', 'no door scored')} | "
                      f"{_door_cell(d, 'tar', 3)} | {far} |")
     reached = sum(g is not None and g >= OWN_GAIN for g in gains)
+    capped = sum(_tar(r, "start") > 1 - OWN_GAIN for r in rows)
     lines += ["", f"{reached} of {len(rows)} devices gain {OWN_GAIN * 100:.0f} points or more on their own people "
-              f"with the personalised model; {worse} end below the start with the model they verify with."]
+              f"with the personalised model; {worse} end below the start with the model they verify with"
+              + (f"; {capped} start above {1 - OWN_GAIN:.3f}, where {OWN_GAIN * 100:.0f} points cannot be gained."
+                 if capped else ".")]
     return lines
 
 

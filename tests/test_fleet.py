@@ -177,6 +177,14 @@ def test_the_summary_lists_each_device_start_against_now_and_counts_the_bar():
     assert lines[-1] == ("1 of 2 devices gain 10 points or more on their own people with the personalised model; "
                          "1 end below the start with the model they verify with.")
     assert _device_lines({"per_client": per_client}) == []  # a run from before doors were scored
+    # a device whose people start at 0.950 cannot gain 10 points: counted as a miss, and said why
+    ceiling = {"client": 3, "held_out": False, "start": {"tar@1e-3": 0.95}, "global": {"tar@1e-3": 0.95},
+               "global+dfc": {"tar@1e-3": 1.0}}
+    doors["per_client"]["3"] = {"start": door(0.97, 0.0), "global": door(0.97, 0.0), "chosen": "global"}
+    lines = _device_lines({"per_client": per_client + [ceiling], "doors": doors})
+    assert lines[-1] == ("1 of 3 devices gain 10 points or more on their own people with the personalised model; "
+                         "1 end below the start with the model they verify with; 1 start above 0.900, where 10 "
+                         "points cannot be gained.")
 
 
 @pytest.mark.parametrize("text, says", [('{"x":', "Expecting value"), ("[1, 2]", "not a JSON object"),
