@@ -9,13 +9,15 @@ rest, which the devices then calibrate their doors on (strangers' faces).
 
 Every command is the real CLI in its own process (embedded mosquitto, ONNX export, the devices' adoption checks and
 verifier choice). Afterwards `ffr eval` scores the shipped model, each released global model and each device's two
-exported models on the unseen people (AUC and TAR@FAR with its pairs), and the devices' own log lines say which
-model each verifies with, at what TAR of its own people.
+exported models on the unseen people (AUC and TAR@FAR with its pairs), the devices' own log lines say which
+model each verifies with, at what TAR of its own people, and each device's door is scored on the strangers at the
+start (the shipped model, calibrated as a first round would) and now.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import re
 import subprocess
@@ -96,7 +98,12 @@ def run(data: Path, work: Path, rounds: int, extra: list[str]) -> dict:
         lines = [line for line in (work / f"{name}.log").read_text().splitlines() if "own people TAR" in line]
         choices[name] = [re.sub(r"^.*?: ", "", line) for line in lines]
     strangers = {name: strangers_let_in(work / f"{name}_home", devices[name], unseen) for name in devices}
-    return {"scores": scores, "choices": choices, "strangers": strangers, "people_per_device": PEOPLE_PER_DEVICE,
+    from models.networks.face_weights import write_default_onnx
+
+    shipped = write_default_onnx(work / "shipped.onnx")
+    start = {name: start_door(work / f"{name}_home", devices[name], unseen, shipped) for name in devices}
+    return {"scores": scores, "choices": choices, "strangers": strangers, "strangers_start": start,
+            "people_per_device": PEOPLE_PER_DEVICE,
             "unseen_people": UNSEEN, "rounds": coordinator_rounds(state),
             "gate": next((re.sub(r"^.*?(quality gate)", r"\1", line) for line in
                           (work / "serve.log").read_text().splitlines() if "quality gate" in line), "none")}
@@ -112,30 +119,57 @@ def coordinator_rounds(state: Path) -> list[dict]:
              **{k: r["metrics"][k] for k in keep if k in r["metrics"]}} for r in Store(state).rounds()]
 
 
-def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
-    """What the device's door does with strangers: the model it verifies with and its thresholds (its sealed settings:
-    the device's, and each person's own from it), each of its people's template (`template_of`, as the device makes it),
-    and every photo of the people no device holds scored against each template; `far`: the share of those scores above
-    their person's threshold, against the FAR it promises, and how many strangers' photos match someone."""
-    import numpy as np
-
-    from edge_client.home import DeviceHome
-    from edge_client.recognizer import Settings, current_model, normalise, template_of
-    from edge_client.vault import Vault
+@functools.lru_cache(maxsize=None)
+def _crops(folder: Path):
+    """A folder's faces cropped as the doors are scored (once: each is scored at the start and now)."""
     from models.faces.crops import CropConfig, crop_index
     from models.faces.datasets import load_index
-    from models.runtime import OnnxEmbedder
+
+    return crop_index(load_index(folder), CropConfig(detector="auto", fallback_center=True), progress=False)
+
+
+def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
+    """What the device's door does with strangers after the run: the model it verifies with and its calibration (its
+    sealed settings), scored by `door_scores`."""
+    from edge_client.home import DeviceHome
+    from edge_client.recognizer import Settings, current_model
+    from edge_client.vault import Vault
 
     home = DeviceHome(home_dir)
     vault = Vault.open(home.root / "store")
     settings, model = Settings.load(home, vault), current_model(home, vault)
+    return door_scores(model, settings.calibration, _crops(people), _crops(unseen))
+
+
+def start_door(home_dir: Path, people: Path, unseen: Path, shipped: Path) -> dict:
+    """The door the device would have had before the federation, for start -> now: the shipped model calibrated as a
+    round calibrates a device that never was (`verifier_choice.calibrated`: the FAR it promises by default, the
+    quarter of its people's images it judges on, the public faces it was served, no shift floor yet), scored by
+    `door_scores`. Tells whether a stranger let in at the end was let in before the federation too."""
+    from edge_client.verifier_choice import DEFAULT_FAR, calibrated, check_split
+    from models.public_set import load_public_set
+
+    served = sorted((home_dir / "public").glob("*.safetensors"))  # the set the coordinator served, as cached
+    negatives = load_public_set(served[-1]).images if served else None
+    own = _crops(people)
+    calibration = calibrated(shipped, DEFAULT_FAR, own.images, own.labels, negatives, check_split(own.labels), 0.0)
+    return door_scores(shipped, calibration, own, _crops(unseen))
+
+
+def door_scores(model: Path, cal, own, others) -> dict:
+    """A door's strangers: each of the device's people's template (`template_of`, as the device makes it) and every
+    photo of the people no device holds scored against each, at that person's threshold (`cal.thresholds_for`: the
+    device's, and each person's own); `far`: the share of those scores above it, against the FAR promised, and how
+    many strangers' photos match someone."""
+    import numpy as np
+
+    from edge_client.recognizer import normalise, template_of
+    from models.runtime import OnnxEmbedder
+
     embedder = OnnxEmbedder(model)
-    config = CropConfig(detector="auto", fallback_center=True)
-    own, others = (crop_index(load_index(folder), config, progress=False) for folder in (people, unseen))
     mine = normalise(embedder.embed(own.images))
     templates = np.stack([template_of(mine[own.labels == k]) for k in np.unique(own.labels)])
     scores = normalise(embedder.embed(others.images)) @ templates.T
-    cal = settings.calibration
     each = cal.thresholds_for(templates)  # each person's own, as the device decides (`edge_client.person_threshold`)
     above = scores > each
     pairs = {f"{others.identities[s]} as {own.identities[p]}": int(np.sum(above[others.labels == s, i]))
@@ -195,17 +229,22 @@ def main(argv: list[str] | None = None) -> int:
                        + (f" with a public set of {args.public_limit} faces" if args.public_faces else "")
                        + f", two devices of {PEOPLE_PER_DEVICE} CelebA people; "
                        f"{UNSEEN} people no device holds", command)
-    doors = ["", "Each device's door after the run: the model it verifies with, its threshold and its people's own "
-             "(the device's, raised for a person whom strangers resemble), and the photos of the people no device "
-             "holds scored against each of its people's templates, each at that person's threshold.", "",
-             "| device | model | threshold | people's thresholds | FAR promised | FAR on strangers | strangers' photos "
-             "matching someone | which stranger as whom (photos) |", "|---|---|---|---|---|---|---|---|"]
-    for name, s in result["strangers"].items():
-        matches = ", ".join(f"{pair}: {n}" for pair, n in s["matches"].items()) or "none"
-        each = s.get("person_thresholds") or [s["threshold"]]  # a result from before each person's threshold
-        doors.append(f"| {name} | {s['model']} | {s['threshold']:.3f} | {min(each):.3f} - {max(each):.3f} | "
-                     f"{s['far_promised']:g} | {s['far']:.4f} | {s['photos_matching_someone']} of "
-                     f"{s['strangers_photos']} | {matches} |")
+    doors = ["", "Each device's door at the start (the shipped model, calibrated as a device's first round calibrates: "
+             "its judged images and the public faces it was served) and after the run (the model it verifies with): "
+             "its threshold and its people's own (the device's, raised for a person whom strangers resemble), and the "
+             "photos of the people no device holds scored against each of its people's templates, each at that "
+             "person's threshold.", "",
+             "| device | door | model | threshold | people's thresholds | FAR promised | FAR on strangers | strangers' "
+             "photos matching someone | which stranger as whom (photos) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, now in result["strangers"].items():
+        for when, s in (("start", result.get("strangers_start", {}).get(name)), ("now", now)):
+            if s is None:  # a result from before the start door was scored
+                continue
+            matches = ", ".join(f"{pair}: {n}" for pair, n in s["matches"].items()) or "none"
+            each = s.get("person_thresholds") or [s["threshold"]]  # a result from before each person's threshold
+            doors.append(f"| {name} | {when} | {s['model']} | {s['threshold']:.3f} | {min(each):.3f} - "
+                         f"{max(each):.3f} | {s['far_promised']:g} | {s['far']:.4f} | "
+                         f"{s['photos_matching_someone']} of {s['strangers_photos']} | {matches} |")
     doors += ["", f"The coordinator's rounds ({result['gate']}):", ""]
     doors += [f"- round {r['round']}: {r['status']}" + (f" ({r['reason']})" if r["reason"] else "")
               + "".join(f", {k} {v:.4g}" for k, v in r.items() if k not in ("round", "status", "reason"))
@@ -215,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     doors += [f"- {name}: {line}" for name, lines in result["choices"].items() for line in lines]
     md.write_text(md.read_text() + "\n".join(doors) + "\n")
     for name, lines in result["choices"].items():
-        print(f"{name}:", *lines, f"strangers: {result['strangers'][name]}", sep="\n  ")
+        print(f"{name}:", *lines, f"strangers at the start: {result['strangers_start'][name]}",
+              f"strangers now: {result['strangers'][name]}", sep="\n  ")
     return 0
 
 
