@@ -119,7 +119,7 @@ def coordinator_rounds(state: Path) -> list[dict]:
              **{k: r["metrics"][k] for k in keep if k in r["metrics"]}} for r in Store(state).rounds()]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _crops(folder: Path):
     """A folder's faces cropped as the doors are scored (once: each is scored at the start and now)."""
     from models.faces.crops import CropConfig, crop_index
