@@ -165,8 +165,9 @@ def _door_cell(doors: dict, key: str, digits: int) -> str:
 def _device_lines(personalized: dict) -> list[str]:
     """Each training device: its own people's TAR@1e-3 against strangers with the starting, the global and its
     personalised model, and its door start -> now, with how many devices reach the 10-point bar, how many end
-    below the start, and how many start so high that the bar is out of reach (a device of one person at 1.000 would
-    otherwise read as a miss); nothing for a run from before doors were scored."""
+    below the start (own people at their FAR=1e-3 threshold, and at the door: its TAR), and how many start so high
+    that the bar is out of reach (a device of one person at 1.000 would otherwise read as a miss); nothing for a run
+    from before doors were scored."""
     doors = (personalized.get("doors") or {}).get("per_client") or {}
     rows = [r for r in personalized.get("per_client") or [] if not r.get("held_out") and _tar(r, "start") is not None]
     if not rows or not doors:
@@ -177,7 +178,7 @@ def _device_lines(personalized: dict) -> list[str]:
              "model it verifies with now; the FAR's 95% interval over the strangers in brackets.", "",
              "| device | own TAR@1e-3 start | global | personalised | gain | verifies with | door TAR | door FAR |",
              "|---|---|---|---|---|---|---|---|"]
-    gains, worse = [], 0
+    gains, worse, door_worse = [], 0, 0
     for r in rows:
         d = doors.get(str(r["client"])) or {}
         start, mine = _tar(r, "start"), _tar(r, "global+dfc")
@@ -186,6 +187,8 @@ def _device_lines(personalized: dict) -> list[str]:
         gains.append(gain)
         worse += used is not None and used < start
         now = d.get(d.get("chosen") or "", {})
+        door_worse += now.get("tar") is not None and (d.get("start") or {}).get("tar") is not None \
+            and now["tar"] < d["start"]["tar"]
         interval = now.get("far_interval")
         far = _door_cell(d, "far", 5) + (f" [{interval[0]:.5f}, {interval[1]:.5f}]" if interval else "")
         lines.append(f"| {r['client']} | {_f(start)} | {_f(_tar(r, 'global'))} | {_f(mine)} | "
@@ -194,7 +197,8 @@ def _device_lines(personalized: dict) -> list[str]:
     reached = sum(g is not None and g >= OWN_GAIN for g in gains)
     capped = sum(_tar(r, "start") > 1 - OWN_GAIN for r in rows)
     lines += ["", f"{reached} of {len(rows)} devices gain {OWN_GAIN * 100:.0f} points or more on their own people "
-              f"with the personalised model; {worse} end below the start with the model they verify with"
+              f"with the personalised model; {worse} end below the start with the model they verify with "
+              f"({door_worse} at the door they calibrated)"
               + (f"; {capped} start above {1 - OWN_GAIN:.3f}, where {OWN_GAIN * 100:.0f} points cannot be gained."
                  if capped else ".")]
     return lines

@@ -175,7 +175,7 @@ def test_the_summary_lists_each_device_start_against_now_and_counts_the_bar():
                      "0.00100] |"]
     # device 0 clears the bar; device 1 verifies with its global model, below its start on its own people
     assert lines[-1] == ("1 of 2 devices gain 10 points or more on their own people with the personalised model; "
-                         "1 end below the start with the model they verify with.")
+                         "1 end below the start with the model they verify with (1 at the door they calibrated).")
     assert _device_lines({"per_client": per_client}) == []  # a run from before doors were scored
     # a device whose people start at 0.950 cannot gain 10 points: counted as a miss, and said why
     ceiling = {"client": 3, "held_out": False, "start": {"tar@1e-3": 0.95}, "global": {"tar@1e-3": 0.95},
@@ -183,8 +183,8 @@ def test_the_summary_lists_each_device_start_against_now_and_counts_the_bar():
     doors["per_client"]["3"] = {"start": door(0.97, 0.0), "global": door(0.97, 0.0), "chosen": "global"}
     lines = _device_lines({"per_client": per_client + [ceiling], "doors": doors})
     assert lines[-1] == ("1 of 3 devices gain 10 points or more on their own people with the personalised model; "
-                         "1 end below the start with the model they verify with; 1 start above 0.900, where 10 "
-                         "points cannot be gained.")
+                         "1 end below the start with the model they verify with (1 at the door they calibrated); 1 "
+                         "start above 0.900, where 10 points cannot be gained.")
 
 
 @pytest.mark.parametrize("text, says", [('{"x":', "Expecting value"), ("[1, 2]", "not a JSON object"),
