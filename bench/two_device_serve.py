@@ -146,11 +146,16 @@ def start_door(home_dir: Path, people: Path, unseen: Path, shipped: Path) -> dic
     round calibrates a device that never was (`verifier_choice.calibrated`: the FAR it promises by default, the
     quarter of its people's images it judges on, the public faces it was served, no shift floor yet), scored by
     `door_scores`. Tells whether a stranger let in at the end was let in before the federation too."""
+    from edge_client.home import DeviceHome
+    from edge_client.public_set import cached_path
+    from edge_client.recognizer import Settings
+    from edge_client.vault import Vault
     from edge_client.verifier_choice import DEFAULT_FAR, calibrated, check_split
     from models.public_set import load_public_set
 
-    served = sorted((home_dir / "public").glob("*.safetensors"))  # the set the coordinator served, as cached
-    negatives = load_public_set(served[-1]).images if served else None
+    home = DeviceHome(home_dir)
+    served = Settings.load(home, Vault.open(home.root / "store")).public_set  # the set its last round calibrated on
+    negatives = load_public_set(cached_path(home.root / "public", served), served).images if served else None
     own = _crops(people)
     calibration = calibrated(shipped, DEFAULT_FAR, own.images, own.labels, negatives, check_split(own.labels), 0.0)
     return door_scores(shipped, calibration, own, _crops(unseen))
