@@ -156,10 +156,21 @@ def _tar(row: dict, name: str) -> float | None:
     return (row.get(name) or {}).get("tar@1e-3")
 
 
-def _door_cell(doors: dict, key: str, digits: int) -> str:
-    """'start -> now' of one door figure: the starting model's door against the one the device verifies with."""
+def _door_pair(doors: dict, key: str) -> tuple[float | None, float | None]:
+    """One door figure of a device, start and now: the starting model's door and the one the device verifies with."""
     start, now = doors.get("start") or {}, doors.get(doors.get("chosen") or "", {})
-    return f"{_f(start.get(key), digits)} -> {_f(now.get(key), digits)}"
+    return start.get(key), now.get(key)
+
+
+def _door_cell(doors: dict, key: str, digits: int) -> str:
+    """'start -> now' of one door figure."""
+    start, now = _door_pair(doors, key)
+    return f"{_f(start, digits)} -> {_f(now, digits)}"
+
+
+def _fell(start: float | None, now: float | None) -> bool:
+    """Whether a figure ended below where it started (False where either is missing)."""
+    return now is not None and start is not None and now < start
 
 
 def _device_lines(personalized: dict) -> list[str]:
@@ -185,10 +196,9 @@ def _device_lines(personalized: dict) -> list[str]:
         used = _tar(r, "global+dfc" if d.get("chosen") == "personalised" else "global")
         gain = None if mine is None else mine - start
         gains.append(gain)
-        worse += used is not None and used < start
+        worse += _fell(start, used)
+        door_worse += _fell(*_door_pair(d, "tar"))
         now = d.get(d.get("chosen") or "", {})
-        door_worse += now.get("tar") is not None and (d.get("start") or {}).get("tar") is not None \
-            and now["tar"] < d["start"]["tar"]
         interval = now.get("far_interval")
         far = _door_cell(d, "far", 5) + (f" [{interval[0]:.5f}, {interval[1]:.5f}]" if interval else "")
         lines.append(f"| {r['client']} | {_f(start)} | {_f(_tar(r, 'global'))} | {_f(mine)} | "
