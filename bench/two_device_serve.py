@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from bench.common import face_set, write_results
+from models.networks.face_weights import write_default_onnx
 
 PEOPLE_PER_DEVICE, UNSEEN = 8, 20
 
@@ -98,8 +99,6 @@ def run(data: Path, work: Path, rounds: int, extra: list[str]) -> dict:
         lines = [line for line in (work / f"{name}.log").read_text().splitlines() if "own people TAR" in line]
         choices[name] = [re.sub(r"^.*?: ", "", line) for line in lines]
     strangers = {name: strangers_let_in(work / f"{name}_home", devices[name], unseen) for name in devices}
-    from models.networks.face_weights import write_default_onnx
-
     shipped = write_default_onnx(work / "shipped.onnx")
     start = {name: start_door(work / f"{name}_home", devices[name], unseen, shipped) for name in devices}
     return {"scores": scores, "choices": choices, "strangers": strangers, "strangers_start": start,
@@ -128,17 +127,24 @@ def _crops(folder: Path):
     return crop_index(load_index(folder), CropConfig(detector="auto", fallback_center=True), progress=False)
 
 
-def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
-    """What the device's door does with strangers after the run: the model it verifies with and its calibration (its
-    sealed settings), scored by `door_scores`."""
+def _sealed(home_dir: Path):
+    """A device home, its vault and its sealed settings (checked against the vault's key as they are read)."""
     from edge_client.home import DeviceHome
-    from edge_client.recognizer import Settings, current_model
+    from edge_client.recognizer import Settings
     from edge_client.vault import Vault
 
     home = DeviceHome(home_dir)
     vault = Vault.open(home.root / "store")
-    settings, model = Settings.load(home, vault), current_model(home, vault)
-    return door_scores(model, settings.calibration, _crops(people), _crops(unseen))
+    return home, vault, Settings.load(home, vault)
+
+
+def strangers_let_in(home_dir: Path, people: Path, unseen: Path) -> dict:
+    """What the device's door does with strangers after the run: the model it verifies with and its calibration (its
+    sealed settings), scored by `door_scores`."""
+    from edge_client.recognizer import current_model
+
+    home, vault, settings = _sealed(home_dir)
+    return door_scores(current_model(home, vault), settings.calibration, _crops(people), _crops(unseen))
 
 
 def start_door(home_dir: Path, people: Path, unseen: Path, shipped: Path) -> dict:
@@ -146,16 +152,13 @@ def start_door(home_dir: Path, people: Path, unseen: Path, shipped: Path) -> dic
     round calibrates a device that never was (`verifier_choice.calibrated`: the FAR it promises by default, the
     quarter of its people's images it judges on, the public faces it was served, no shift floor yet), scored by
     `door_scores`. Tells whether a stranger let in at the end was let in before the federation too."""
-    from edge_client.home import DeviceHome
-    from edge_client.public_set import cached_path
-    from edge_client.recognizer import Settings
-    from edge_client.vault import Vault
+    from edge_client.door_calibration import received_public_set
     from edge_client.verifier_choice import DEFAULT_FAR, calibrated, check_split
     from models.public_set import load_public_set
 
-    home = DeviceHome(home_dir)
-    served = Settings.load(home, Vault.open(home.root / "store")).public_set  # the set its last round calibrated on
-    negatives = load_public_set(cached_path(home.root / "public", served), served).images if served else None
+    home, _, settings = _sealed(home_dir)
+    served = received_public_set(home, settings.public_set)  # the one its last round calibrated on, by its hash
+    negatives = None if served is None else load_public_set(served, settings.public_set).images
     own = _crops(people)
     calibration = calibrated(shipped, DEFAULT_FAR, own.images, own.labels, negatives, check_split(own.labels), 0.0)
     return door_scores(shipped, calibration, own, _crops(unseen))
