@@ -13,6 +13,7 @@ the devices and strangers are `bench.honest_round`'s (the same partition, people
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from fleet.doors import door as door_of
 from fleet.doors import door_faces
 from fleet.evaluation import embed
 from fleet.report import OWN_GAIN
+from models.networks.dfc import CUSTOM_WEIGHT, POSTERIOR_WEIGHT, DFCBranch
 from models.networks.face_model import global_embedder, initial_global_state
 from models.public_set import SIZE
 from models.training.distill_data import list_images, load_crops
@@ -87,36 +89,73 @@ def personal_negatives(model_state: dict, crops, config: TrainingConfig, fit: np
     return fit[chosen.numpy()]
 
 
-def score_arm(data, strangers: np.ndarray, state: dict, overrides: dict, seed: int,
+class Fits:
+    """Each device's personalised branch on one backbone, fitted once per fit setting, and the backbone's embedding of
+    each image set made once: an arm that changes only the branch's own settings (`BRANCH_SETTINGS`: the vote's
+    weight, the halves' shares) re-scores the same fit, so a curve over them costs a fit, not a fit a point. The
+    personalised embedding is the branch applied to the generic one, as `FaceModel.embed_personalised` does."""
+
+    def __init__(self, state: dict):
+        self.state = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
+        self.backbone = global_embedder(state)
+        self._branches: dict[tuple, DFCBranch] = {}
+        self._generic: dict[str, np.ndarray] = {}
+
+    def generic(self, images: np.ndarray) -> np.ndarray:
+        """Theta(images), made once for the same pixels."""
+        key = hashlib.sha1(np.ascontiguousarray(images).tobytes()).hexdigest()
+        if key not in self._generic:
+            self._generic[key] = embed(self.backbone, images)
+        return self._generic[key]
+
+    def branch(self, data, client: int, config: TrainingConfig, how: str, seed: int,
+               fit: np.ndarray | None) -> DFCBranch:
+        """The device's branch fitted as `edge_client.local_training.personalised_global` fits it, on the images the
+        choice does not judge (`check_split`)."""
+        key = (client, config.model_dump_json(), how, seed)
+        if key not in self._branches:
+            crops = device_crops(data, client)
+            check = check_split(crops.labels, seed)
+            fitted = crops if check is None else crops.select(~check)
+            model = personalised_global(self.state, fitted, config, seed,
+                                        personal_negatives(self.state, fitted, config, fit, how, seed))
+            self._branches[key] = model.dfc.eval()
+        return self._branches[key]
+
+    def personalised(self, branch: DFCBranch, settings: dict[str, float]):
+        """images -> the branch's personalised embedding with `settings` (defaults where unset)."""
+        values = {"posterior_weight": POSTERIOR_WEIGHT, "custom_weight": CUSTOM_WEIGHT, **settings}
+
+        def embedder(images: np.ndarray) -> np.ndarray:
+            for key, value in values.items():
+                setattr(branch, key, value)
+            with torch.inference_mode():
+                return branch.personalise(torch.from_numpy(self.generic(images))).numpy()
+        return embedder
+
+
+def score_arm(data, strangers: np.ndarray, fits: Fits, overrides: dict, seed: int,
               public: tuple[np.ndarray, np.ndarray] | None, floors: dict[str, float]) -> dict:
     """Mean over devices of TAR@1e-3 on their own people against strangers, with the arm's personalised model;
     and its door (`door`): TAR and FAR on strangers at the threshold the device calibrates (`floors`: each
     device's capture shift under the global model)."""
     overrides = dict(overrides)
     how = str(overrides.pop("dfc_negatives", "none"))
-    branch = {key: float(overrides.pop(key)) for key in BRANCH_SETTINGS if key in overrides}
+    settings = {key: float(overrides.pop(key)) for key in BRANCH_SETTINGS if key in overrides}
     if how not in NEGATIVES:
         raise SystemExit(f"dfc_negatives={how!r}: choose one of {', '.join(NEGATIVES)}")
     config = TrainingConfig(**{**BASE, **overrides})
-    torch_state = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
     fit, judge = public if public is not None else (None, None)
     images, per_device, doors = data.crops.images, {}, {}
     for k in data.training_clients:
-        crops = device_crops(data, k)
-        check = check_split(crops.labels, seed + k)
-        fitted = crops if check is None else crops.select(~check)
-        model = personalised_global(torch_state, fitted, config, seed + k,
-                                    personal_negatives(torch_state, fitted, config, fit, how, seed + k))
-        for key, value in branch.items():
-            setattr(model.dfc, key, value)
-        row = own_vs_strangers(data, k, lambda idx: embed(model, images[idx], True), strangers)
+        mine = fits.personalised(fits.branch(data, k, config, how, seed + k, fit), settings)
+        row = own_vs_strangers(data, k, lambda idx: mine(images[idx]), strangers)
         if row is not None:
             per_device[str(k)] = row
-        if (gate := door(data, k, lambda x: embed(model, x, True), judge, strangers, seed + k,
-                         floors.get(str(k), 0.0))) is not None:
+        if (gate := door(data, k, mine, judge, strangers, seed + k, floors.get(str(k), 0.0))) is not None:
             doors[str(k)] = gate
     return {"overrides": {**overrides, **({"dfc_negatives": how} if how != "none" else {}),
-                          **branch},
+                          **settings},
             "tar@1e-3": _mean([r["tar@1e-3"] for r in per_device.values()]),
             "tar@1e-2": _mean([r["tar@1e-2"] for r in per_device.values()]), "per_client": per_device,
             **door_means(doors)}
@@ -190,12 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     data, strangers, _, _ = fleet
     public = public_faces(args.public_faces, args.public_limit, args.seed)
-    state, images = initial_global_state(), data.crops.images
-    model = global_embedder(state)
+    fits, images = Fits(initial_global_state()), data.crops.images
     rows = {str(k): row for k in data.training_clients
-            if (row := own_vs_strangers(data, k, lambda idx: embed(model, images[idx]), strangers)) is not None}
+            if (row := own_vs_strangers(data, k, lambda idx: fits.generic(images[idx]), strangers)) is not None}
     doors = {str(k): gate for k in data.training_clients
-             if (gate := door(data, k, lambda x: embed(model, x), None if public is None else public[1], strangers,
+             if (gate := door(data, k, fits.generic, None if public is None else public[1], strangers,
                               args.seed + k)) is not None}
     results = {"partition": args.partition, "clients": args.clients, "far": FAR,
                "public_faces": None if public is None else {"source": str(args.public_faces), "fit": len(public[0]),
@@ -208,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.arm or ["defaults:"]:
         name, overrides = parse_arm(text)
         started = time.perf_counter()
-        results["arms"][name] = score_arm(data, strangers, state, overrides, args.seed, public,
+        results["arms"][name] = score_arm(data, strangers, fits, overrides, args.seed, public,
                                           {k: d["capture_shift"] for k, d in doors.items()})
         arm = results["arms"][name]
         gain = (arm["tar@1e-3"] - results["start"]["tar@1e-3"]

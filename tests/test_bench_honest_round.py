@@ -65,6 +65,57 @@ def test_the_personalisation_bench_scores_each_arm_against_the_start(tmp_path):
     assert rows["none"]["chosen door FAR"] == rows["start"]["door FAR"]
 
 
+def test_the_personalisation_bench_embeds_as_the_device_model_does():
+    """`Fits` applies the branch to the backbone's embedding made once; it must give what the fitted model itself
+    gives, at every vote weight an arm may set."""
+    import numpy as np
+
+    from bench.honest_round import BASE
+    from bench.personalisation import Fits
+    from edge_client.local_training import personalised_global
+    from fleet.evaluation import embed
+    from models.faces.crops import CropReport, FaceCrops
+    from models.networks.face_model import initial_global_state
+    from protocol.messages import TrainingConfig
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (12, 112, 112, 3), dtype=np.uint8)
+    crops = FaceCrops(images, np.repeat(np.arange(3), 4), ["a", "b", "c"], [""] * 12, CropReport())
+    fits = Fits(initial_global_state())
+    model = personalised_global(fits.state, crops, TrainingConfig(**{**BASE, "dfc_steps": 20}), 0)
+    for weight in (0.0, 0.3, 1.0):
+        model.dfc.posterior_weight = weight
+        want = embed(model, images, True)
+        got = fits.personalised(model.dfc, {"posterior_weight": weight})(images)
+        assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
+    assert np.allclose(fits.generic(images.copy()), embed(model, images), atol=1e-5)
+    assert len(fits._generic) == 1, "the same pixels are embedded once"
+
+
+def test_arms_that_change_only_the_vote_share_one_fit(tmp_path, monkeypatch):
+    """A spy on the real fit (it still runs): three arms, two fit settings, so two fits a device."""
+    import bench.personalisation as bench
+    from models.faces.synthetic import write_dataset
+
+    calls = []
+    real = bench.personalised_global
+    monkeypatch.setattr(bench, "personalised_global", lambda *a, **k: calls.append(1) or real(*a, **k))
+    faces = write_dataset(tmp_path / "faces", n_identities=10, n_images=12, seed=2)
+    public = write_dataset(tmp_path / "public", n_identities=20, n_images=2, seed=3)
+    out = tmp_path / "results"
+    assert bench.main(["--data", str(faces), "--out", str(out), "--name", "tiny", "--clients", "2",
+                       "--partition", "iid", "--strangers", "12", "--gate-identities", "0",
+                       "--public-faces", str(public), "--public-limit", "40",
+                       "--arm", "v0:dfc_steps=5,posterior_weight=0", "--arm", "v1:dfc_steps=5,posterior_weight=1",
+                       "--arm", "more:dfc_steps=6"]) == 0
+    assert len(calls) == 2 * 2
+    results = json.loads((out / "tiny.json").read_text())
+    assert results["arms"]["v1"]["overrides"] == {"dfc_steps": 5, "posterior_weight": 1.0}
+    # the vote changes the scores of the same fit: the two arms differ on some device
+    assert any(results["arms"]["v0"]["per_client"][k] != results["arms"]["v1"]["per_client"][k]
+               for k in results["arms"]["v0"]["per_client"])
+
+
 def test_the_door_bench_calibrates_many_devices_and_tries_strangers_on_each(tmp_path):
     from bench.door_far import main as door_far
     from models.faces.synthetic import write_dataset
