@@ -184,7 +184,8 @@ def chosen_doors(start: dict, scores: dict) -> list[dict]:
     doors = []
     for k, own in scores["doors"].items():
         if (first := start["doors"].get(k)) is not None:
-            kind = preferred({"global": first["tar_promised"], "personalised": own["tar_promised"]}, True)
+            judged = min(first.get("genuine_pairs", 0), own.get("genuine_pairs", 0))  # 0: a result from before
+            kind = preferred({"global": first["tar_promised"], "personalised": own["tar_promised"]}, True, judged)
             doors.append({**(own if kind == "personalised" else first), "kind": kind})
     return doors
 

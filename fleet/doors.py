@@ -76,7 +76,8 @@ def door(embedder: Embedder, faces: DoorFaces, far: float = DEFAULT_FAR, min_shi
     out = {"threshold": cal.threshold, "tar_promised": 1 - cal.expected_frr,
            "tar": float(np.mean(own > each[faces.test_labels])) if len(own) else None,
            "far": float(above.mean()) if above.size else None, "false_accepts": int(above.sum()),
-           "far_promised": far, "capture_shift": cal.capture_shift, "measurable": cal.measurable}
+           "far_promised": far, "capture_shift": cal.capture_shift, "measurable": cal.measurable,
+           "genuine_pairs": cal.genuine_pairs}
     if faces.stranger_labels is not None and above.size:
         out["far_interval"] = rate_interval(above.sum(1), np.full(len(above), above.shape[1]), faces.stranger_labels)
     if faces.stranger_labels is not None and above.any():
@@ -102,7 +103,8 @@ def device_doors(models: dict[str, Embedder], faces: DoorFaces, far: float = DEF
             doors["personalised"] = d
     if "global" in doors:
         tar = {name: doors[name]["tar_promised"] for name in ("global", "personalised") if name in doors}
-        doors["chosen"] = preferred(tar, strangers=faces.public is not None and len(faces.public) > 0)
+        judged = min(doors[name]["genuine_pairs"] for name in tar)  # the same judged faces for both
+        doors["chosen"] = preferred(tar, faces.public is not None and len(faces.public) > 0, judged)
     return doors
 
 

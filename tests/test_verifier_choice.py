@@ -160,6 +160,20 @@ def test_the_personalised_model_must_win_outright_and_only_with_strangers_to_cal
     assert preferred({"personalised": 0.80}, strangers=False) == "personalised"  # the only model a device has
 
 
+def test_a_lead_within_chance_on_the_judged_faces_keeps_the_global_model():
+    """The fleet device that chose its personalised model by one face of 71 judged scores (0.732 against 0.718) kept
+    5 points fewer of its people; a lead of 8.6 points on as many scores is not chance."""
+    from edge_client.verifier_choice import chance, preferred
+
+    assert preferred({"global": 0.718, "personalised": 0.732}, True, judged=71) == "global"
+    assert preferred({"global": 0.718, "personalised": 0.732}, True) == "personalised"  # judged unknown: any lead
+    assert preferred({"global": 0.796, "personalised": 0.882}, True, judged=71) == "personalised"
+    assert preferred({"global": 0.98, "personalised": 1.0}, True, judged=200) == "personalised"  # 0.98 +- 0.0099
+    assert preferred({"global": 0.90, "personalised": 0.80}, True, judged=10) == "global"
+    assert chance(0.718, 0.732, 71) == pytest.approx(((0.718 * 0.282 + 0.732 * 0.268) / 71) ** 0.5)
+    assert chance(1.0, 1.0, 50) == 0.0 and chance(0.5, 0.5, 0) == 0.0
+
+
 def test_the_shift_first_measured_on_a_public_set_is_the_floor_of_every_later_model(tmp_path, faces):
     """A global model the device's updates went into pushes its people apart, so the capture shift measured on them
     falls round by round, and the threshold with it. The first shift measured on a public set goes on with the
