@@ -180,7 +180,8 @@ def gains_of(start: dict, scores: dict) -> list[float]:
 
 def chosen_doors(start: dict, scores: dict) -> list[dict]:
     """The door of the model each device would verify with: the arm's personalised one only where it keeps more of
-    its judged people than the starting model (`verifier_choice.preferred`, as a device decides after a round)."""
+    its judged people than the starting model, beyond chance (`verifier_choice.preferred`, as a device decides after a
+    round)."""
     doors = []
     for k, own in scores["doors"].items():
         if (first := start["doors"].get(k)) is not None:

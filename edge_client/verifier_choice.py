@@ -1,22 +1,22 @@
 """Which model a device verifies with after a round, and the threshold it holds for it.
 
 A round leaves a device two candidates: the global model (`generic.onnx`) and its personalised one (its local
-backbone with the DFC branch, `personalised.onnx`). The personalised model learnt the device's people, and may
-also have learnt to let strangers in, so it is used only when, on the device's people and public negatives
-(faces of nobody's people), it keeps more of its people at the device's false-accept rate than the global model
-does. Whichever is chosen is calibrated again on those same faces (`edge_client.recognizer.calibrate`, as
-`ffr device calibrate` sets a threshold), so the FAR the device promises holds across rounds: the threshold
-set for the last model is never carried over to the next. The choice is made on images the personalised branch was
-not fitted on (`check_split`: a quarter of the images of each person with four or more): judged on the images it
-was fitted on, a personalised model looks perfect (TAR 1.000 in a two-device run) and is always chosen. Where a
-device has too few images to spare, it is judged on all of them, and must beat the global model, not tie. Without
-public negatives (strangers' faces) the personalised model is never chosen: calibrated on the device's people
-alone, its threshold let strangers in. The public faces' scores are moved to the device's own capture
-(`edge_client.recognizer.capture_shift`) by at least the global model's shift: the personalised model pushed the
-device's people apart, so measured on them its shift is too small (10 CelebA devices: strangers let in at 2.8x the
-promised FAR with its own shift, 0.7x with the global one's; `bench/results/personalisation_door.md`). The global
-model learns the device's people too, from its own updates, round after round, so every model's shift is at least
-the one first measured on the same public set (`shift_floor`).
+backbone with the DFC branch, `personalised.onnx`). The personalised model learnt the device's people, and may also
+have learnt to let strangers in, so it is used only when, on the device's people and public negatives (faces of
+nobody's people), it keeps more of its people at the device's false-accept rate than the global model does, by more
+than chance on the faces judged (`chance`). Whichever is chosen is calibrated again on those same faces
+(`edge_client.recognizer.calibrate`, as `ffr device calibrate` sets a threshold), so the FAR the device promises
+holds across rounds: the threshold set for the last model is never carried over to the next. The choice is made on
+images the personalised branch was not fitted on (`check_split`: a quarter of the images of each person with four or
+more): judged on the images it was fitted on, a personalised model looks perfect (TAR 1.000 in a two-device run) and
+is always chosen. Where a device has too few images to spare, it is judged on all of them, and must beat the global
+model, not tie. Without public negatives (strangers' faces) the personalised model is never chosen: calibrated on
+the device's people alone, its threshold let strangers in. The public faces' scores are moved to the device's own
+capture (`edge_client.recognizer.capture_shift`) by at least the global model's shift: the personalised model pushed
+the device's people apart, so measured on them its shift is too small (10 CelebA devices: strangers let in at 2.8x
+the promised FAR with its own shift, 0.7x with the global one's; `bench/results/personalisation_door.md`). The
+global model learns the device's people too, from its own updates, round after round, so every model's shift is at
+least the one first measured on the same public set (`shift_floor`).
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 A ROC over a device's pairs chooses its threshold on the strangers themselves; a device cannot. After each round it
 calibrates on the share of its images the personalised branch was not fitted on (`check_split`) and on the public
 faces it was served, moved to its own capture (`edge_client.recognizer.calibrate`), promises a FAR, and verifies with
-the personalised model only where that keeps more of its people than the global one (`verifier_choice.preferred`).
+the personalised model only where that keeps more of its people than the global one, beyond chance
+(`verifier_choice.preferred`).
 This module scores that door as it would stand: its people's test images against their templates, and images of
 people of no device against every template, at the threshold the device set.
 """
