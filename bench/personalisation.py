@@ -29,7 +29,7 @@ from fleet.doors import door as door_of
 from fleet.doors import door_faces
 from fleet.evaluation import embed
 from fleet.report import OWN_GAIN
-from models.networks.dfc import CUSTOM_WEIGHT, POSTERIOR_WEIGHT, DFCBranch
+from models.networks.dfc import DFCBranch, personalised_embedding
 from models.networks.face_model import global_embedder, initial_global_state
 from models.public_set import SIZE
 from models.training.distill_data import list_images, load_crops
@@ -99,14 +99,17 @@ class Fits:
         self.state = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
         self.backbone = global_embedder(state)
         self._branches: dict[tuple, DFCBranch] = {}
-        self._generic: dict[str, np.ndarray] = {}
+        self._generic: dict[str, np.ndarray] = {}  # a face's sha1 -> Theta(face)
 
     def generic(self, images: np.ndarray) -> np.ndarray:
-        """Theta(images), made once for the same pixels."""
-        key = hashlib.sha1(np.ascontiguousarray(images).tobytes()).hexdigest()
-        if key not in self._generic:
-            self._generic[key] = embed(self.backbone, images)
-        return self._generic[key]
+        """Theta(images), each face embedded once however many calls and arrays it comes in (the strangers come with
+        every device's own faces in one array, and alone to its door)."""
+        keys = [hashlib.sha1(face.tobytes()).hexdigest() for face in np.ascontiguousarray(images)]
+        new = {key: i for i, key in enumerate(keys) if key not in self._generic}
+        if new:
+            for key, row in zip(new, embed(self.backbone, images[list(new.values())])):
+                self._generic[key] = row
+        return np.stack([self._generic[key] for key in keys]) if keys else np.zeros((0, 0), np.float32)
 
     def branch(self, data, client: int, config: TrainingConfig, how: str, seed: int,
                fit: np.ndarray | None) -> DFCBranch:
@@ -123,14 +126,16 @@ class Fits:
         return self._branches[key]
 
     def personalised(self, branch: DFCBranch, settings: dict[str, float]):
-        """images -> the branch's personalised embedding with `settings` (defaults where unset)."""
-        values = {"posterior_weight": POSTERIOR_WEIGHT, "custom_weight": CUSTOM_WEIGHT, **settings}
+        """images -> the branch's personalised embedding with `settings` (the branch's own where unset), the branch
+        itself unchanged."""
+        weight = settings.get("posterior_weight", branch.posterior_weight)
+        share = settings.get("custom_weight", branch.custom_weight)
 
         def embedder(images: np.ndarray) -> np.ndarray:
-            for key, value in values.items():
-                setattr(branch, key, value)
             with torch.inference_mode():
-                return branch.personalise(torch.from_numpy(self.generic(images))).numpy()
+                generic = torch.from_numpy(self.generic(images))
+                return personalised_embedding(generic, branch.customise(generic), branch.posteriors(generic), weight,
+                                              share).numpy()
         return embedder
 
 

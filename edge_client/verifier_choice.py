@@ -131,7 +131,7 @@ def choose(home: DeviceHome, vault: Vault, images: np.ndarray, labels: np.ndarra
     judged_scores = min(cal.genuine_pairs for cal in calibrations.values())
     kind = preferred({KINDS[stem]: t for stem, t in tar.items()}, strangers, judged_scores)
     best = home.personalised_onnx if kind == "personalised" else home.generic_onnx
-    if kind == "global" and strangers and tar.get("personalised", -1.0) > tar.get("generic", 2.0):
+    if kind == "global" and strangers and "personalised" in tar and tar["personalised"] > tar["generic"]:
         note = (f"the personalised model's lead is within chance on {judged_scores} judged scores "
                 f"(under {chance(tar['generic'], tar['personalised'], judged_scores):.3f}): the global model is kept")
     if strangers and public_sha256 is not None:  # the floor goes on with the calibration: the first on this set
