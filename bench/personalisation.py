@@ -29,7 +29,7 @@ from fleet.doors import door as door_of
 from fleet.doors import door_faces
 from fleet.evaluation import embed
 from fleet.report import OWN_GAIN
-from models.networks.dfc import DFCBranch, personalised_embedding
+from models.networks.dfc import DFCBranch
 from models.networks.face_model import global_embedder, initial_global_state
 from models.public_set import SIZE
 from models.training.distill_data import list_images, load_crops
@@ -128,14 +128,10 @@ class Fits:
     def personalised(self, branch: DFCBranch, settings: dict[str, float]):
         """images -> the branch's personalised embedding with `settings` (the branch's own where unset), the branch
         itself unchanged."""
-        weight = settings.get("posterior_weight", branch.posterior_weight)
-        share = settings.get("custom_weight", branch.custom_weight)
-
         def embedder(images: np.ndarray) -> np.ndarray:
             with torch.inference_mode():
-                generic = torch.from_numpy(self.generic(images))
-                return personalised_embedding(generic, branch.customise(generic), branch.posteriors(generic), weight,
-                                              share).numpy()
+                return branch.personalise(torch.from_numpy(self.generic(images)), settings.get("posterior_weight"),
+                                          settings.get("custom_weight")).numpy()
         return embedder
 
 

@@ -170,10 +170,10 @@ def preferred(tar: dict[str, float], strangers: bool, judged: int = 0) -> str:
     (bench/results/two_device_serve.md)."""
     if "global" not in tar:
         return "personalised"
-    lead = tar.get("personalised", -1.0) - tar["global"]
-    if strangers and lead > 0 and lead > chance(tar["global"], tar["personalised"], judged):
-        return "personalised"
-    return "global"
+    if "personalised" not in tar or not strangers:
+        return "global"
+    lead = tar["personalised"] - tar["global"]
+    return "personalised" if lead > chance(tar["global"], tar["personalised"], judged) else "global"
 
 
 def chance(a: float, b: float, judged: int) -> float:

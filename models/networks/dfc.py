@@ -99,10 +99,14 @@ class DFCBranch(nn.Module):
         """sigma(Omega_k(Pi(Theta(x)))): how surely the face is enrolled person k, one column per person."""
         return torch.sigmoid(self.classifiers.logits(self.transform(generic)))
 
-    def personalise(self, generic: torch.Tensor) -> torch.Tensor:
-        """The device's verifying embedding of generic embeddings (`personalised_embedding`)."""
-        return personalised_embedding(generic, self.customise(generic), self.posteriors(generic),
-                                      self.posterior_weight, self.custom_weight)
+    def personalise(self, generic: torch.Tensor, posterior_weight: float | None = None,
+                    custom_weight: float | None = None) -> torch.Tensor:
+        """The device's verifying embedding of generic embeddings (`personalised_embedding`), with the branch's own
+        gamma and beta unless given (a bench re-scores one fit at other weights without changing the branch)."""
+        return personalised_embedding(
+            generic, self.customise(generic), self.posteriors(generic),
+            self.posterior_weight if posterior_weight is None else posterior_weight,
+            self.custom_weight if custom_weight is None else custom_weight)
 
     def loss(self, generic: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.classifiers.loss(self.transform(generic), labels)
