@@ -26,6 +26,7 @@ class ModelInfo:
     color: str
     embedding_dim: int
     extra: dict
+    mirror: bool = False      # each face averaged with its mirror inside the graph (`models.networks.mirror`)
 
 
 def read_model_info(session: ort.InferenceSession) -> ModelInfo:
@@ -35,7 +36,7 @@ def read_model_info(session: ort.InferenceSession) -> ModelInfo:
     get = lambda key: meta[f"{METADATA_PREFIX}{key}"]  # noqa: E731
     extra = json.loads(meta.get(f"{METADATA_PREFIX}extra", "{}"))
     return ModelInfo(get("kind"), int(get("input_size")), float(get("mean")), float(get("std")), get("color"),
-                     int(get("embedding_dim")), extra)
+                     int(get("embedding_dim")), extra, meta.get(f"{METADATA_PREFIX}mirror") == "averaged")
 
 
 class OnnxEmbedder:

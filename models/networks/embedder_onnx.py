@@ -2,8 +2,9 @@
 
 A device installs the shipped face model without torch: this writes the same network as
 `models.networks.backbone.FaceEmbedder` (torchvision's MobileNetV2 features, global average pool,
-Linear, BatchNorm1d, L2 normalisation) with every BatchNorm folded into the conv before it.
-A test holds it to the PyTorch model (cosine >= 0.9999).
+Linear, BatchNorm1d, L2 normalisation) with every BatchNorm folded into the conv before it, and by default each
+face averaged with its mirror inside the graph (`models.networks.mirror`).
+A test holds it to the PyTorch model (cosine >= 0.9999), with and without the mirror.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import numpy as np
 
 from models.faces.preprocess import INPUT_SIZE, MEAN, STD
+from models.networks.mirror import MIRRORED, WIDTH_AXIS
 from models.runtime import METADATA_PREFIX
 
 OPSET = 17
@@ -68,6 +70,29 @@ class _Graph:
                                    self.const("hi", np.array(6.0, np.float32))], "relu6")
         return y
 
+    def l2_normalise(self, x: str, out: str | None = None) -> str:
+        """Rows divided by their L2 norm; written to `out` when named (the graph's output)."""
+        from onnx import helper
+
+        norm = self.node("Max", [self.node("ReduceL2", [x], "l2", axes=[1], keepdims=1),
+                                 self.const("eps", np.array(1e-12, np.float32))], "norm")
+        out = out or self.name("normalised")
+        self.nodes.append(helper.make_node("Div", [x, norm], [out]))
+        return out
+
+    def with_mirrors(self, image: str) -> str:
+        """[images; their mirrors] as one batch of 2N (a Slice that walks the width backwards)."""
+        mirror = self.node("Slice", [image, self.const("start", np.array([-1], np.int64)),
+                                     self.const("end", np.array([np.iinfo(np.int64).min], np.int64)),
+                                     self.const("axis", np.array([WIDTH_AXIS], np.int64)),
+                                     self.const("step", np.array([-1], np.int64))], "mirror")
+        return self.node("Concat", [image, mirror], "with_mirrors", axis=0)
+
+    def sum_halves(self, x: str, dim: int) -> str:
+        """(2N, dim) rows of [images; mirrors] -> (N, dim): each image's row plus its mirror's."""
+        halves = self.node("Reshape", [x, self.const("shape", np.array([2, -1, dim], np.int64))], "halves")
+        return self.node("ReduceSum", [halves, self.const("axis", np.array([0], np.int64))], "sum", keepdims=0)
+
 
 def _inverted_residual(g: _Graph, x: str, prefix: str, stride: int) -> str:
     """One torchvision InvertedResidual: [expand 1x1] -> depthwise 3x3 -> project 1x1 (linear), + x when shapes
@@ -84,13 +109,14 @@ def _inverted_residual(g: _Graph, x: str, prefix: str, stride: int) -> str:
     return g.node("Add", [x, y], "residual") if stride == 1 and in_ch == out_ch else y
 
 
-def build_embedder_onnx(state: dict[str, np.ndarray], metadata: dict | None = None):
-    """An onnx.ModelProto of the embedder (float32 NCHW [-1, 1] input, L2-normalised output, dynamic batch)."""
+def build_embedder_onnx(state: dict[str, np.ndarray], metadata: dict | None = None, mirror: bool = MIRRORED):
+    """An onnx.ModelProto of the embedder (float32 NCHW [-1, 1] input, L2-normalised output, dynamic batch);
+    with `mirror`, each face's embedding is averaged with its mirror image's (`models.networks.mirror`)."""
     from onnx import TensorProto, checker, helper
 
     state = {k: np.asarray(v, np.float32) for k, v in state.items() if not k.endswith("num_batches_tracked")}
     g = _Graph(state)
-    x = g.conv_bn("image", "features.0.0", "features.0.1", 2, True)
+    x = g.conv_bn(g.with_mirrors("image") if mirror else "image", "features.0.0", "features.0.1", 2, True)
     for i, stride in enumerate(_block_strides(), start=1):
         x = _inverted_residual(g, x, f"features.{i}", stride)
     last = len(_block_strides()) + 1
@@ -100,10 +126,10 @@ def build_embedder_onnx(state: dict[str, np.ndarray], metadata: dict | None = No
     weight = state["embedding.weight"] * scale[:, None]
     x = g.node("Gemm", [x, g.const("emb_w", weight.astype(np.float32)), g.const("emb_b", bias.astype(np.float32))],
                "embedding", transB=1)
-    norm = g.node("Max", [g.node("ReduceL2", [x], "l2", axes=[1], keepdims=1),
-                          g.const("eps", np.array(1e-12, np.float32))], "norm")
-    g.nodes.append(helper.make_node("Div", [x, norm], ["embedding"]))
     dim = weight.shape[0]
+    if mirror:
+        x = g.sum_halves(g.l2_normalise(x), dim)
+    g.l2_normalise(x, out="embedding")
     graph = helper.make_graph(
         g.nodes,
         "ffr_embedder",
@@ -114,7 +140,8 @@ def build_embedder_onnx(state: dict[str, np.ndarray], metadata: dict | None = No
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="ffr-edge")
     model.ir_version = 8
     meta = {"kind": "generic", "input_size": INPUT_SIZE, "mean": MEAN, "std": STD, "color": "RGB", "layout": "NCHW",
-            "embedding_dim": dim, "normalised": "l2", "extra": json.dumps(metadata or {})}
+            "embedding_dim": dim, "normalised": "l2", "mirror": "averaged" if mirror else "none",
+            "extra": json.dumps(metadata or {})}
     for key, value in meta.items():
         entry = model.metadata_props.add()
         entry.key, entry.value = f"{METADATA_PREFIX}{key}", str(value)

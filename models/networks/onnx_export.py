@@ -2,6 +2,7 @@
 
 Two kinds: `generic` (the shared embedder Theta) and `personalised` (Theta followed by the
 device's DFC branch, output [Theta, Pi] (and Omega's posteriors, if on) normalised: `models.networks.dfc`).
+Either kind averages each face with its mirror by default (`models.networks.mirror`), as the torch-free build does.
 The batch axis is dynamic and the preprocessing is written into the file's metadata (`ffr.*`), read by `models.runtime`.
 """
 from __future__ import annotations
@@ -19,39 +20,39 @@ from torch import nn
 
 from models.faces.preprocess import INPUT_SIZE, MEAN, STD
 from models.networks.face_model import FaceModel
+from models.networks.mirror import MIRRORED, averaged
 from models.runtime import METADATA_PREFIX
 
 OPSET = 17
 _EXPORT_LOCK = threading.Lock()  # torch's exporters keep global state: one export at a time per process
 
 
-class _Generic(nn.Module):
-    def __init__(self, model: FaceModel):
+class _Exported(nn.Module):
+    """The model's generic or personalised embedding, of each image alone or averaged with its mirror."""
+
+    def __init__(self, model: FaceModel, personalised: bool, mirror: bool):
         super().__init__()
-        self.model = model
+        self.model, self.mirror = model, mirror
+        self.embed = model.embed_personalised if personalised else model.embed
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(image)
+        return averaged(self.embed, image) if self.mirror else self.embed(image)
 
 
-class _Personalised(_Generic):
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_personalised(image)
-
-
-def export_onnx(model: FaceModel, out: str | Path, personalised: bool = False, extra: dict | None = None) -> Path:
+def export_onnx(model: FaceModel, out: str | Path, personalised: bool = False, extra: dict | None = None,
+                mirror: bool = MIRRORED) -> Path:
     """Write `out` (a single .onnx file, weights inside) and return its path."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if personalised and model.dfc is None:
         raise ValueError("this model has no DFC branch; export the generic embedder or train with DFC")
-    wrapper = (_Personalised if personalised else _Generic)(model).eval()
+    wrapper = _Exported(model, personalised, mirror).eval()
     proto = _to_onnx(wrapper)
     with torch.no_grad():  # a personalised width depends on the people its branch was fitted for, if they vote
         dim = int(wrapper(torch.zeros(1, 3, INPUT_SIZE, INPUT_SIZE)).shape[1])
     metadata = {"kind": "personalised" if personalised else "generic", "input_size": INPUT_SIZE,
                 "mean": MEAN, "std": STD, "color": "RGB", "layout": "NCHW", "embedding_dim": dim,
-                "normalised": "l2", "extra": json.dumps(extra or {})}
+                "normalised": "l2", "mirror": "averaged" if mirror else "none", "extra": json.dumps(extra or {})}
     for key, value in metadata.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = f"{METADATA_PREFIX}{key}", str(value)
