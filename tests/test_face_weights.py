@@ -72,30 +72,38 @@ def test_same_person_scores_higher_than_different_people_on_real_faces(faces_dir
     assert auc > 0.75 and auc > floor_auc + 0.05, (auc, floor_auc)
 
 
-def test_onnx_forms_agree_with_pytorch():
-    """The torch-free ONNX build (device) and the torch exporter (ffr export) both match the PyTorch model."""
+def test_onnx_forms_agree_with_pytorch(tmp_path):
+    """The torch-free ONNX build (device) and the torch exporter (ffr export) both match the PyTorch model: one
+    view against its embedding, mirror-averaged (the default) against `models.networks.mirror.averaged`."""
+    import onnx
+
+    from models.faces.preprocess import to_input
+    from models.networks.embedder_onnx import build_embedder_onnx
     from models.networks.embedders import TorchEmbedder
     from models.networks.face_model import FaceModel, ModelConfig
-    from models.networks.face_weights import load_face_embedder, write_default_onnx
+    from models.networks.face_weights import load_face_embedder, read_embedder_numpy, shipped_weights
+    from models.networks.face_weights import write_default_onnx
+    from models.networks.mirror import averaged
     from models.networks.onnx_export import export_onnx
     from models.runtime import OnnxEmbedder
 
     crops = np.random.default_rng(0).integers(0, 256, (6, 128, 128, 3), dtype=np.uint8)
-    model = FaceModel(ModelConfig(n_classes=2))  # default --init face
-    reference = TorchEmbedder(model).embed(crops)
+    model = FaceModel(ModelConfig(n_classes=2)).eval()  # default --init face
+    one_view = TorchEmbedder(model).embed(crops)
     direct = load_face_embedder().eval()
     with torch.inference_mode():
-        from models.faces.preprocess import to_input
-
-        assert (direct(torch.from_numpy(to_input(crops))).numpy() * reference).sum(1).min() >= 0.9999
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        built = OnnxEmbedder(write_default_onnx(Path(tmp) / "a.onnx")).embed(crops)
-        exported = OnnxEmbedder(export_onnx(model, Path(tmp) / "b.onnx")).embed(crops)
-    assert (built * reference).sum(1).min() >= 0.9999
-    assert (exported * reference).sum(1).min() >= 0.9999
+        images = torch.from_numpy(to_input(crops))
+        assert (direct(images).numpy() * one_view).sum(1).min() >= 0.9999
+        mirrored = averaged(model.embed, images).numpy()
+    assert (mirrored * one_view).sum(1).min() < 0.9999  # the two references differ, so each check below can fail
+    onnx.save(build_embedder_onnx(read_embedder_numpy(shipped_weights())[0], mirror=False), tmp_path / "a1.onnx")
+    forms = {"built": (OnnxEmbedder(write_default_onnx(tmp_path / "a2.onnx")), mirrored),
+             "built, one view": (OnnxEmbedder(tmp_path / "a1.onnx"), one_view),
+             "exported": (OnnxEmbedder(export_onnx(model, tmp_path / "b2.onnx")), mirrored),
+             "exported, one view": (OnnxEmbedder(export_onnx(model, tmp_path / "b1.onnx", mirror=False)), one_view)}
+    for name, (embedder, reference) in forms.items():
+        assert embedder.info.mirror == (reference is mirrored), name
+        assert (embedder.embed(crops) * reference).sum(1).min() >= 0.9999, name
 
 
 def test_round_zero_reads_the_weights_without_torch():
