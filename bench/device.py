@@ -27,7 +27,7 @@ from bench.common import faces_dir, time_calls, write_results
 from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, held_out
 from bench.latency import frames
 from bench.peer import euclidean, load_face_recognition, peer_embeddings, peer_per_frame
-from edge_client.capture import QualityGate, check_face, device_detector
+from edge_client.capture import FaceQuality, check_face, device_detector
 from models.evaluation.metrics import cosine_scores, make_pairs, roc_report
 from models.runtime import OnnxEmbedder
 
@@ -35,7 +35,7 @@ N_TEMPLATES = 100
 
 
 def ours_per_frame(embedder: OnnxEmbedder, detector, templates: np.ndarray, frame_bgr: np.ndarray) -> float | None:
-    check = check_face(frame_bgr, detector, QualityGate())
+    check = check_face(frame_bgr, detector, FaceQuality())
     if check.crop is None:
         return None
     emb = embedder.embed(check.crop[None])[0]
