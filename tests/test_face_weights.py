@@ -81,8 +81,12 @@ def test_onnx_forms_agree_with_pytorch(tmp_path):
     from models.networks.embedder_onnx import build_embedder_onnx
     from models.networks.embedders import TorchEmbedder
     from models.networks.face_model import FaceModel, ModelConfig
-    from models.networks.face_weights import load_face_embedder, read_embedder_numpy, shipped_weights
-    from models.networks.face_weights import write_default_onnx
+    from models.networks.face_weights import (
+        load_face_embedder,
+        read_embedder_numpy,
+        shipped_weights,
+        write_default_onnx,
+    )
     from models.networks.mirror import averaged
     from models.networks.onnx_export import export_onnx
     from models.runtime import OnnxEmbedder
