@@ -133,14 +133,26 @@ def test_onnx_matches_pytorch_on_every_image(trained_run, exported, synthetic_di
     people = model.dfc.classifiers.weight.shape[0] if model.dfc.posterior_weight > 0 else 0  # posteriors, if any
     for personalised, name, dim in ((False, "generic.onnx", 128), (True, "pers.onnx", 256 + people)):
         onnx_emb = OnnxEmbedder(exported / name).embed(crops.images, batch_size=7)  # odd batches: dynamic axis
-        torch_emb = TorchEmbedder(model, personalised).embed(crops.images)
+        torch_emb = TorchEmbedder(model, personalised, mirror=True).embed(crops.images)  # the export's default
         assert onnx_emb.shape == (len(crops), dim)
         cosines = np.sum(onnx_emb * torch_emb, axis=1) / (
             np.linalg.norm(onnx_emb, axis=1) * np.linalg.norm(torch_emb, axis=1))
         assert cosines.min() >= 0.9999, (name, cosines.min())
     info = OnnxEmbedder(exported / "pers.onnx").info
     assert (info.kind, info.input_size, info.mean, info.std, info.color) == ("personalised", 128, 0.5, 0.5, "RGB")
-    assert info.embedding_dim == 256 + people
+    assert info.embedding_dim == 256 + people and info.mirror
+
+
+def test_export_one_view(trained_run, tmp_path, synthetic_dir):
+    """`ffr export --one-view`: each face embedded once, as the torch model alone does."""
+    assert main(["-q", "export", "--model", str(trained_run / "best.pt"), "--out", str(tmp_path / "one.onnx"),
+                 "--one-view"]) == 0
+    model, _ = load_checkpoint(trained_run / "best.pt")
+    crops = crop_index(load_index(synthetic_dir), CropConfig(detector="none"), use_cache=False, progress=False)
+    embedder = OnnxEmbedder(tmp_path / "one.onnx")
+    assert not embedder.info.mirror
+    cosines = np.sum(embedder.embed(crops.images) * TorchEmbedder(model).embed(crops.images), axis=1)
+    assert cosines.min() >= 0.9999
 
 
 def test_verifier_runs_without_torch(exported, synthetic_dir):

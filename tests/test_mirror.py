@@ -54,3 +54,14 @@ def test_a_file_without_the_mirror_key_reads_as_one_view(tmp_path):
     proto.metadata_props.extend(kept)
     onnx.save(proto, str(path))
     assert OnnxEmbedder(path).info.mirror is False
+
+
+def test_ffr_eval_scores_a_weights_file_as_its_onnx_does(tmp_path):
+    """`ffr eval --model FILE.safetensors` embeds as the device's ONNX built from that file does (mirror-averaged),
+    so one model gives one answer in either form."""
+    from models.networks.embedders import load_embedder
+    from models.networks.face_weights import shipped_weights, write_default_onnx
+
+    from_weights = load_embedder(shipped_weights()).embed(CROPS)
+    from_onnx = load_embedder(write_default_onnx(tmp_path / "face.onnx")).embed(CROPS)
+    assert (from_weights * from_onnx).sum(1).min() >= 0.9999

@@ -276,10 +276,11 @@ def cmd_export(args) -> int:
     from models.networks.onnx_export import export_onnx
 
     model, payload = load_checkpoint(args.model)
-    out = export_onnx(model, args.out, personalised=args.personalised,
+    out = export_onnx(model, args.out, personalised=args.personalised, mirror=not args.one_view,
                       extra={"checkpoint": str(args.model), "epoch": payload.get("epoch"),
                              "identities": len(payload.get("identities", []))})
-    print(f"wrote {out} ({'personalised [backbone + DFC transform]' if args.personalised else 'generic'} embedder)")
+    kind = "personalised [backbone + DFC transform]" if args.personalised else "generic"
+    print(f"wrote {out} ({kind} embedder, {'one view' if args.one_view else 'each face averaged with its mirror'})")
     return 0
 
 
@@ -503,6 +504,9 @@ def add_commands(sub) -> None:
     personal = p.add_argument("--personalised", action="store_true",
                               help="export [backbone + DFC transform] instead of the generic backbone")
     deprecated_alias(p, "--personalized", personal)
+    p.add_argument("--one-view", action="store_true",
+                   help="embed each face once, about half the time per face, instead of averaging it with its "
+                        "mirror image (the default; bench/results/mirror_averaging.md says what each gives)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("eval", help="verification metrics of a model on a dataset",

@@ -10,6 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from models.faces.preprocess import to_input
+from models.networks.mirror import MIRRORED, averaged
 
 
 class Embedder(Protocol):
@@ -19,16 +20,18 @@ class Embedder(Protocol):
 
 
 class TorchEmbedder:
-    """A FaceModel (or a bare FaceEmbedder) in eval mode; generic Theta(x) or personalised [Theta, Pi] embeddings."""
+    """A FaceModel (or a bare FaceEmbedder) in eval mode; generic Theta(x) or personalised [Theta, Pi] embeddings,
+    of each face alone (what training and the benches measure) or averaged with its mirror (what its ONNX export
+    computes: `models.networks.mirror`)."""
 
     input_size = 128
 
-    def __init__(self, model, personalised: bool = False):
+    def __init__(self, model, personalised: bool = False, mirror: bool = False):
         import torch
 
         self._torch = torch
         self.model = model.eval()
-        self.personalised = personalised
+        self.personalised, self.mirror = personalised, mirror
         if personalised and getattr(model, "dfc", None) is None:
             raise ValueError("this checkpoint has no DFC branch, so it has no personalised embedding")
 
@@ -36,15 +39,17 @@ class TorchEmbedder:
         torch = self._torch
         x = to_input(crops, self.input_size)
         fn = self.model.embed_personalised if self.personalised else getattr(self.model, "embed", self.model)
+        run = (lambda batch: averaged(fn, batch)) if self.mirror else fn
         with torch.inference_mode():
-            out = [fn(torch.from_numpy(x[i:i + batch_size])).numpy() for i in range(0, len(x), batch_size)]
+            out = [run(torch.from_numpy(x[i:i + batch_size])).numpy() for i in range(0, len(x), batch_size)]
         return np.concatenate(out).astype(np.float32)
 
 
 def load_embedder(path: str | Path, personalised: bool = False, threads: int | None = None) -> Embedder:
-    """An .onnx file runs in ONNX Runtime; a .safetensors file is a face embedder (the shipped one, or what
-    `ffr pretrain` wrote); anything else is read as an ffr checkpoint. Each refuses a file it cannot use in one
-    line."""
+    """An .onnx file runs in ONNX Runtime, as it was built; a .safetensors file is a face embedder (the shipped one,
+    or what `ffr pretrain` wrote) and anything else an ffr checkpoint, each embedding as its ONNX export would
+    (mirror-averaged by default), so one model scores the same in whichever form it is given. Each refuses a file
+    it cannot use in one line."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
@@ -56,7 +61,7 @@ def load_embedder(path: str | Path, personalised: bool = False, threads: int | N
     from models.networks.face_model import load_checkpoint
 
     model, _ = load_checkpoint(path)
-    return TorchEmbedder(model, personalised)
+    return TorchEmbedder(model, personalised, mirror=MIRRORED)
 
 
 def _onnx(path: Path, threads: int | None) -> Embedder:
@@ -75,4 +80,4 @@ def _safetensors(path: Path, personalised: bool) -> Embedder:
 
     if personalised:
         raise ValueError(f"{path} is a face embedder alone: it has no DFC branch, so no personalised embedding")
-    return TorchEmbedder(checked_embedder(path))
+    return TorchEmbedder(checked_embedder(path), mirror=MIRRORED)
