@@ -56,8 +56,9 @@ def latency_rows(onnx_path: Path, fr, repeats: int) -> list[dict]:
         k = iter(range(10**9))
         t = time_calls(lambda: ours_per_frame(embedder, detector, templates, bgr_frames[next(k) % 20]), repeats)
         found = sum(ours_per_frame(embedder, detector, templates, f) is not None for f in bgr_frames)
+        view = "mirror-averaged" if embedder.info.mirror else "one view"
         rows.append({"pipeline": f"ffr-edge ({type(detector).__name__.removesuffix('Detector')} at 320 px + "
-                                 "5-point alignment + MobileNetV2-1.0 ONNX)", "threads": threads,
+                                 f"5-point alignment + MobileNetV2-1.0 ONNX, {view})", "threads": threads,
                      "median_ms": t["median_ms"], "p95_ms": t["p95_ms"], "frames_with_face": f"{found}/20"})
         face = np.zeros((1, 128, 128, 3), np.uint8) + 127
         t = time_calls(lambda: embedder.embed(face), repeats)
@@ -109,6 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--max-pairs", type=int, default=50_000)
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--one-view", action="store_true",
+                        help="our model embedding each face once, not averaged with its mirror (the default)")
+    parser.add_argument("--name", default="device", help="results as NAME_latency and NAME_quality")
     args = parser.parse_args(argv)
     try:
         fr = load_face_recognition()
@@ -118,15 +122,16 @@ def main(argv=None) -> int:
     from models.networks.face_weights import write_default_onnx
 
     with tempfile.TemporaryDirectory() as tmp:
-        onnx_path = write_default_onnx(Path(tmp) / "generic.onnx")  # what `ffr device install-model --default` installs
+        # what `ffr device install-model --default` installs
+        onnx_path = write_default_onnx(Path(tmp) / "generic.onnx", mirror=False if args.one_view else None)
         latency = latency_rows(onnx_path, fr, args.repeats)
         quality = [] if args.skip_quality else quality_rows(onnx_path, fr, args.max_pairs)
     command = "python -m bench.device " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(args.out, "device_latency", {"templates": N_TEMPLATES}, latency,
+    write_results(args.out, f"{args.name}_latency", {"templates": N_TEMPLATES, "one_view": args.one_view}, latency,
                   "End-to-end latency per 640x480 frame (detect, crop, embed, match 100 templates)", command.strip())
     if quality:
-        write_results(args.out, "device_quality", {}, quality, "Verification on held-out people: ffr-edge vs "
-                      "face_recognition", command.strip())
+        write_results(args.out, f"{args.name}_quality", {"one_view": args.one_view}, quality,
+                      "Verification on held-out people: ffr-edge vs face_recognition", command.strip())
     return 0
 
 
