@@ -123,7 +123,7 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         # what `ffr device install-model --default` installs
-        onnx_path = write_default_onnx(Path(tmp) / "generic.onnx", mirror=False if args.one_view else None)
+        onnx_path = write_default_onnx(Path(tmp) / "generic.onnx", mirror=not args.one_view)
         latency = latency_rows(onnx_path, fr, args.repeats)
         quality = [] if args.skip_quality else quality_rows(onnx_path, fr, args.max_pairs)
     command = "python -m bench.device " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -511,7 +511,9 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("eval", help="verification metrics of a model on a dataset",
                        description="AUC, EER, TAR@FAR, 10-fold accuracy and 1:N TPIR@FPIR; "
-                                   "with --pairs, LFW's protocol.")
+                                   "with --pairs, LFW's protocol. An .onnx file embeds as it was built; a checkpoint "
+                                   "or .safetensors file as its ONNX export would (each face averaged with its "
+                                   "mirror image).")
     p.add_argument("--model", required=True, type=Path,
                    help="checkpoint (.pt), exported .onnx, or a face embedder .safetensors (the shipped one, or "
                         "`ffr pretrain`'s embedder.safetensors)")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from models.networks.mirror import MIRRORED
 from models.networks.pretrained import sha256_of as file_sha256
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"
@@ -116,20 +117,19 @@ def checked_embedder(path: Path):
     return model.eval()
 
 
-def write_default_onnx(out: Path, weights: Path | None = None, mirror: bool | None = None) -> Path:
+def write_default_onnx(out: Path, weights: Path | None = None, mirror: bool = MIRRORED) -> Path:
     """The face embedder as a device-ready ONNX file, built from the weights with numpy and onnx (no torch):
     the shipped ones, or `weights` (a coordinator's released model, `vNNNNN.safetensors`, is one); mirror-averaged
     unless `mirror` says otherwise (`models.networks.mirror`)."""
     import onnx
 
     from models.networks.embedder_onnx import build_embedder_onnx
-    from models.networks.mirror import MIRRORED
 
     weights = shipped_weights() if weights is None else Path(weights)
     state, metadata = read_embedder_numpy(weights)
     proto = build_embedder_onnx(state, {"source": "face-pretrained embedder", "weights": weights.name,
                                         "weights_sha256": file_sha256(weights), "teacher": metadata.get("teacher", "")},
-                                mirror=MIRRORED if mirror is None else mirror)
+                                mirror=mirror)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".onnx.tmp")
