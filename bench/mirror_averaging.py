@@ -28,6 +28,7 @@ from bench.ratchet import accepted
 from bench.verify_quality import measure
 from models.evaluation.metrics import cosine_scores, l2_normalise
 from models.networks import face_weights
+from models.networks.mirror import averaged_crops
 from models.runtime import OnnxEmbedder
 
 VIEWS = {"one view": False, "mirror-averaged": True}
@@ -43,10 +44,7 @@ class TeacherViews:
         self.teacher, self.mirror = load_teacher("sface", threads=threads), mirror
 
     def embed(self, crops: np.ndarray, batch_size: int = 64) -> np.ndarray:
-        one = l2_normalise(self.teacher.embed(crops))
-        if not self.mirror:
-            return one
-        return l2_normalise(one + l2_normalise(self.teacher.embed(np.ascontiguousarray(crops[:, :, ::-1]))))
+        return averaged_crops(self.teacher.embed, crops) if self.mirror else l2_normalise(self.teacher.embed(crops))
 
 
 def embedders_for(model: str, weights: Path, folder: Path, threads: int) -> dict:

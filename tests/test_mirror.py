@@ -67,3 +67,14 @@ def test_ffr_eval_scores_a_weights_file_as_its_onnx_does(tmp_path):
     from_weights = load_embedder(shipped_weights()).embed(CROPS)
     from_onnx = load_embedder(write_default_onnx(tmp_path / "face.onnx")).embed(CROPS)
     assert (from_weights * from_onnx).sum(1).min() >= 0.9999
+
+
+def test_the_numpy_form_averages_as_the_device_file_does(tmp_path):
+    """`averaged_crops` (the teacher's mirror averaging in bench.mirror_averaging) over a one-view file equals the
+    mirror-averaged file built from the same weights."""
+    from models.networks.face_weights import write_default_onnx
+    from models.networks.mirror import averaged_crops
+
+    one_view = OnnxEmbedder(write_default_onnx(tmp_path / "one.onnx", mirror=False))
+    mirrored = OnnxEmbedder(write_default_onnx(tmp_path / "mirrored.onnx"))
+    assert (averaged_crops(one_view.embed, CROPS) * mirrored.embed(CROPS)).sum(1).min() >= 0.9999

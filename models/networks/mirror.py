@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 MIRRORED = True  # every ONNX a device runs averages each face with its mirror
 WIDTH_AXIS = 3   # NCHW
 
@@ -26,3 +28,12 @@ def averaged(embed: Callable, image):
 
     both = embed(torch.cat([image, image.flip(WIDTH_AXIS)]))
     return F.normalize(both.reshape(2, -1, both.shape[1]).sum(0), dim=1)
+
+
+def averaged_crops(embed: Callable, crops: np.ndarray) -> np.ndarray:
+    """The same for an embedder of (N,H,W,3) crops in numpy (the ONNX teacher): each crop's and its mirror's rows
+    normalised, summed and normalised again."""
+    def unit(x: np.ndarray) -> np.ndarray:
+        return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+    return unit(unit(embed(crops)) + unit(embed(np.ascontiguousarray(crops[:, :, ::-1]))))
