@@ -155,6 +155,7 @@ def test_an_online_run_saved_before_the_configuration_parts_resumes(tmp_path, pa
     progress = json.loads((out / "progress.json").read_text())
     assert progress["config"]["optimisation"]["batch_size"] == 8
     progress["config"] = flatten(progress["config"])  # the form written before the parts
+    del progress["config"]["mirrored_teacher"]  # ... and before --mirrored-teacher: one view
     assert progress["config"]["batch_size"] == 8 and "optimisation" not in progress["config"]
     (out / "progress.json").write_text(json.dumps(progress))
     capsys.readouterr()
@@ -262,3 +263,50 @@ def test_blended_faces_lie_between_their_two_faces_and_a_run_with_them_learns(tm
     assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
     assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2"), "--online",
                  "--mix-fraction", "1.5"]) == 2
+
+
+def test_the_mirrored_teacher_gives_a_face_and_its_mirror_one_target_and_a_run_toward_it_learns(tmp_path, pack,
+                                                                                                 capsys):
+    """`--mirrored-teacher` (issue 50): each target is the teacher's mirror-averaged embedding, so a view and its
+    mirror image get the same target, unlike the teacher's one view; a tiny real run toward it lowers its loss and
+    records the choice, a resume that changes it is refused, and the cached path refuses it."""
+    from ffr.cli import main
+    from models.training.online_distill import OnlineDistiller
+    from models.training.pretraining import PretrainConfig
+    from protocol.training_parts import TrainerSettings
+
+    config = PretrainConfig(data=[str(pack[0])], init="none", device="cpu", yield_cpu=False, mirrored_teacher=True,
+                            optimisation=TrainerSettings(epochs=1, batch_size=8, lr=1e-3))
+    mirrored = OnlineDistiller(config, tmp_path / "m", threads=2, progress=False)
+    views = mirrored.crops[:6].float()
+    with torch.no_grad():
+        target, of_mirrors = mirrored._teach(views), mirrored._teach(views.flip(3))
+        one_view, one_view_of_mirrors = mirrored.teacher(views), mirrored.teacher(views.flip(3))
+    assert torch.allclose(target, of_mirrors, atol=1e-5)
+    assert (one_view - one_view_of_mirrors).abs().max() > 1e-2  # the teacher alone is not mirror-symmetric
+    assert torch.allclose(target.norm(dim=1), torch.ones(6), atol=1e-5)
+    assert (target - one_view).abs().max() > 1e-2
+    mirrored.val_teacher_cosine()
+    with torch.no_grad():
+        held_out = mirrored.crops[torch.from_numpy(mirrored.val_index[:256])].float()
+        assert torch.allclose(mirrored._val_targets[0], mirrored._teach(held_out), atol=1e-5)
+
+    out = tmp_path / "run"
+    args = ["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",
+            "--mirrored-teacher", "--init", "imagenet", "--epochs", "12", "--batch-size", "8", "--lr", "3e-3",
+            "--warmup-steps", "2", "--eval-every", "10", "--threads", "2"]
+    assert main([*args, "--stop-after-minutes", "0.0001"]) == 0
+    assert main([a for a in args if a != "--mirrored-teacher"] + ["--resume"]) == 2
+    assert "--mirrored-teacher differs from the run being resumed (True there, False now)" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["config"]["mirrored_teacher"] is True
+    losses = [row["train_loss"] for row in metrics["history"]]
+    assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
+
+    assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2"), "--no-online",
+                 "--mirrored-teacher"]) == 2
+    assert "--mirrored-teacher has no effect without --online" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--mirrored-teacher needs --online"):
+        from models.training.pretraining import Pretrainer
+        Pretrainer(PretrainConfig(data=[str(pack[0])], mirrored_teacher=True), tmp_path / "r3")

@@ -50,8 +50,8 @@ class PretrainConfig:
     """One distillation run's settings, cached (`Pretrainer`) or with the teacher in the loop (`OnlineDistiller`).
 
     The options the other path does not read are named so: `loss`, `views`, `bank_*`, `labelled`, `margin_weight`
-    and `eval_data` are the cached path's; `eval_every_steps` and `jitter` the online path's (`ffr pretrain`
-    refuses a mix)."""
+    and `eval_data` are the cached path's; `eval_every_steps`, `jitter`, `mix_fraction` and `mirrored_teacher` the
+    online path's (`ffr pretrain` refuses a mix)."""
 
     data: list[str]
     teacher: str = "sface"
@@ -67,6 +67,7 @@ class PretrainConfig:
     bank_temperature: float = 0.1
     queue_size: int = 16384         # online --loss queue: earlier teacher targets the relational term ranges over
     mix_fraction: float = 0.0       # online: the part of each batch made of two faces blended (online_views)
+    mirrored_teacher: bool = False  # online: each target is the teacher's mirror-averaged embedding of its view
     budget_minutes: float | None = None  # when set, the run stops and its schedule ends after this much training
     low_res: int | None = None      # progressive resolution: the student's input side for the first part of the run
     low_res_fraction: float = 0.75  # ... that part, of the schedule (its time budget, else its steps)
@@ -234,6 +235,8 @@ class Pretrainer:
         from models.networks.teacher import load_teacher
         from models.training.fast_step import checked_device
 
+        if config.mirrored_teacher:  # the cached views past the second have no mirror cached beside them
+            raise ValueError("--mirrored-teacher needs --online: the teacher embeds each view and its mirror there")
         self.config, self.out, self.threads, self.progress = config, Path(out), threads, progress
         self.device = checked_device(config.device)
         if threads:
