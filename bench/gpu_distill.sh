@@ -35,19 +35,36 @@
 # Issue 50's arms, side by side in one call, each its own process on the one GPU at the same time budget (the kit
 # above; each arm names its loss, so the defaults do not decide the comparison):
 #   the device:   run(command="bash bench/gpu_distill.sh arms 7", carry=[".gpu"], timeout_s=570)
-#                 -> $OUT/ARM/embedder.safetensors and metrics.json for each arm in ARMS below (4 arms: 8 files,
-#                    all a call brings back)
+#                 -> $OUT/ARM/embedder.safetensors and metrics.json for each arm of the set (at most 4 arms: 8
+#                    files, all a call brings back)
 #   here, after:  python -m bench.ratchet --candidate FILES_AT/ARM/embedder.safetensors   (each arm; no --ship)
+# `arms MINUTES SET` picks the set (`bash bench/gpu_distill.sh sets` lists them):
+#   mirror (the default, not yet run): today's recipe against the same with the teacher's targets mirror-averaged
+#          (`--mirrored-teacher`), two arms that each get half the GPU;
+#   s50:   the four first arms (run on the third GPU task, bench/results/ratchet_arm_s50_*.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=${FFR_GPU_KIT:-.gpu}
 # ARM|pretrain options beyond the shared ones; @ is the kit (old.npz, celebahq.npz)
-ARMS=(
+ARMS_s50=(
   "a_cosine_old|--data @old.npz --loss cosine --mix-fraction 0"
   "b_cosine_celebahq|--data @old.npz --data @celebahq.npz --loss cosine --mix-fraction 0"
   "c_queue_celebahq|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0"
   "e_mix_celebahq|--data @old.npz --data @celebahq.npz --loss cosine --mix-fraction 0.25"
 )
+ARMS_mirror=(
+  "f_recipe|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25"
+  "g_mirrored_teacher|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25 --mirrored-teacher"
+)
+ARM_SETS=(mirror s50)
+
+arm_set() {  # the arms of set $1 into ARMS, or a one-line refusal
+  case "$1" in
+    mirror) ARMS=("${ARMS_mirror[@]}") ;;
+    s50) ARMS=("${ARMS_s50[@]}") ;;
+    *) echo "no arm set '$1': one of ${ARM_SETS[*]} ('bash bench/gpu_distill.sh sets' lists them)" >&2; exit 2 ;;
+  esac
+}
 
 teacher_site() {  # onnx2torch and SFace's published file into the kit folder $1
   local PY=$1 kit=$2 site
@@ -108,8 +125,15 @@ case "${1:-}" in
       mkdir -p "$OUT/run" && cp "$RUN"/* "$OUT/run/"
     fi
     ;;
+  sets)
+    for set in "${ARM_SETS[@]}"; do
+      arm_set "$set"
+      for arm in "${ARMS[@]}"; do echo "$set  ${arm%%|*}  ${arm#*|}"; done
+    done
+    ;;
   arms)
-    MINUTES=${2:?usage: bench/gpu_distill.sh arms MINUTES}
+    MINUTES=${2:?usage: bench/gpu_distill.sh arms MINUTES [SET]}
+    arm_set "${3:-mirror}"
     [ -f "$KIT/old.npz" ] && [ -f "$KIT/celebahq.npz" ] && [ -f "$KIT/sface.onnx" ] ||
       { echo "no kit with CelebA-HQ in $KIT: run 'make gpu-kit' here (with celebahq_aligned in the faces folder) and carry it" >&2; exit 2; }
     KIT=$(cd "$KIT" && pwd)
@@ -141,7 +165,7 @@ print(sys.argv[2], m['status'], 'step', m['step'], 'first', h[0], 'last', h[-1])
     exit $failed
     ;;
   *)
-    echo "usage: bench/gpu_distill.sh kit | run MINUTES [CALL_MINUTES] | arms MINUTES" >&2
+    echo "usage: bench/gpu_distill.sh kit | run MINUTES [CALL_MINUTES] | arms MINUTES [SET] | sets" >&2
     exit 2
     ;;
 esac
