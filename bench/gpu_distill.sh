@@ -39,8 +39,9 @@
 #                    files, all a call brings back)
 #   here, after:  python -m bench.ratchet --candidate FILES_AT/ARM/embedder.safetensors   (each arm; no --ship)
 # `arms MINUTES SET` picks the set (`bash bench/gpu_distill.sh sets` lists them):
-#   mirror (the default, not yet run): today's recipe against the same with the teacher's targets mirror-averaged
-#          (`--mirrored-teacher`), two arms that each get half the GPU;
+#   mirror_rank (the default, not yet run): today's recipe (f) against the same with the teacher's targets
+#          mirror-averaged (g: `--mirrored-teacher`) and with the pair-rank term (d: `--rank-weight 0.05`, whose
+#          gradient on the embeddings is then about half the recipe's at the shipped weights), a third of the GPU each;
 #   s50:   the four first arms (run on the third GPU task, bench/results/ratchet_arm_s50_*.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,15 +53,16 @@ ARMS_s50=(
   "c_queue_celebahq|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0"
   "e_mix_celebahq|--data @old.npz --data @celebahq.npz --loss cosine --mix-fraction 0.25"
 )
-ARMS_mirror=(
+ARMS_mirror_rank=(
   "f_recipe|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25"
   "g_mirrored_teacher|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25 --mirrored-teacher"
+  "d_rank|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25 --rank-weight 0.05"
 )
-ARM_SETS=(mirror s50)
+ARM_SETS=(mirror_rank s50)
 
 arm_set() {  # the arms of set $1 into ARMS, or a one-line refusal
   case "$1" in
-    mirror) ARMS=("${ARMS_mirror[@]}") ;;
+    mirror_rank) ARMS=("${ARMS_mirror_rank[@]}") ;;
     s50) ARMS=("${ARMS_s50[@]}") ;;
     *) echo "no arm set '$1': one of ${ARM_SETS[*]} ('bash bench/gpu_distill.sh sets' lists them)" >&2; exit 2 ;;
   esac
@@ -133,7 +135,7 @@ case "${1:-}" in
     ;;
   arms)
     MINUTES=${2:?usage: bench/gpu_distill.sh arms MINUTES [SET]}
-    arm_set "${3:-mirror}"
+    arm_set "${3:-mirror_rank}"
     [ -f "$KIT/old.npz" ] && [ -f "$KIT/celebahq.npz" ] && [ -f "$KIT/sface.onnx" ] ||
       { echo "no kit with CelebA-HQ in $KIT: run 'make gpu-kit' here (with celebahq_aligned in the faces folder) and carry it" >&2; exit 2; }
     KIT=$(cd "$KIT" && pwd)

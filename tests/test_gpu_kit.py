@@ -120,14 +120,15 @@ def test_a_run_split_over_two_calls_keeps_one_schedule(kit, tmp_path):
 
 
 @pytest.mark.parametrize("arm_set, expected", [
-    ([], {"f_recipe": (True, False), "g_mirrored_teacher": (True, True)}),  # the default set: mirror
-    (["s50"], {"a_cosine_old": (False, False), "b_cosine_celebahq": (False, False),
-               "c_queue_celebahq": (True, False), "e_mix_celebahq": (False, False)}),
+    ([], {"f_recipe": (True, False, False), "g_mirrored_teacher": (True, True, False),
+          "d_rank": (True, False, True)}),  # the default set: mirror_rank
+    (["s50"], {"a_cosine_old": (False, False, False), "b_cosine_celebahq": (False, False, False),
+               "c_queue_celebahq": (True, False, False), "e_mix_celebahq": (False, False, False)}),
 ])
 def test_the_arms_run_side_by_side_and_each_comes_back_under_out(kit, tmp_path, arm_set, expected):
     """`arms MINUTES [SET]` (issue 50): every arm of the set its own process at the same budget, each bringing back
     its weights and metrics (two files an arm: a call brings back at most eight); each arm trains as it says:
-    {arm: (with the queue term, toward the mirror-averaged teacher)}."""
+    {arm: (with the queue term, toward the mirror-averaged teacher, with the pair-rank term)}."""
     out = tmp_path / "out"
     env = {**os.environ, "FFR_GPU_KIT": str(kit), "OUT": str(out), "PYTHON": sys.executable,
            "FFR_GPU_DEVICE": "cpu", "BATCH": "8", "WARMUP": "2", "FFR_GPU_RUN": str(tmp_path / "arms"),
@@ -137,17 +138,19 @@ def test_the_arms_run_side_by_side_and_each_comes_back_under_out(kit, tmp_path, 
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == sorted(expected)
     assert sum(1 for _ in out.rglob("*") if _.is_file()) == 2 * len(expected) <= 8
-    for arm, (queue, mirrored) in expected.items():
+    for arm, (queue, mirrored, rank) in expected.items():
         metrics = json.loads((out / arm / "metrics.json").read_text())
         assert metrics["status"] == "finished" and metrics["step"] > 0
         assert ("train_queue_loss" in metrics["history"][-1]) == queue
         assert metrics["config"]["mirrored_teacher"] == mirrored
+        assert ("train_rank_loss" in metrics["history"][-1]) == rank == (metrics["config"]["rank_weight"] > 0)
 
 
 def test_an_unknown_arm_set_is_refused_in_one_line_and_the_sets_are_listed(tmp_path):
     env = {**os.environ, "FFR_GPU_KIT": str(tmp_path / "no-kit"), "OUT": str(tmp_path / "out")}
     refused = subprocess.run(["bash", str(SCRIPT), "arms", "1", "nope"], env=env, capture_output=True, text=True)
-    assert refused.returncode == 2 and "no arm set 'nope'" in refused.stderr and "mirror s50" in refused.stderr
+    assert refused.returncode == 2 and "no arm set 'nope'" in refused.stderr and "mirror_rank s50" in refused.stderr
     listed = subprocess.run(["bash", str(SCRIPT), "sets"], env=env, capture_output=True, text=True, check=True)
     rows = [line.split()[:2] for line in listed.stdout.splitlines()]
-    assert rows[:2] == [["mirror", "f_recipe"], ["mirror", "g_mirrored_teacher"]] and len(rows) == 6
+    assert rows[:3] == [["mirror_rank", "f_recipe"], ["mirror_rank", "g_mirrored_teacher"],
+                        ["mirror_rank", "d_rank"]] and len(rows) == 7

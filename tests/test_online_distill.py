@@ -310,3 +310,61 @@ def test_the_mirrored_teacher_gives_a_face_and_its_mirror_one_target_and_a_run_t
     with pytest.raises(ValueError, match="--mirrored-teacher needs --online"):
         from models.training.pretraining import Pretrainer
         Pretrainer(PretrainConfig(data=[str(pack[0])], mirrored_teacher=True), tmp_path / "r3")
+
+
+def test_the_pair_rank_term_counts_thresholds_passed_and_costs_only_a_student_that_ranks_otherwise():
+    """EKD's rank loss without labels (`distillation.pair_rank_loss`): a pair's band count is how many of its
+    model's false-accept thresholds it passes; the teacher against itself costs nothing, a student that swaps the
+    most similar pair with a dissimilar one does, and its gradient reaches the student."""
+    from models.training.distillation import accept_thresholds, band_counts, pair_rank_loss, pair_similarities
+    from models.training.online_distill import AcceptThresholds
+
+    similarities = torch.tensor([0.9, 0.5, 0.1, -0.2] + [0.0] * 96)
+    thresholds = accept_thresholds(similarities, (0.01, 0.02, 0.03))
+    assert thresholds.tolist() == pytest.approx([0.5, 0.1, 0.0])    # the 2nd, 3rd and 4th highest of 100
+    counts = band_counts(torch.tensor([0.9, 0.3, -0.5]), thresholds, 0.01)
+    assert counts.tolist() == pytest.approx([3.0, 2.0, 0.0], abs=1e-3)
+
+    teacher = torch.nn.functional.normalize(torch.randn(12, 16, generator=torch.Generator().manual_seed(0)), dim=1)
+    pairs = pair_similarities(teacher)
+    assert len(pairs) == 66 and float(pairs[0]) == pytest.approx(float(teacher[0] @ teacher[1]))
+    fars = (0.05, 0.1, 0.3)
+    t_thr = accept_thresholds(pairs, fars)
+    assert float(pair_rank_loss(teacher, teacher, t_thr, t_thr, top_k=10)) == pytest.approx(0.0, abs=1e-6)
+    swapped = teacher.clone()
+    top = int(pairs.argmax())
+    rows, cols = torch.triu_indices(12, 12, 1)
+    i, j = int(rows[top]), int(cols[top])
+    swapped[j] = -teacher[i]  # the teacher's most similar pair is now the student's least similar
+    student = swapped.clone().requires_grad_(True)
+    s_thr = accept_thresholds(pair_similarities(student), fars)
+    loss = pair_rank_loss(student, teacher, s_thr, t_thr, top_k=10)
+    assert float(loss.detach()) > 0.1
+    loss.backward()
+    assert torch.isfinite(student.grad).all() and student.grad.abs().sum() > 0
+
+    ema = AcceptThresholds(momentum=0.5)
+    first_s, first_t = ema.update(teacher, teacher)
+    assert torch.equal(first_s, first_t) and torch.equal(first_s, accept_thresholds(pairs))
+    later_s, _ = ema.update(swapped, teacher)
+    assert torch.allclose(later_s, 0.5 * first_s + 0.5 * accept_thresholds(pair_similarities(swapped)))
+
+
+def test_the_pair_rank_term_through_the_cli_is_logged_and_a_run_with_it_learns(tmp_path, pack, capsys):
+    """`--online --rank-weight` (issue 50's arm d): a tiny real run whose loss falls and whose rank term is
+    logged; a negative weight is refused in one line."""
+    from ffr.cli import main
+
+    out = tmp_path / "run"
+    assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",
+                 "--rank-weight", "0.05", "--init", "imagenet", "--epochs", "12", "--batch-size", "8",
+                 "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "10", "--threads", "2"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    history = metrics["history"]
+    assert metrics["config"]["rank_weight"] == 0.05
+    assert all(row["train_rank_loss"] >= 0 for row in history) and history[0]["train_rank_loss"] > 0
+    losses = [row["train_loss"] for row in history]
+    assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
+    assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2"), "--online",
+                 "--rank-weight", "-1"]) == 2
+    assert "--rank-weight must not be negative" in capsys.readouterr().err

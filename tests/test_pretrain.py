@@ -197,6 +197,8 @@ def test_a_budgeted_run_stops_on_time_and_resumes_to_the_same_budget(tmp_path, s
     (["--no-online", "--eval-every", "5"], "--eval-every", "--online"),
     (["--stop-after-minutes", "1"], "--stop-after-minutes", "--online"),  # --device cpu: the cached path
     (["--low-res-fraction", "0.5"], "--low-res-fraction", "--low-res PX"),
+    (["--rank-weight", "0.05"], "--rank-weight", "--online"),
+    (["--mirrored-teacher"], "--mirrored-teacher", "--online"),
 ])
 def test_an_option_of_another_path_loss_or_teacher_is_refused_in_one_line(tmp_path, synthetic_dir, capsys, argv,
                                                                           flag, owner):

@@ -13,6 +13,8 @@ Park et al., "Relational Knowledge Distillation", CVPR 2019).
 every cached teacher view instead of the batch's 64, and weights each sample by how far the
 student is from its target. `queue_distillation_loss` (`ffr pretrain --online --loss queue`) adds the same
 relational term over a queue of the teacher's targets of earlier steps, the memory an online run has.
+`pair_rank_loss` (`ffr pretrain --online --rank-weight W`) adds a term on the pairs that decide acceptance at low
+false-accept rates: the student should accept each at the same rates as the teacher (EKD, CVPR 2022).
 """
 from __future__ import annotations
 
@@ -79,3 +81,49 @@ def queue_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, queue:
     loss, parts = distillation_loss(student, teacher, sim_weight)
     rel = bank_relational_loss(student, teacher, queue, temperature).mean()
     return loss + queue_weight * rel, {**parts, "queue_loss": float(rel.detach())}
+
+
+# --- the pair-rank term (`ffr pretrain --online --rank-weight W`) -------------------------------------------------
+
+RANK_FARS = (1e-1, 1e-2, 1e-3, 1e-4)  # the false-accept rates whose thresholds band a pair's similarity
+
+
+def pair_similarities(embeddings: torch.Tensor) -> torch.Tensor:
+    """The cosine similarity of every unordered pair of a batch of L2-normalised rows: (B (B - 1) / 2,)."""
+    rows, cols = torch.triu_indices(len(embeddings), len(embeddings), 1, device=embeddings.device)
+    return (embeddings @ embeddings.T)[rows, cols]
+
+
+def accept_thresholds(similarities: torch.Tensor, fars: tuple[float, ...] = RANK_FARS) -> torch.Tensor:
+    """The similarity above which each false-accept rate's share of the pairs lies (nearly every pair of an
+    unlabelled batch is two people, so these are a verifier's thresholds at those rates); no gradient."""
+    ranked = similarities.detach().sort(descending=True).values
+    index = torch.tensor([min(int(far * len(ranked)), len(ranked) - 1) for far in fars], device=ranked.device)
+    return ranked[index]
+
+
+def band_counts(similarities: torch.Tensor, thresholds: torch.Tensor, temperature: float) -> torch.Tensor:
+    """How many thresholds each similarity passes, softly: sum_k sigmoid((s - tau_k) / T), so a pair's count says
+    at which false-accept rates its model would accept it."""
+    return torch.sigmoid((similarities[:, None] - thresholds[None, :]) / temperature).sum(dim=1)
+
+
+def pair_rank_loss(student: torch.Tensor, teacher: torch.Tensor, student_thresholds: torch.Tensor,
+                   teacher_thresholds: torch.Tensor, top_k: int = 2000, temperature: float = 0.01) -> torch.Tensor:
+    """The rank-based relation loss of evaluation-oriented distillation (Huang et al., "Evaluation-oriented
+    Knowledge Distillation for Deep Face Recognition", CVPR 2022, sec. 3.2-3.3), without identity labels.
+
+    Each pair's band count is taken against its own model's thresholds, so the student is asked to accept a pair at
+    the same false-accept rates as the teacher, not to copy its similarity (the paper's flexibility for a small
+    student). The critical pairs are those that decide acceptance at low rates: the `top_k` most similar pairs under
+    either model (the paper takes the labelled positives and the student's hardest negatives; an unlabelled batch
+    has no labels, and its most similar pairs under the teacher stand in for the positives). Returns
+    mean over those pairs of (n_s - n_t)^2."""
+    s, t = pair_similarities(student), pair_similarities(teacher)
+    k = min(top_k, len(s))
+    critical = torch.zeros_like(s, dtype=torch.bool)
+    critical[s.detach().topk(k).indices] = True
+    critical[t.topk(k).indices] = True
+    gap = band_counts(s[critical], student_thresholds, temperature) - band_counts(t[critical], teacher_thresholds,
+                                                                                  temperature)
+    return gap.pow(2).mean()

@@ -15,6 +15,10 @@ state is saved as safetensors (no pickle) and resumes across machines.
 `--loss queue` adds a relational term over a FIFO queue of earlier steps' teacher targets
 (`training.distillation.queue_distillation_loss`); the queue is not saved, and refills after a resume.
 
+`--rank-weight W` adds the pair-rank term (`training.distillation.pair_rank_loss`): each of the batch's most similar
+pairs should pass the same false-accept thresholds under the student as under the teacher, each model's thresholds
+an exponential mean over steps (`AcceptThresholds`), not saved, started again from the first batch after a resume.
+
 `--mirrored-teacher` makes each target the teacher's embedding of the view and its mirror image averaged
 (`models.networks.mirror.averaged`), the function every ONNX file a device runs computes: measured one view ->
 mirrored, the teacher's own held-out AUC rises on every labelled set (`bench/results/mirror_averaging_teacher.md`), so
@@ -36,7 +40,13 @@ from models.networks.face_weights import save_embedder
 from models.networks.mirror import averaged
 from models.progress import bar_disable
 from models.training.cpu_share import Yielder
-from models.training.distillation import distillation_loss, queue_distillation_loss
+from models.training.distillation import (
+    accept_thresholds,
+    distillation_loss,
+    pair_rank_loss,
+    pair_similarities,
+    queue_distillation_loss,
+)
 from models.training.loop import Means, Step, optimise
 from models.training.online_views import ViewJitter, geometric_views, mixed_faces, photometric, student_input
 from models.training.pretraining import (
@@ -91,6 +101,28 @@ class TargetQueue:
         self.filled = min(len(self.values), self.filled + len(targets))
 
 
+class AcceptThresholds:
+    """The student's and the teacher's false-accept thresholds (`distillation.accept_thresholds`), each an
+    exponential mean over steps as in EKD (one batch's 1e-4 threshold is a dozen pairs), the first batch's at the
+    start: the bands `--rank-weight`'s term counts a pair in."""
+
+    def __init__(self, momentum: float = 0.01):
+        self.momentum = momentum
+        self.student: torch.Tensor | None = None
+        self.teacher: torch.Tensor | None = None
+
+    def update(self, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fold in this batch's thresholds of L2-normalised (B, D) embeddings; the current pair."""
+        with torch.no_grad():
+            now = accept_thresholds(pair_similarities(student)), accept_thresholds(pair_similarities(teacher))
+            if self.student is None:
+                self.student, self.teacher = now
+            else:
+                self.student = torch.lerp(self.student, now[0], self.momentum)
+                self.teacher = torch.lerp(self.teacher, now[1], self.momentum)
+        return self.student, self.teacher
+
+
 def held_out_split(n: int, seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(held-out, training) indices of `n` crops: the student never trains on the held-out ones, which give the
     learning curve's cosine to the teacher (and let a benchmark find them again from the run's seed)."""
@@ -129,6 +161,7 @@ class OnlineDistiller:
         self.teacher = (teacher or self._teacher(images[self.val_index[:64]])).to(self.device)
         self.model = student(config.init, self.teacher.dim).to(self.device)
         self.queue = TargetQueue(config.queue_size, self.teacher.dim, self.device) if config.loss == "queue" else None
+        self.thresholds = AcceptThresholds() if config.rank_weight else None
         self.start = init_source(config.init)
         self.autocast = accelerate(self.model, config.optimisation.precision, config.device)
         self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.optimisation.lr,
@@ -211,6 +244,14 @@ class OnlineDistiller:
         return averaged(self.teacher, views) if self.config.mirrored_teacher else self.teacher(views)
 
     def _objective(self, student: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss (--loss), plus the pair-rank term where --rank-weight is on."""
+        loss, parts = self._distillation(student, target)
+        if self.thresholds is None:
+            return loss, parts
+        rank = pair_rank_loss(student, target, *self.thresholds.update(student, target))
+        return loss + self.config.rank_weight * rank, {**parts, "rank_loss": float(rank.detach())}
+
+    def _distillation(self, student: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         if self.queue is None:
             return distillation_loss(student, target, self.config.sim_weight)
         memory = self.queue.contents() if self.queue.filled else target  # the first step: the batch itself

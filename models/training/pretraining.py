@@ -50,8 +50,8 @@ class PretrainConfig:
     """One distillation run's settings, cached (`Pretrainer`) or with the teacher in the loop (`OnlineDistiller`).
 
     The options the other path does not read are named so: `loss`, `views`, `bank_*`, `labelled`, `margin_weight`
-    and `eval_data` are the cached path's; `eval_every_steps`, `jitter`, `mix_fraction` and `mirrored_teacher` the
-    online path's (`ffr pretrain` refuses a mix)."""
+    and `eval_data` are the cached path's; `eval_every_steps`, `jitter`, `mix_fraction`, `mirrored_teacher` and
+    `rank_weight` the online path's (`ffr pretrain` refuses a mix)."""
 
     data: list[str]
     teacher: str = "sface"
@@ -68,6 +68,7 @@ class PretrainConfig:
     queue_size: int = 16384         # online --loss queue: earlier teacher targets the relational term ranges over
     mix_fraction: float = 0.0       # online: the part of each batch made of two faces blended (online_views)
     mirrored_teacher: bool = False  # online: each target is the teacher's mirror-averaged embedding of its view
+    rank_weight: float = 0.0        # online: weight of the pair-rank term (training.distillation.pair_rank_loss)
     budget_minutes: float | None = None  # when set, the run stops and its schedule ends after this much training
     low_res: int | None = None      # progressive resolution: the student's input side for the first part of the run
     low_res_fraction: float = 0.75  # ... that part, of the schedule (its time budget, else its steps)
@@ -100,6 +101,8 @@ class PretrainConfig:
             raise ValueError(f"--views must be at least 1 (got {self.views})")
         if not 0 <= self.mix_fraction < 1:
             raise ValueError(f"--mix-fraction must be in [0, 1) (got {self.mix_fraction})")
+        if not 0 <= self.rank_weight < float("inf"):
+            raise ValueError(f"--rank-weight must not be negative (got {self.rank_weight})")
         if self.queue_size < 1 or self.bank_temperature <= 0 or self.bank_weight < 0:
             raise ValueError("--queue-size and --bank-temperature must be positive, --bank-weight not negative")
         if self.teacher != "sface" and not Path(self.teacher).is_file():
@@ -235,8 +238,8 @@ class Pretrainer:
         from models.networks.teacher import load_teacher
         from models.training.fast_step import checked_device
 
-        if config.mirrored_teacher:  # the cached views past the second have no mirror cached beside them
-            raise ValueError("--mirrored-teacher needs --online: the teacher embeds each view and its mirror there")
+        if config.mirrored_teacher or config.rank_weight:  # issue 50's GPU arms, built for the online path only
+            raise ValueError("--mirrored-teacher and --rank-weight need --online")
         self.config, self.out, self.threads, self.progress = config, Path(out), threads, progress
         self.device = checked_device(config.device)
         if threads:
