@@ -43,6 +43,12 @@
 #          mirror-averaged (g: `--mirrored-teacher`) and with the pair-rank term (d: `--rank-weight 0.05`, whose
 #          gradient on the embeddings is then about half the recipe's at the shipped weights), a third of the GPU each;
 #   s50:   the four first arms (run on the third GPU task, bench/results/ratchet_arm_s50_*.md).
+# Each arm trains MINUTES (equal time: an arm whose step costs more, as g's twice-run teacher does, sees fewer
+# samples), or with EPOCHS=E set, E passes over the kit's crops each (equal samples, the learning rate decaying over
+# the steps) with MINUTES as the guard: an arm the guard stops says "paused" in its metrics and is not comparable.
+#   run(command="EPOCHS=20 bash bench/gpu_distill.sh arms 8", carry=[".gpu"], timeout_s=570)
+#   (20 passes: about 0.63 M samples an arm, as many as each of the s50 arms saw; three processes share a GPU
+#   that trained one at 6,000-6,300 samples a second, so g, the slowest, should end inside the 8 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=${FFR_GPU_KIT:-.gpu}
@@ -136,6 +142,8 @@ case "${1:-}" in
   arms)
     MINUTES=${2:?usage: bench/gpu_distill.sh arms MINUTES [SET]}
     arm_set "${3:-mirror_rank}"
+    if [ -n "${EPOCHS:-}" ]; then SCHEDULE=(--epochs "$EPOCHS" --stop-after-minutes "$MINUTES")
+    else SCHEDULE=(--budget-minutes "$MINUTES"); fi
     [ -f "$KIT/old.npz" ] && [ -f "$KIT/celebahq.npz" ] && [ -f "$KIT/sface.onnx" ] ||
       { echo "no kit with CelebA-HQ in $KIT: run 'make gpu-kit' here (with celebahq_aligned in the faces folder) and carry it" >&2; exit 2; }
     KIT=$(cd "$KIT" && pwd)
@@ -150,7 +158,7 @@ case "${1:-}" in
       options=${options//@/$KIT/}
       ("${PYTHON:-python3}" -m ffr.models_only pretrain ${options} --out "$WORK/$name" --force \
         --device "${FFR_GPU_DEVICE:-cuda}" --online --init face --batch-size "${BATCH:-512}" --lr "${LR:-1.5e-3}" \
-        --warmup-steps "${WARMUP:-100}" --budget-minutes "$MINUTES" --checkpoint-every 600 --threads 4 \
+        --warmup-steps "${WARMUP:-100}" "${SCHEDULE[@]}" --checkpoint-every 600 --threads 4 \
         --no-yield-cpu ${EXTRA:-}) > "$WORK.$name.log" 2>&1 &
       pids+=($!)
     done
@@ -160,7 +168,7 @@ case "${1:-}" in
       wait "${pids[$i]}" || { failed=1; echo "arm $name failed:" >&2; }
       tail -n 2 "$WORK.$name.log" | cut -c1-300
       "${PYTHON:-python3}" -c "import json,sys; m=json.load(open(sys.argv[1])); h=m['history'];
-print(sys.argv[2], m['status'], 'step', m['step'], 'first', h[0], 'last', h[-1])" "$WORK/$name/metrics.json" "$name" || true
+print(sys.argv[2], m['status'], 'step', m['step'], 'samples', m['samples'], 'first', h[0], 'last', h[-1])" "$WORK/$name/metrics.json" "$name" || true
       mkdir -p "$OUT/$name"
       cp "$WORK/$name/embedder.safetensors" "$WORK/$name/metrics.json" "$OUT/$name/" 2>/dev/null || true
     done

@@ -146,6 +146,21 @@ def test_the_arms_run_side_by_side_and_each_comes_back_under_out(kit, tmp_path, 
         assert ("train_rank_loss" in metrics["history"][-1]) == rank == (metrics["config"]["rank_weight"] > 0)
 
 
+def test_arms_given_epochs_train_equal_samples_each_to_the_end_of_their_schedule(kit, tmp_path):
+    """EPOCHS=E: every arm makes the same passes over the kit's crops (equal samples, whatever each step costs),
+    MINUTES only a guard."""
+    out = tmp_path / "out"
+    env = {**os.environ, "FFR_GPU_KIT": str(kit), "OUT": str(out), "PYTHON": sys.executable, "EPOCHS": "1",
+           "FFR_GPU_DEVICE": "cpu", "BATCH": "8", "WARMUP": "2", "FFR_GPU_RUN": str(tmp_path / "arms"),
+           "FFR_CACHE_DIR": str(tmp_path / "cache"), "EXTRA": "--threads 1 --eval-every 1"}
+    done = subprocess.run(["bash", str(SCRIPT), "arms", "30"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    metrics = [json.loads((arm / "metrics.json").read_text()) for arm in sorted(out.iterdir())]
+    assert len(metrics) == 3 and all(m["status"] == "finished" and m["config"]["budget_minutes"] is None
+                                     for m in metrics)
+    assert len({m["samples"] for m in metrics}) == 1 and metrics[0]["step"] == metrics[0]["total_steps"] > 0
+
+
 def test_an_unknown_arm_set_is_refused_in_one_line_and_the_sets_are_listed(tmp_path):
     env = {**os.environ, "FFR_GPU_KIT": str(tmp_path / "no-kit"), "OUT": str(tmp_path / "out")}
     refused = subprocess.run(["bash", str(SCRIPT), "arms", "1", "nope"], env=env, capture_output=True, text=True)
