@@ -367,4 +367,4 @@ def test_the_pair_rank_term_through_the_cli_is_logged_and_a_run_with_it_learns(t
     assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
     assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2"), "--online",
                  "--rank-weight", "-1"]) == 2
-    assert "--rank-weight must not be negative" in capsys.readouterr().err
+    assert "--rank-weight must be a number not below 0" in capsys.readouterr().err

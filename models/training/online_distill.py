@@ -246,7 +246,7 @@ class OnlineDistiller:
     def _objective(self, student: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss (--loss), plus the pair-rank term where --rank-weight is on."""
         loss, parts = self._distillation(student, target)
-        if self.thresholds is None:
+        if self.thresholds is None or len(student) < 2:  # a batch of one has no pairs to rank
             return loss, parts
         rank = pair_rank_loss(student, target, *self.thresholds.update(student, target))
         return loss + self.config.rank_weight * rank, {**parts, "rank_loss": float(rank.detach())}

@@ -102,7 +102,7 @@ class PretrainConfig:
         if not 0 <= self.mix_fraction < 1:
             raise ValueError(f"--mix-fraction must be in [0, 1) (got {self.mix_fraction})")
         if not 0 <= self.rank_weight < float("inf"):
-            raise ValueError(f"--rank-weight must not be negative (got {self.rank_weight})")
+            raise ValueError(f"--rank-weight must be a number not below 0 (got {self.rank_weight})")
         if self.queue_size < 1 or self.bank_temperature <= 0 or self.bank_weight < 0:
             raise ValueError("--queue-size and --bank-temperature must be positive, --bank-weight not negative")
         if self.teacher != "sface" and not Path(self.teacher).is_file():
