@@ -12,6 +12,11 @@ at most 5 MB) and its sha256 is recorded in `models.networks.face_weights.SHIPPE
 figures are then the next thing to rewrite (`python -m bench.verify_quality`). Every verdict is kept in
 `bench/results/ratchet.json` (its history) and the latest table in `ratchet.md`.
 
+`--mirrored` scores both files as a device's ONNX file embeds a face (averaged with its mirror image,
+`models.networks.mirror`) instead of one view: the function devices run, and the fair view of a candidate distilled
+toward the mirror-averaged teacher (`ffr pretrain --mirrored-teacher`). The history records which way each verdict
+was measured.
+
 `--ship --override REASON` ships a candidate the rule turned down: a person's call, recorded with its reason in the
 history, never the automatic path. Even then nothing ships from a part of the sets, nor with a row whose gain
 interval lies wholly below zero (a measured loss, not noise).
@@ -47,12 +52,13 @@ def load_candidate(path: Path) -> torch.nn.Module:
         raise SystemExit(f"bench.ratchet: {exc}") from None
 
 
-def compare_set(name: str, root: Path, shipped, candidate, seed: int, max_pairs: int) -> list[dict]:
+def compare_set(name: str, root: Path, shipped, candidate, seed: int, max_pairs: int, mirror: bool = False
+                ) -> list[dict]:
     """Both embedders on the set's held-out people, the same pairs, each crop kind the quality bench uses."""
     rows = []
     for crop_name, config in crop_kinds(name):
         held, pairs, same = held_out_pairs(root, config, seed, max_pairs)
-        scores_before, scores_after = ours(shipped, held, pairs), ours(candidate, held, pairs)
+        scores_before, scores_after = ours(shipped, held, pairs, mirror), ours(candidate, held, pairs, mirror)
         before, after = measure(scores_before, same), measure(scores_after, same)
         low, high = d_auc_interval(same, np.asarray(held.labels)[pairs], scores_before, scores_after, seed=seed)
         rows.append({"set": name, "crops": crop_name, "identities": len(held.identities),
@@ -115,6 +121,9 @@ def main(argv=None) -> int:
     parser.add_argument("--override", metavar="REASON",
                         help="with --ship: ship even if not better on every set, recording REASON; refused when "
                              "a row's gain interval lies wholly below zero or only some sets were measured")
+    parser.add_argument("--mirrored", action="store_true",
+                        help="embed each face averaged with its mirror, as a device's ONNX file does (default: one "
+                             "view, as every verdict before it)")
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--max-pairs", type=int, default=100_000)
@@ -132,7 +141,8 @@ def main(argv=None) -> int:
     shipped_sha = face_weights.SHIPPED_SHA256
     shipped = face_weights.load_face_embedder(face_weights.shipped_weights()).eval()
     rows = [r for name in args.sets for r in compare_set(name, root / name, shipped, candidate, args.seed,
-                                                         args.max_pairs)]
+                                                         args.max_pairs, args.mirrored)]
+    views = "mirror-averaged" if args.mirrored else "one view"
     better = better_everywhere(rows) and set(args.sets) == set(SETS)
     verdict = ("better on every set" if better else "not better on every set: the shipped weights stay"
                if set(args.sets) == set(SETS) else "measured on some sets only: never shipped from a part")
@@ -147,11 +157,11 @@ def main(argv=None) -> int:
     history = json.loads(history_file.read_text()).get("history", []) if history_file.is_file() else []
     history.append({"candidate": str(args.candidate), "candidate_sha256": face_weights.file_sha256(args.candidate),
                     "shipped_sha256": shipped_sha, "verdict": verdict, "shipped_now": shipped_now,
-                    "override": args.override if overridden else None,
+                    "override": args.override if overridden else None, "views": views,
                     "d_auc": {f"{r['set']} / {r['crops']}": round(r["d_auc"], 5) for r in rows}})
     command = "python -m bench.ratchet " + " ".join(argv if argv is not None else sys.argv[1:])
     write_results(args.out, "ratchet", {"verdict": verdict, "history": history}, rows,
-                  f"Ratchet: candidate vs shipped weights on held-out people: {verdict}"
+                  f"Ratchet: candidate vs shipped weights on held-out people ({views}): {verdict}"
                   + (f"; shipped as {shipped_now[:16]}..." if shipped_now else ""), command)
     if shipped_now:
         print(f"shipped: {face_weights.SHIPPED_WEIGHTS} (sha256 {shipped_now}); now rerun "

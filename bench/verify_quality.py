@@ -42,11 +42,12 @@ def measure(scores: np.ndarray, same: np.ndarray) -> dict:
     return {"auc": report["auc"], "eer": report["eer"], "tar@far=1e-2": tar["0.01"], "tar@far=1e-3": tar["0.001"]}
 
 
-def ours(model, crops: FaceCrops, pairs: np.ndarray) -> np.ndarray:
+def ours(model, crops: FaceCrops, pairs: np.ndarray, mirror: bool = False) -> np.ndarray:
+    """The pairs' cosine scores, each face embedded alone or, with `mirror`, as a device's ONNX file embeds it."""
     from models.evaluation.evaluate import embed_all
     from models.networks.embedders import TorchEmbedder
 
-    return cosine_scores(embed_all(TorchEmbedder(model), crops.images), pairs)
+    return cosine_scores(embed_all(TorchEmbedder(model, mirror=mirror), crops.images), pairs)
 
 
 def teacher_scores(crops: FaceCrops, pairs: np.ndarray) -> np.ndarray:

@@ -112,6 +112,24 @@ def test_the_shipped_weights_against_themselves_are_not_better(faces_dir, tmp_pa
     assert face_weights.file_sha256(face_weights.SHIPPED_WEIGHTS) == before
 
 
+def test_a_verdict_measured_mirror_averaged_scores_as_a_device_does_and_says_so(faces_dir, tmp_path):
+    """`--mirrored`: both files embed each face with its mirror, as the device's ONNX does, so the scores differ
+    from one view's, the same weights still tie, and the history and the title name the way it was measured."""
+    rc = ratchet.main(["--candidate", str(_shipped_copy(tmp_path)), "--sets", "orl", "--out", str(tmp_path),
+                       "--mirrored", "--max-pairs", "2000"])
+    assert rc == 0
+    mirrored = json.loads((tmp_path / "ratchet.json").read_text())
+    assert "held-out people (mirror-averaged)" in (tmp_path / "ratchet.md").read_text()
+    assert ratchet.main(["--candidate", str(_shipped_copy(tmp_path)), "--sets", "orl", "--out", str(tmp_path),
+                         "--max-pairs", "2000"]) == 0
+    one_view = json.loads((tmp_path / "ratchet.json").read_text())
+    assert [h["views"] for h in one_view["history"]] == ["mirror-averaged", "one view"]
+    assert all(r["d_auc"] == 0 for r in mirrored["table"])
+    haar = [(m["shipped_auc"], o["shipped_auc"]) for m, o in zip(mirrored["table"], one_view["table"])
+            if m["crops"] == "Haar square"]
+    assert haar and haar[0][0] != haar[0][1]
+
+
 def test_an_override_is_refused_over_a_measured_loss_or_a_part_of_the_sets():
     row = lambda name, high: {"set": name, "crops": "given", "d_auc_95%_high": high}  # noqa: E731
     noisy = [row("orl", 0.01), row("glint24_aligned", 0.05)]
