@@ -307,7 +307,7 @@ def test_the_mirrored_teacher_gives_a_face_and_its_mirror_one_target_and_a_run_t
     assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2"), "--no-online",
                  "--mirrored-teacher"]) == 2
     assert "--mirrored-teacher has no effect without --online" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--mirrored-teacher needs --online"):
+    with pytest.raises(ValueError, match="--mirrored-teacher and --rank-weight need --online"):
         from models.training.pretraining import Pretrainer
         Pretrainer(PretrainConfig(data=[str(pack[0])], mirrored_teacher=True), tmp_path / "r3")
 
