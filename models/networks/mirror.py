@@ -33,7 +33,7 @@ def averaged(embed: Callable, image):
 def averaged_crops(embed: Callable, crops: np.ndarray) -> np.ndarray:
     """The same for an embedder of (N,H,W,3) crops in numpy (the ONNX teacher): each crop's and its mirror's rows
     normalised, summed and normalised again."""
-    def unit(x: np.ndarray) -> np.ndarray:
-        return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    from models.evaluation.metrics import l2_normalise
 
-    return unit(unit(embed(crops)) + unit(embed(np.ascontiguousarray(crops[:, :, ::-1]))))
+    mirrored = np.ascontiguousarray(crops[:, :, ::-1])
+    return l2_normalise(l2_normalise(embed(crops)) + l2_normalise(embed(mirrored)))

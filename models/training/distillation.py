@@ -108,7 +108,7 @@ def band_counts(similarities: torch.Tensor, thresholds: torch.Tensor, temperatur
     return torch.sigmoid((similarities[:, None] - thresholds[None, :]) / temperature).sum(dim=1)
 
 
-def pair_rank_loss(student: torch.Tensor, teacher: torch.Tensor, student_thresholds: torch.Tensor,
+def pair_rank_loss(student_pairs: torch.Tensor, teacher_pairs: torch.Tensor, student_thresholds: torch.Tensor,
                    teacher_thresholds: torch.Tensor, top_k: int = 2000, temperature: float = 0.01) -> torch.Tensor:
     """The rank-based relation loss of evaluation-oriented distillation (Huang et al., "Evaluation-oriented
     Knowledge Distillation for Deep Face Recognition", CVPR 2022, sec. 3.2-3.3), without identity labels.
@@ -117,9 +117,10 @@ def pair_rank_loss(student: torch.Tensor, teacher: torch.Tensor, student_thresho
     the same false-accept rates as the teacher, not to copy its similarity (the paper's flexibility for a small
     student). The critical pairs are those that decide acceptance at low rates: the `top_k` most similar pairs under
     either model (the paper takes the labelled positives and the student's hardest negatives; an unlabelled batch
-    has no labels, and its most similar pairs under the teacher stand in for the positives). Returns
+    has no labels, and its most similar pairs under the teacher stand in for the positives). The pairs are
+    `pair_similarities` of each model's batch, taken once a step (the thresholds are folded from the same). Returns
     mean over those pairs of (n_s - n_t)^2."""
-    s, t = pair_similarities(student), pair_similarities(teacher)
+    s, t = student_pairs, teacher_pairs
     k = min(top_k, len(s))
     critical = torch.zeros_like(s, dtype=torch.bool)
     critical[s.detach().topk(k).indices] = True

@@ -111,10 +111,11 @@ class AcceptThresholds:
         self.student: torch.Tensor | None = None
         self.teacher: torch.Tensor | None = None
 
-    def update(self, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fold in this batch's thresholds of L2-normalised (B, D) embeddings; the current pair."""
+    def update(self, student_pairs: torch.Tensor, teacher_pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fold in this batch's thresholds, from each model's pair similarities (`pair_similarities`); the current
+        pair of thresholds."""
         with torch.no_grad():
-            now = accept_thresholds(pair_similarities(student)), accept_thresholds(pair_similarities(teacher))
+            now = accept_thresholds(student_pairs), accept_thresholds(teacher_pairs)
             if self.student is None:
                 self.student, self.teacher = now
             else:
@@ -248,7 +249,8 @@ class OnlineDistiller:
         loss, parts = self._distillation(student, target)
         if self.thresholds is None or len(student) < 2:  # a batch of one has no pairs to rank
             return loss, parts
-        rank = pair_rank_loss(student, target, *self.thresholds.update(student, target))
+        pairs = pair_similarities(student), pair_similarities(target)  # once a step, for the bands and the loss
+        rank = pair_rank_loss(*pairs, *self.thresholds.update(*pairs))
         return loss + self.config.rank_weight * rank, {**parts, "rank_loss": float(rank.detach())}
 
     def _distillation(self, student: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
