@@ -42,6 +42,17 @@ log = logging.getLogger("edge_client")
 Outgoing = Callable[[dict, int, dict], tuple[dict, int]]
 
 
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """torch's global generator seeded for one piece of a device's work and restored after it: it draws the
+    private head's and DFC branch's first weights and the augmentations that take no generator, so a round repeats
+    from the device's seed (unseeded, two runs of the same round trained different models), and the devices of one
+    simulation process do not draw from each other's stream."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
 class RoundWork:
     def __init__(self, home: DeviceHome, crops: Callable[[], FaceCrops], public: DevicePublicSet, seed: int,
                  device_id: str, outgoing: Outgoing | None = None):
@@ -72,12 +83,13 @@ class RoundWork:
         The delta is clipped for DP-FedAvg (the coordinator adds the noise, `coordinator.dp`) and encoded with error
         feedback (what a sparse codec left out is sent in later rounds)."""
         cfg, global_state = job.config, self._judged()
-        model = self.ensure_model(job)
-        previous = (self._private(self.home.local_backbone, shareable_state(model))
-                    if cfg.method.uses_previous_local() else None)
-        pfm = None if momentum is None else self._momentum(job, momentum, global_state)
-        result = train_round(model, self._crops(), global_state, cfg, seed=self.seed + job.round_id,
-                             inputs=RoundInputs(self.public.for_round(cfg), previous, pfm))
+        with seeded(self.seed + job.round_id):
+            model = self.ensure_model(job)
+            previous = (self._private(self.home.local_backbone, shareable_state(model))
+                        if cfg.method.uses_previous_local() else None)
+            pfm = None if momentum is None else self._momentum(job, momentum, global_state)
+            result = train_round(model, self._crops(), global_state, cfg, seed=self.seed + job.round_id,
+                                 inputs=RoundInputs(self.public.for_round(cfg), previous, pfm))
         self.home.save_tensors(self.home.private_state, private_state(model))
         self.home.save_tensors(self.home.local_backbone, shareable_state(model))  # the personalised model's Theta
         delta, n_samples = result.delta, result.n_samples
@@ -97,15 +109,16 @@ class RoundWork:
         `bench/results/federation_value_dirichlet.md`); the better one chosen and recalibrated on its faces.
         `trained` False: the announced model with this device's private parts (the federation's final model)."""
         global_state = self._judged()
-        model = self.ensure_model(job)
-        if not trained:
-            load_shareable_state(model, global_state)
-        crops = self._crops()
-        check = check_split(crops.labels, self.seed)  # judged on images the branch was not fitted on
-        personal = None
-        if model.dfc is not None and job.config.dfc_steps > 0:
-            personal = personalised_global(global_state, crops if check is None else crops.select(~check), job.config,
-                                           self.seed)
+        with seeded(self.seed + job.model_version):
+            model = self.ensure_model(job)
+            if not trained:
+                load_shareable_state(model, global_state)
+            crops = self._crops()
+            check = check_split(crops.labels, self.seed)  # judged on images the branch was not fitted on
+            personal = None
+            if model.dfc is not None and job.config.dfc_steps > 0:
+                personal = personalised_global(global_state, crops if check is None else crops.select(~check),
+                                               job.config, self.seed)
         with self.home.writing():  # `ffr device` commands wait meanwhile (one enrolment for verifying and federating)
             return export_models(model, self.home, self.device_id, global_state, crops.images, crops.labels,
                                  self.public.negatives_for_adoption(), personal, check, self.public.sha256)

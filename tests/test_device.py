@@ -387,6 +387,44 @@ def test_a_damaged_private_part_is_skipped_with_a_warning_not_every_round(tmp_pa
     assert model is not None and "head_and_dfc.safetensors is not used" in caplog.text, caplog.text
 
 
+def test_a_round_trains_the_same_update_from_the_same_seed_whatever_the_process_drew_before(tmp_path):
+    """torch's global generator draws the private head's and DFC branch's first weights and some augmentations; a
+    round seeds it from the device's seed and gives it back as it was, so a round repeats (before: two runs of one
+    round sent different updates) and the devices of one simulation process do not draw from each other's stream."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from edge_client.home import DeviceHome
+    from edge_client.round_work import RoundWork
+    from models.faces.crops import CropReport, FaceCrops
+    from models.networks.face_model import FaceModel, ModelConfig, shareable_state
+    from protocol.messages import TrainingConfig
+
+    rng = np.random.default_rng(0)
+    crops = FaceCrops(rng.integers(0, 256, (12, 112, 112, 3), dtype=np.uint8), np.repeat(np.arange(3), 4),
+                      ["a", "b", "c"], [""] * 12, CropReport())
+    config = TrainingConfig(width_mult=0.35, dfc=True, epochs=1, batch_size=4, dfc_steps=3)
+    torch.manual_seed(5)
+    start = shareable_state(FaceModel(ModelConfig(embedding_dim=128, width_mult=0.35, n_classes=3, pretrained=False)))
+    job = SimpleNamespace(config=config, round_id=1, model_version=0)
+
+    def round_(name: str, seed: int):
+        work = RoundWork(DeviceHome(tmp_path / name), lambda: crops, SimpleNamespace(for_round=lambda cfg: None),
+                         seed=seed, device_id=name)
+        work._global = {k: v.clone() for k, v in start.items()}  # as `judge` keeps the announced model
+        before = torch.random.get_rng_state()
+        trained = work.train(job, None)
+        assert torch.equal(torch.random.get_rng_state(), before), "the process's generator is given back"
+        return trained.sha256, {k: v.clone() for k, v in work.model.state_dict().items() if k.startswith("dfc")}
+
+    first = round_("a", seed=7)
+    torch.rand(1000)  # whatever the process drew meanwhile
+    again, other = round_("b", seed=7), round_("c", seed=8)
+    assert first[0] == again[0] and all(torch.equal(first[1][k], again[1][k]) for k in first[1])
+    assert first[0] != other[0]
+
+
 @pytest.mark.parametrize("source, says", [
     (["--camera", "-1"], "argument --camera: must be at least 0 (got -1)"),  # OpenCV's "any camera": a segfault here
     (["--video", "FOLDER"], "is a folder: give a video file, or --images for a folder of images"),
