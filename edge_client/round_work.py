@@ -82,13 +82,13 @@ class RoundWork:
         """The local algorithm the round names, from the judged global backbone; the private parts stay in the home.
         The delta is clipped for DP-FedAvg (the coordinator adds the noise, `coordinator.dp`) and encoded with error
         feedback (what a sparse codec left out is sent in later rounds)."""
-        cfg, global_state = job.config, self._judged()
-        with seeded(self.seed + job.round_id):
+        cfg, global_state, seed = job.config, self._judged(), self.seed + job.round_id
+        with seeded(seed):
             model = self.ensure_model(job)
             previous = (self._private(self.home.local_backbone, shareable_state(model))
                         if cfg.method.uses_previous_local() else None)
             pfm = None if momentum is None else self._momentum(job, momentum, global_state)
-            result = train_round(model, self._crops(), global_state, cfg, seed=self.seed + job.round_id,
+            result = train_round(model, self._crops(), global_state, cfg, seed=seed,
                                  inputs=RoundInputs(self.public.for_round(cfg), previous, pfm))
         self.home.save_tensors(self.home.private_state, private_state(model))
         self.home.save_tensors(self.home.local_backbone, shareable_state(model))  # the personalised model's Theta
