@@ -307,7 +307,7 @@ def test_the_mirrored_teacher_gives_a_face_and_its_mirror_one_target_and_a_run_t
     assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2"), "--no-online",
                  "--mirrored-teacher"]) == 2
     assert "--mirrored-teacher has no effect without --online" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--mirrored-teacher and --rank-weight need --online"):
+    with pytest.raises(ValueError, match="--mirrored-teacher, --rank-weight and --ema-decay need --online"):
         from models.training.pretraining import Pretrainer
         Pretrainer(PretrainConfig(data=[str(pack[0])], mirrored_teacher=True), tmp_path / "r3")
 
@@ -368,3 +368,71 @@ def test_the_pair_rank_term_through_the_cli_is_logged_and_a_run_with_it_learns(t
     assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2"), "--online",
                  "--rank-weight", "-1"]) == 2
     assert "--rank-weight must be a number not below 0" in capsys.readouterr().err
+
+
+def test_the_weight_average_is_the_exponential_mean_of_weights_and_batchnorm_statistics():
+    """`weight_average` (Polyak averaging): the first update copies the model, each later one moves the average
+    (1 - decay) of the way to it, BatchNorm's running statistics included; 0 is the null object (no average)."""
+    from models.training.weight_average import NoAverage, WeightAverage, weight_average
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    average = weight_average(model, 0.9)
+    assert isinstance(average, WeightAverage) and isinstance(weight_average(model, 0.0), NoAverage)
+    average.update(model)
+    first = [t.clone() for t in (*model.parameters(), model[1].running_mean)]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+        model[1].running_mean.add_(2.0)
+    average.update(model)
+    averaged = [*average.model.parameters(), average.model[1].running_mean]
+    expected = [f + 0.1 * step for f, step in zip(first, [1.0] * (len(first) - 1) + [2.0])]
+    assert all(torch.allclose(a, e) for a, e in zip(averaged, expected))
+    assert average.updates == 2 and average.model is not model
+    restored = WeightAverage(model, 0.9)
+    restored.load(average.state())
+    assert restored.updates == 2 and torch.equal(restored.model[0].weight, average.model[0].weight)
+    with pytest.raises(ValueError, match="--ema-decay must be between 0 and 1"):
+        WeightAverage(model, 1.0)
+
+
+def test_a_run_with_a_weight_average_ships_it_resumes_it_exactly_and_keeps_its_last_weights_beside(tmp_path, pack,
+                                                                                                  capsys):
+    """`--online --ema-decay` through the CLI: a tiny real run whose loss falls; its embedder file is the average
+    (not the last weights, written beside it); a resume goes on from the saved average, and one that changes or
+    drops the decay is refused, as is the option without --online or out of range."""
+    from safetensors.torch import load_file
+
+    from ffr.cli import main
+    from models.networks import face_weights
+
+    out = tmp_path / "run"
+    args = ["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",
+            "--ema-decay", "0.9", "--init", "imagenet", "--epochs", "12", "--batch-size", "8", "--lr", "3e-3",
+            "--warmup-steps", "2", "--eval-every", "10", "--threads", "2"]
+    assert main([*args, "--stop-after-minutes", "0.0001"]) == 0
+    paused = json.loads((out / "progress.json").read_text())["step"]
+    saved = load_file(str(out / "weight_average.safetensors"))
+    assert paused >= 1 and int(saved["n_averaged"]) == paused
+    assert main([a for a in args if a not in ("--ema-decay", "0.9")] + ["--resume"]) == 2
+    assert "--ema-decay differs from the run being resumed (0.9 there, 0.0 now)" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["config"]["ema_decay"] == 0.9
+    steps = metrics["step"]
+    assert int(load_file(str(out / "weight_average.safetensors"))["n_averaged"]) == steps  # resumed, not restarted
+    losses = [row["train_loss"] for row in metrics["history"]]
+    assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
+    cosines = [row["val_teacher_cosine_average"] for row in metrics["history"]]
+    assert all(-1 <= c <= 1 for c in cosines) and cosines[-1] > cosines[0], cosines  # the average learns too
+    shipped, last = (face_weights.read_embedder_numpy(out / n)[0] for n in ("embedder.safetensors",
+                                                                              "embedder_last.safetensors"))
+    average = load_file(str(out / "weight_average.safetensors"))
+    key = next(k for k in shipped if k.endswith("weight") and shipped[k].ndim == 4)
+    assert np.allclose(shipped[key], average[f"module.{key}"].numpy(), atol=1e-3)  # fp16 of the average
+    assert np.abs(shipped[key] - last[key]).max() > 1e-3  # ... which is not the last weights
+
+    for bad, message in ((["--ema-decay", "1"], "--ema-decay must be in [0, 1)"),
+                         (["--ema-decay", "0.9", "--no-online"], "--ema-decay has no effect without --online")):
+        assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "r2"), "--online", *bad]) == 2
+        assert message in capsys.readouterr().err

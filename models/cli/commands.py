@@ -157,7 +157,8 @@ def _pretrain_config(args):
 
     spec = given(args, TEACHER_FLAGS, TEACHER_FIELDS)  # not given: TeacherSpec's
     own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every", "--low-res-fraction",
-                       "--views", "--queue-size", "--mix-fraction", "--mirrored-teacher", "--rank-weight"],
+                       "--views", "--queue-size", "--mix-fraction", "--mirrored-teacher", "--rank-weight",
+                       "--ema-decay"],
                 {"eval_every": "eval_every_steps"})
     optimisation = TrainerSettings(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                                    weight_decay=PRETRAIN_DEFAULTS["weight_decay"], precision=args.precision)
@@ -190,6 +191,7 @@ PRETRAIN_OWNED: dict[str, Owned] = {
     "--mix-fraction": Owned("--online", lambda a: a.online),
     "--mirrored-teacher": Owned("--online", lambda a: a.online),
     "--rank-weight": Owned("--online", lambda a: a.online),
+    "--ema-decay": Owned("--online", lambda a: a.online),
     "--low-res-fraction": Owned("--low-res PX", lambda a: a.low_res is not None, argv=("--low-res", "96")),
 }
 
@@ -464,6 +466,10 @@ def add_commands(sub) -> None:
                    help="online: weight of a pair-rank term (EKD, CVPR 2022): the batch's most similar pairs should "
                         "pass the same false-accept thresholds (1e-1 to 1e-4) under the student as under the "
                         "teacher (default 0: off)")
+    p.add_argument("--ema-decay", type=float,
+                   help="online: ship an exponential moving average of the student's weights at this decay (e.g. "
+                        "0.998, about the last 500 steps) as embedder.safetensors, the last weights beside it as "
+                        "embedder_last.safetensors (default 0: off, the last weights ship)")
     p.add_argument("--mirrored-teacher", action="store_true",
                    help="online: each target is the teacher's embedding of the view and its mirror image averaged, "
                         "as every ONNX file a device runs embeds a face (twice the teacher's cost; default: the "

@@ -23,6 +23,10 @@ an exponential mean over steps (`AcceptThresholds`), not saved, started again fr
 (`models.networks.mirror.averaged`), the function every ONNX file a device runs computes: measured one view ->
 mirrored, the teacher's own held-out AUC rises on every labelled set (`bench/results/mirror_averaging_teacher.md`), so
 the student learns the better target, at twice the teacher's cost per step.
+
+`--ema-decay D` keeps an exponential moving average of the student's weights (`models.training.weight_average`) and
+ships it as the run's `embedder.safetensors`; the student's own last weights go beside it
+(`embedder_last.safetensors`), so one run measures both at equal samples.
 """
 from __future__ import annotations
 
@@ -57,10 +61,13 @@ from models.training.pretraining import (
     scheduled_size,
     teacher_spec,
 )
+from models.training.weight_average import weight_average
 from protocol.training_parts import flatten
 
 ONLINE_LOSSES = ("cosine", "queue")
 STATE_FILES = ("student.safetensors", "optimiser_exp_avg.safetensors", "optimiser_exp_avg_sq.safetensors")
+AVERAGE_FILE = "weight_average.safetensors"  # --ema-decay: the average and its update count, to resume it exactly
+LAST_EMBEDDER = "embedder_last.safetensors"  # --ema-decay: the student's own last weights, beside the average
 
 
 def load_training_crops(data: list[str], size: int, threads: int, progress: bool) -> tuple[np.ndarray, list[str]]:
@@ -165,6 +172,7 @@ class OnlineDistiller:
         self.thresholds = AcceptThresholds() if config.rank_weight else None
         self.start = init_source(config.init)
         self.autocast = accelerate(self.model, config.optimisation.precision, config.device)
+        self.average = weight_average(self.model, config.ema_decay)  # a copy, made after `accelerate` set its trunk
         self.optimiser = torch.optim.AdamW(self.model.parameters(), lr=config.optimisation.lr,
                                            weight_decay=config.optimisation.weight_decay,
                                            **optimiser_options(self.device))
@@ -265,6 +273,7 @@ class OnlineDistiller:
     def _after_step(self, step: Step, bar) -> None:
         """Count, time and log the step; a row every `eval_every_steps`, a checkpoint every `checkpoint_every_s`."""
         self.step += 1
+        self.average.update(self.model)
         self.trained_s += time.time() - self._tick
         self._window.add(step)
         bar.update(1)
@@ -283,19 +292,23 @@ class OnlineDistiller:
                "samples_per_s": round(self.step * self.config.optimisation.batch_size / max(self.trained_s, 1e-9), 1),
                **{f"train_{k}": round(v, 5) for k, v in running.items() if k != "lr"},
                "val_teacher_cosine": self.val_teacher_cosine()}
+        if self.average.updates:
+            row["val_teacher_cosine_average"] = self.val_teacher_cosine(self.average.model)
         self.history.append(row)
         tqdm.write(json.dumps(row))
 
     @torch.no_grad()
-    def val_teacher_cosine(self) -> float:
-        """Mean cosine between student and teacher on held-out crops, unaugmented (the figure the CPU path logs),
-        against the targets the run trains toward (mirror-averaged with `--mirrored-teacher`)."""
-        self.model.eval()
+    def val_teacher_cosine(self, model: torch.nn.Module | None = None) -> float:
+        """Mean cosine between student (or `model`, the weight average) and teacher on held-out crops, unaugmented
+        (the figure the CPU path logs), against the targets the run trains toward (mirror-averaged with
+        `--mirrored-teacher`)."""
+        model = model or self.model
+        model.eval()
         batches = [torch.from_numpy(self.val_index[i:i + 256]).to(self.device)
                    for i in range(0, len(self.val_index), 256)]
         if self._val_targets is None:  # the held-out crops never change: the teacher embeds them once
             self._val_targets = [self._teach(self.crops[b].float()) for b in batches]
-        cos = [(F.normalize(self.model(student_input(self.crops[b].float() / 255.0)).float(), dim=1) * t).sum(1)
+        cos = [(F.normalize(model(student_input(self.crops[b].float() / 255.0)).float(), dim=1) * t).sum(1)
                for b, t in zip(batches, self._val_targets)]
         return round(float(torch.cat(cos).mean()), 5)
 
@@ -310,7 +323,9 @@ class OnlineDistiller:
         tensors = [{k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
                    {str(i): s["exp_avg"].contiguous() for i, s in state.items()},
                    {str(i): s["exp_avg_sq"].contiguous() for i, s in state.items()}]
-        for name, values in zip(STATE_FILES, tensors):
+        if self.average.updates:
+            tensors.append(self.average.state())
+        for name, values in zip((*STATE_FILES, AVERAGE_FILE), tensors):
             tmp = self.out / f"{name}.tmp"
             save_file({k: v.cpu() for k, v in values.items()}, str(tmp))
             tmp.replace(self.out / name)
@@ -318,10 +333,12 @@ class OnlineDistiller:
                     "config": self.config.to_dict(), "names_sha": _names_key(self.names)}
         (self.out / "progress.json.tmp").write_text(json.dumps(progress))
         (self.out / "progress.json.tmp").replace(self.out / "progress.json")
-        save_embedder(self.out / "embedder.safetensors", self.model,
-                      {"teacher": self.config.teacher, "step": str(self.step), "mode": "online",
-                       "samples": str(self.step * self.config.optimisation.batch_size),
-                       "data": json.dumps(self.config.data)})
+        about = {"teacher": self.config.teacher, "step": str(self.step), "mode": "online",
+                 "samples": str(self.step * self.config.optimisation.batch_size), "data": json.dumps(self.config.data)}
+        if self.average.model is not self.model:
+            save_embedder(self.out / LAST_EMBEDDER, self.model, {**about, "weights": "last"})
+            about["weights"] = f"exponential moving average, decay {self.config.ema_decay}"
+        save_embedder(self.out / "embedder.safetensors", self.average.model, about)
 
     def resume(self) -> None:
         """Continue from the run folder's state; a damaged or foreign state is refused in one line."""
@@ -340,13 +357,16 @@ class OnlineDistiller:
             raise ValueError(f"{self.out} was trained on other crops; use a new --out")
         saved, now = flatten(progress["config"]), flatten(self.config.to_dict())  # either saved form
         saved.setdefault("mirrored_teacher", False)  # a run saved before the option trained on one view
+        saved.setdefault("ema_decay", 0.0)  # ... or before --ema-decay: no average
         for key in ("batch_size", "budget_minutes", "epochs", "seed", "low_res", "low_res_fraction",
-                    "mirrored_teacher"):
+                    "mirrored_teacher", "ema_decay"):
             if saved[key] != now[key]:
                 raise ValueError(f"--{key.replace('_', '-')} differs from the run being resumed "
                                  f"({saved[key]!r} there, {now[key]!r} now)")
         model_state, exp_avg, exp_avg_sq = (load_file(str(self.out / n), device=str(self.device)) for n in STATE_FILES)
         self.model.load_state_dict(model_state)
+        if self.config.ema_decay and int(progress["step"]) > 0:  # averaged from the first step on
+            self.average.load(load_file(str(self.out / AVERAGE_FILE), device=str(self.device)))
         self.step, self.trained_s = int(progress["step"]), float(progress["trained_s"])
         if self.step < 0 or not 0 <= self.trained_s < float("inf"):
             raise TypeError(f"step {self.step} or training time {self.trained_s} out of range")

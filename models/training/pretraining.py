@@ -50,8 +50,8 @@ class PretrainConfig:
     """One distillation run's settings, cached (`Pretrainer`) or with the teacher in the loop (`OnlineDistiller`).
 
     The options the other path does not read are named so: `loss`, `views`, `bank_*`, `labelled`, `margin_weight`
-    and `eval_data` are the cached path's; `eval_every_steps`, `jitter`, `mix_fraction`, `mirrored_teacher` and
-    `rank_weight` the online path's (`ffr pretrain` refuses a mix)."""
+    and `eval_data` are the cached path's; `eval_every_steps`, `jitter`, `mix_fraction`, `mirrored_teacher`,
+    `rank_weight` and `ema_decay` the online path's (`ffr pretrain` refuses a mix)."""
 
     data: list[str]
     teacher: str = "sface"
@@ -69,6 +69,7 @@ class PretrainConfig:
     mix_fraction: float = 0.0       # online: the part of each batch made of two faces blended (online_views)
     mirrored_teacher: bool = False  # online: each target is the teacher's mirror-averaged embedding of its view
     rank_weight: float = 0.0        # online: weight of the pair-rank term (training.distillation.pair_rank_loss)
+    ema_decay: float = 0.0          # online: ship an exponential moving average of the weights (weight_average); 0 off
     budget_minutes: float | None = None  # when set, the run stops and its schedule ends after this much training
     low_res: int | None = None      # progressive resolution: the student's input side for the first part of the run
     low_res_fraction: float = 0.75  # ... that part, of the schedule (its time budget, else its steps)
@@ -103,6 +104,8 @@ class PretrainConfig:
             raise ValueError(f"--mix-fraction must be in [0, 1) (got {self.mix_fraction})")
         if not 0 <= self.rank_weight < float("inf"):
             raise ValueError(f"--rank-weight must be a number not below 0 (got {self.rank_weight})")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"--ema-decay must be in [0, 1) (got {self.ema_decay}; 0 turns it off)")
         if self.queue_size < 1 or self.bank_temperature <= 0 or self.bank_weight < 0:
             raise ValueError("--queue-size and --bank-temperature must be positive, --bank-weight not negative")
         if self.teacher != "sface" and not Path(self.teacher).is_file():
@@ -238,8 +241,8 @@ class Pretrainer:
         from models.networks.teacher import load_teacher
         from models.training.fast_step import checked_device
 
-        if config.mirrored_teacher or config.rank_weight:  # issue 50's GPU arms, built for the online path only
-            raise ValueError("--mirrored-teacher and --rank-weight need --online")
+        if config.mirrored_teacher or config.rank_weight or config.ema_decay:  # built for the online path only
+            raise ValueError("--mirrored-teacher, --rank-weight and --ema-decay need --online")
         self.config, self.out, self.threads, self.progress = config, Path(out), threads, progress
         self.device = checked_device(config.device)
         if threads:
