@@ -302,7 +302,7 @@ class OnlineDistiller:
         """Mean cosine between student (or `model`, the weight average) and teacher on held-out crops, unaugmented
         (the figure the CPU path logs), against the targets the run trains toward (mirror-averaged with
         `--mirrored-teacher`)."""
-        model = model or self.model
+        model = self.model if model is None else model
         model.eval()
         batches = [torch.from_numpy(self.val_index[i:i + 256]).to(self.device)
                    for i in range(0, len(self.val_index), 256)]
