@@ -1,9 +1,9 @@
 """An exponential moving average of the student's weights (Polyak averaging), the model a run ships when it is on.
 
-A batch of 64 on 2 CPU cores makes each AdamW step noisy; from a strong start, that noise can carry the weights off
-about as far as the signal carries them on. The average over the last ~1/(1 - decay) steps keeps the signal and
-cancels much of the noise (Polyak & Juditsky, SIAM J. Control Optim. 1992; Morales-Brotons, Vogels & Hendrikx,
-"Exponential moving average of weights in deep learning: dynamics and benefits", TMLR 2024):
+A batch of 64 on 2 CPU cores makes each AdamW step noisy. The average over the last ~1/(1 - decay) steps keeps
+where the steps lead and cancels much of their noise (Polyak & Juditsky, SIAM J. Control Optim. 1992;
+Morales-Brotons, Vogels & Hendrikx, "Exponential moving average of weights in deep learning: dynamics and benefits",
+TMLR 2024):
 W_0 = w_0, W_{t+1} = decay W_t + (1 - decay) w_{t+1}. BatchNorm's running statistics are averaged with the
 weights, so the average is one coherent model. `NoAverage` is the null object for runs without it.
 """
