@@ -166,7 +166,7 @@ def test_an_online_run_saved_before_the_configuration_parts_resumes(tmp_path, pa
 
 
 @pytest.mark.parametrize("damage", ["garbage json", "missing key", "negative step", "garbage weights",
-                                    "missing weights"])
+                                    "missing weights", "garbage average", "foreign average", "missing average"])
 def test_a_damaged_online_run_state_is_refused_in_one_line_on_resume(tmp_path, pack, capsys, damage):
     """The run folder is read back on --resume: whatever is written there, the answer is one clear line."""
     from ffr.cli import main
@@ -174,9 +174,19 @@ def test_a_damaged_online_run_state_is_refused_in_one_line_on_resume(tmp_path, p
     out = tmp_path / "run"
     args = ["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",
             "--init", "none", "--epochs", "1", "--batch-size", "8", "--threads", "1"]
+    if damage.endswith("average"):  # --ema-decay's saved average is read back too
+        args += ["--ema-decay", "0.9"]
     assert main([*args, "--stop-after-minutes", "0.0001"]) == 0
     progress = json.loads((out / "progress.json").read_text())
-    if damage == "garbage json":
+    average = out / "weight_average.safetensors"
+    if damage == "garbage average":
+        average.write_bytes(b"\xff" * 64)
+    elif damage == "foreign average":
+        from safetensors.torch import save_file
+        save_file({"module.other": torch.zeros(3), "n_averaged": torch.tensor(1)}, str(average))
+    elif damage == "missing average":
+        average.unlink()
+    elif damage == "garbage json":
         (out / "progress.json").write_text("{not json")
     elif damage == "missing key":
         del progress["trained_s"]
