@@ -335,7 +335,7 @@ class OnlineDistiller:
         (self.out / "progress.json.tmp").replace(self.out / "progress.json")
         about = {"teacher": self.config.teacher, "step": str(self.step), "mode": "online",
                  "samples": str(self.step * self.config.optimisation.batch_size), "data": json.dumps(self.config.data)}
-        if self.average.model is not self.model:
+        if self.average.updates:
             save_embedder(self.out / LAST_EMBEDDER, self.model, {**about, "weights": "last"})
             about["weights"] = f"exponential moving average, decay {self.config.ema_decay}"
         save_embedder(self.out / "embedder.safetensors", self.average.model, about)
@@ -365,11 +365,11 @@ class OnlineDistiller:
                                  f"({saved[key]!r} there, {now[key]!r} now)")
         model_state, exp_avg, exp_avg_sq = (load_file(str(self.out / n), device=str(self.device)) for n in STATE_FILES)
         self.model.load_state_dict(model_state)
-        if self.config.ema_decay and int(progress["step"]) > 0:  # averaged from the first step on
-            self.average.load(load_file(str(self.out / AVERAGE_FILE), device=str(self.device)))
         self.step, self.trained_s = int(progress["step"]), float(progress["trained_s"])
         if self.step < 0 or not 0 <= self.trained_s < float("inf"):
             raise TypeError(f"step {self.step} or training time {self.trained_s} out of range")
+        if self.config.ema_decay and self.step:  # saved from the first step on (`save`)
+            self.average.load(load_file(str(self.out / AVERAGE_FILE), device=str(self.device)))
         self.history = progress["history"]
         if exp_avg:
             params = list(self.model.parameters())
