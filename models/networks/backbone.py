@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models import mobilenet_v2
 
+from models.cpu_memory import reuse_freed_memory
 from models.networks.pretrained import verified_imagenet_weights
 
 
@@ -20,6 +21,7 @@ class FaceEmbedder(nn.Module):
     def __init__(self, embedding_dim: int = 128, width_mult: float = 1.0, pretrained: bool = True,
                  weights_path: str | Path | None = None, dropout: float = 0.0):
         super().__init__()
+        reuse_freed_memory()  # a process that builds one computes with torch: no page faults each batch
         trunk = mobilenet_v2(weights=None, width_mult=width_mult)
         self.features = trunk.features
         self.pool = nn.AdaptiveAvgPool2d(1)

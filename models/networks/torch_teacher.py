@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.cpu_memory import reuse_freed_memory
 from models.networks.teacher import OnnxTeacher, TeacherError, TeacherSpec
 
 ONNX2TORCH_OPSET = 17    # onnx2torch converts up to this opset; SFace is saved at 21 with the same operators
@@ -49,6 +50,7 @@ class TorchTeacher(torch.nn.Module):
 
     def __init__(self, graph: torch.nn.Module, spec: TeacherSpec, sha256: str, dim: int):
         super().__init__()
+        reuse_freed_memory()  # its fp32 convolutions page-faulted in most of their time on a CPU before
         self.graph, self.spec, self.sha256, self.dim = graph, spec, sha256, dim
         self.requires_grad_(False)
         self.eval()

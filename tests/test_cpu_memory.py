@@ -1,0 +1,52 @@
+"""A process that builds a torch face model reuses the memory torch frees instead of faulting it in again.
+
+Counted in page faults (`getrusage`), not seconds, so a loaded machine cannot fail it. Each case runs in a fresh
+interpreter: the switch is process-wide, and this test process has built models already.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="the switch is glibc's malloc's (elsewhere reuse_freed_memory is a no-op)")
+
+BLOCK_PAGES = 64 * 2 ** 20 // 4096  # one 64 MiB block, as large as a batch's activations
+
+LOOP = """
+import json, resource, sys, torch
+{setup}
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.empty(16 * 2 ** 20).fill_(1.0); del x  # the first time the pages must come from the kernel anyway
+before = faults()
+for _ in range(10):
+    x = torch.empty(16 * 2 ** 20).fill_(1.0)
+    del x
+print(json.dumps({{"faults": faults() - before}}))
+"""
+
+
+def _faults_over_ten_blocks(setup: str) -> int:
+    run = subprocess.run([sys.executable, "-c", LOOP.format(setup=setup)], capture_output=True, text=True,
+                         timeout=300, check=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])["faults"]
+
+
+def test_building_a_face_embedder_stops_torch_faulting_its_freed_blocks_in_again():
+    default = _faults_over_ten_blocks("")
+    with_model = _faults_over_ten_blocks("from models.networks.backbone import FaceEmbedder\n"
+                                         "FaceEmbedder(128, pretrained=False)")
+    assert default > 5 * BLOCK_PAGES, f"glibc's default no longer returns large blocks ({default} faults)"
+    assert with_model < BLOCK_PAGES, f"{with_model} page faults over ten 64 MiB blocks after the model was built"
+
+
+def test_the_switch_is_taken_once_and_says_whether_it_took():
+    from models.cpu_memory import reuse_freed_memory
+
+    assert reuse_freed_memory() is True
+    assert reuse_freed_memory() is True  # cached: mallopt is called once per process
