@@ -38,6 +38,7 @@ bench-latency: $(STAMP)
 
 bench-train: $(STAMP)
 	$(PY) -m bench.train_throughput --out bench/results
+	$(PY) -m bench.cpu_memory --out bench/results
 
 bench-federated: $(STAMP)
 	$(PY) -m bench.federated --out bench/results
