@@ -56,7 +56,8 @@ def work():
 }
 
 MEASURE = """
-import json, os, resource, time, torch
+import json, resource, sys, time, torch
+BATCH, BATCHES, THREADS = map(int, sys.argv[1:4])
 torch.set_num_threads(THREADS)
 {setup}
 work()  # the first batch takes its memory from the kernel with either allocator
@@ -71,10 +72,9 @@ print(json.dumps({{"per_s": BATCHES * BATCH / seconds, "user_s": (after.ru_utime
 
 
 def measure(setup: str, reuse: bool, batch: int, batches: int, threads: int) -> dict:
-    code = (MEASURE.format(setup=setup).replace("BATCHES", str(batches)).replace("BATCH", str(batch))
-            .replace("THREADS", str(threads)))
     env = {**os.environ, OFF_ENV: "1" if reuse else "0"}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    run = subprocess.run([sys.executable, "-c", MEASURE.format(setup=setup), str(batch), str(batches), str(threads)],
+                         capture_output=True, text=True, env=env, check=False)
     if run.returncode:
         raise RuntimeError(f"the measurement failed: {run.stderr.strip().splitlines()[-1]}")
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -40,6 +40,11 @@ def _huge_pages_always() -> bool:
     return thp.exists() and "[always]" in thp.read_text()
 
 
+countable_faults = pytest.mark.skipif(
+    _huge_pages_always(), reason="transparent huge pages are always on here: a fresh block faults in 2 MiB pages, "
+                                 "too few to count")
+
+
 def _faults_over_ten_blocks(setup: str, **extra_env: str) -> int:
     env = {k: v for k, v in os.environ.items() if k != OFF_ENV}  # the switch as shipped, whatever this shell says
     env.update(extra_env)
@@ -48,9 +53,8 @@ def _faults_over_ten_blocks(setup: str, **extra_env: str) -> int:
     return json.loads(run.stdout.strip().splitlines()[-1])["faults"]
 
 
+@countable_faults
 def test_building_a_face_embedder_stops_torch_faulting_its_freed_blocks_in_again():
-    if _huge_pages_always():
-        pytest.skip("transparent huge pages are always on here: a fresh block faults in 2 MiB pages, too few to count")
     default = _faults_over_ten_blocks("")
     with_model = _faults_over_ten_blocks("from models.networks.backbone import FaceEmbedder\n"
                                          "FaceEmbedder(128, pretrained=False)")
@@ -67,9 +71,8 @@ def test_the_switch_is_taken_once_and_says_whether_it_took(monkeypatch):
     assert reuse_freed_memory() is True  # a second call (cached) answers the same
 
 
+@countable_faults
 def test_a_device_that_must_give_memory_back_can_leave_glibcs_defaults():
-    if _huge_pages_always():
-        pytest.skip("transparent huge pages are always on here: a fresh block faults in 2 MiB pages, too few to count")
     left = _faults_over_ten_blocks("from models.networks.backbone import FaceEmbedder\n"
                                    "FaceEmbedder(128, pretrained=False)", **{OFF_ENV: "0"})
     assert left > 5 * BLOCK_PAGES, f"only {left} page faults: the switch was taken although {OFF_ENV}=0"
