@@ -438,9 +438,11 @@ def test_a_run_with_a_weight_average_ships_it_resumes_it_exactly_and_keeps_its_l
     shipped, last = (face_weights.read_embedder_numpy(out / n)[0] for n in ("embedder.safetensors",
                                                                               "embedder_last.safetensors"))
     average = load_file(str(out / "weight_average.safetensors"))
-    key = next(k for k in shipped if k.endswith("weight") and shipped[k].ndim == 4)
-    assert np.allclose(shipped[key], average[f"module.{key}"].numpy(), atol=1e-3)  # fp16 of the average
-    assert np.abs(shipped[key] - last[key]).max() > 1e-3  # ... which is not the last weights
+    floats = [k for k in shipped if np.issubdtype(shipped[k].dtype, np.floating)]
+    # exactly the fp16 of the average, every tensor (a bound on one conv's gap to the last weights passed or failed
+    # with the machine's kernels: 7e-4 against 1e-3 on one, as the learning rate ends near zero)
+    assert all(np.array_equal(shipped[k], average[f"module.{k}"].numpy().astype(np.float16)) for k in floats)
+    assert any(not np.array_equal(shipped[k], last[k]) for k in floats)  # ... which is not the last weights
 
     for bad, message in ((["--ema-decay", "1"], "--ema-decay must be in [0, 1)"),
                          (["--ema-decay", "0.9", "--no-online"], "--ema-decay has no effect without --online")):
