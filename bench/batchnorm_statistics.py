@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.optim.swa_utils import update_bn
 
 from bench.common import faces_dir, write_results
 from bench.held_out_sets import SETS
@@ -41,23 +42,16 @@ RECIPE_MIX = 0.25  # the online recipe's blended share (`ffr pretrain --online`'
 
 
 def reestimated(model: torch.nn.Module, batches: Iterator[torch.Tensor]) -> torch.nn.Module:
-    """`model` with every BatchNorm's running statistics replaced by their average over `batches` (network inputs);
-    weights untouched. Returned in eval mode."""
-    norms = {m: m.momentum for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
-    for norm in norms:
-        norm.reset_running_stats()
-        norm.momentum = None  # a cumulative average, not an exponential one
-    model.train()
+    """`model` with every BatchNorm's running statistics replaced by their average over `batches` (network inputs;
+    torch's `update_bn`, which SWA uses for the same reason); weights untouched. Returned in eval mode."""
     with torch.no_grad():
-        for x in batches:
-            model(x)
-    for norm, momentum in norms.items():
-        norm.momentum = momentum
+        update_bn(batches, model)
     return model.eval()
 
 
 def view_kinds(seed: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Name -> uint8 (N,3,H,W) crops to the student's input, each as its docstring entry above says."""
+    """Name -> uint8 (N,3,H,W) crops to the student's input, each as its docstring entry above says. The recipe
+    kinds draw from one seeded generator in this order, so a row is repeated by the same `--views` and `--seed`."""
     from models.faces.preprocess import to_input
     from models.training.online_views import ViewJitter, geometric_views, mixed_faces, photometric, student_input
 
