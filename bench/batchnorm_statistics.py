@@ -38,7 +38,7 @@ from models.networks import face_weights
 
 DISTILLATION_FOLDERS = ("utkface_aligned", "all_age_faces_aligned", "celebahq_aligned")  # `ffr pretrain`'s data
 BATCH = 128
-RECIPE_MIX = 0.25  # the online recipe's blended share (`ffr pretrain --online`'s default --mix-fraction)
+VIEW_KINDS = ("clean", "recipe_unblended", "recipe")
 
 
 def reestimated(model: torch.nn.Module, batches: Iterator[torch.Tensor]) -> torch.nn.Module:
@@ -52,6 +52,7 @@ def reestimated(model: torch.nn.Module, batches: Iterator[torch.Tensor]) -> torc
 def view_kinds(seed: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Name -> uint8 (N,3,H,W) crops to the student's input, each as its docstring entry above says. The recipe
     kinds draw from one seeded generator in this order, so a row is repeated by the same `--views` and `--seed`."""
+    from models.cli.commands import ONLINE_DEFAULT_MIX  # the recipe's blended share
     from models.faces.preprocess import to_input
     from models.training.online_views import ViewJitter, geometric_views, mixed_faces, photometric, student_input
 
@@ -63,7 +64,7 @@ def view_kinds(seed: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
 
     return {"clean": lambda c: torch.from_numpy(to_input(c.permute(0, 2, 3, 1).numpy())),
             "recipe_unblended": lambda c: recipe(c, 0.0),
-            "recipe": lambda c: recipe(c, RECIPE_MIX)}
+            "recipe": lambda c: recipe(c, ONLINE_DEFAULT_MIX)}
 
 
 def sample_crops(folders: list[Path], images: int, seed: int) -> torch.Tensor:
@@ -92,8 +93,7 @@ def main(argv=None) -> int:
                         help="folders of aligned crops to estimate on (default: FFR_FACES_DIR's "
                              f"{', '.join(DISTILLATION_FOLDERS)})")
     parser.add_argument("--images", type=int, default=8000, help="crops sampled from the folders (default 8000)")
-    parser.add_argument("--views", nargs="+", default=["clean", "recipe_unblended", "recipe"],
-                        choices=["clean", "recipe_unblended", "recipe"])
+    parser.add_argument("--views", nargs="+", default=list(VIEW_KINDS), choices=VIEW_KINDS)
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="batchnorm_statistics")
