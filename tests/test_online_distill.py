@@ -275,6 +275,59 @@ def test_blended_faces_lie_between_their_two_faces_and_a_run_with_them_learns(tm
                  "--mix-fraction", "1.5"]) == 2
 
 
+def test_relit_faces_are_shaded_from_one_side_within_range_and_reproducible():
+    """`relit_faces` (issue 50): about the asked part of the batch changes, each changed face is darker on one side
+    than the other, nothing leaves 0..255, the rest stays bit for bit, and a seed gives the same light."""
+    from models.training.online_views import relit_faces
+
+    views = torch.full((64, 3, 32, 32), 180.0)
+    lit = relit_faces(views, 0.5, torch.Generator().manual_seed(3))
+    assert torch.equal(lit, relit_faces(views, 0.5, torch.Generator().manual_seed(3)))
+    changed = (lit != views).flatten(1).any(1)
+    assert 16 <= int(changed.sum()) <= 48
+    assert torch.equal(lit[~changed], views[~changed])
+    assert lit.min() >= 0 and lit.max() <= 255
+    spread = lit[changed].amax(dim=(1, 2, 3)) - lit[changed].amin(dim=(1, 2, 3))
+    assert (spread > 40).all(), spread  # a shadow and a lit side, not a uniform scale
+    assert torch.equal(relit_faces(views, 0.0, torch.Generator()), views)
+    assert not (relit_faces(views, 1.0, torch.Generator().manual_seed(4)) == views).flatten(1).all(1).any()
+
+
+def test_a_run_with_relit_faces_teaches_the_lit_face_and_learns(tmp_path, pack, monkeypatch):
+    """The teacher embeds the very faces `relit_faces` made (its target is for the face as lit); a tiny real run
+    with them lowers its loss; a fraction outside [0, 1], or the option on the cached path, is refused."""
+    from ffr.cli import main
+    from models.training import online_distill
+    from models.training.online_distill import OnlineDistiller
+    from models.training.pretraining import PretrainConfig
+    from protocol.training_parts import TrainerSettings
+
+    made, taught = [], []
+    real_relit = online_distill.relit_faces
+    monkeypatch.setattr(online_distill, "relit_faces", lambda *a: made.append(real_relit(*a)) or made[-1])
+    config = PretrainConfig(data=[str(pack[0])], init="none", device="cpu", yield_cpu=False, relight_fraction=1.0,
+                            optimisation=TrainerSettings(epochs=1, batch_size=8, lr=1e-3))
+    distiller = OnlineDistiller(config, tmp_path / "spy", threads=2, progress=False)
+    real_teach = distiller._teach
+    distiller._teach = lambda views: taught.append(views) or real_teach(views)
+    distiller._set_lr()
+    distiller._loss(None)
+    assert len(made) == len(taught) == 1 and torch.equal(made[0], taught[0])
+    monkeypatch.undo()
+
+    out = tmp_path / "run"
+    assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(out), "--device", "cpu", "--online",
+                 "--relight-fraction", "0.5", "--init", "imagenet", "--epochs", "12", "--batch-size", "8",
+                 "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "10", "--threads", "2"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    losses = [row["train_loss"] for row in metrics["history"]]
+    assert np.mean(losses[-2:]) < 0.95 * losses[0], losses
+    for bad in (["--online", "--relight-fraction", "1.5"], ["--online", "--relight-fraction", "-0.1"],
+                ["--online", "--relight-fraction", "nan"], ["--relight-fraction", "0.5"]):
+        assert main(["-q", "pretrain", "--data", str(pack[0]), "--out", str(tmp_path / "bad"), "--device", "cpu",
+                     *bad]) == 2, bad
+
+
 def test_the_mirrored_teacher_gives_a_face_and_its_mirror_one_target_and_a_run_toward_it_learns(tmp_path, pack,
                                                                                                  capsys):
     """`--mirrored-teacher` (issue 50): each target is the teacher's mirror-averaged embedding, so a view and its

@@ -157,8 +157,8 @@ def _pretrain_config(args):
 
     spec = given(args, TEACHER_FLAGS, TEACHER_FIELDS)  # not given: TeacherSpec's
     own = given(args, ["--margin-weight", "--bank-weight", "--bank-temperature", "--eval-every", "--low-res-fraction",
-                       "--views", "--queue-size", "--mix-fraction", "--mirrored-teacher", "--rank-weight",
-                       "--ema-decay"],
+                       "--views", "--queue-size", "--mix-fraction", "--relight-fraction", "--mirrored-teacher",
+                       "--rank-weight", "--ema-decay"],
                 {"eval_every": "eval_every_steps"})
     optimisation = TrainerSettings(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                                    weight_decay=PRETRAIN_DEFAULTS["weight_decay"], precision=args.precision)
@@ -189,6 +189,7 @@ PRETRAIN_OWNED: dict[str, Owned] = {
     "--stop-after-minutes": Owned("--online", lambda a: a.online),
     "--eval-every": Owned("--online", lambda a: a.online),
     "--mix-fraction": Owned("--online", lambda a: a.online),
+    "--relight-fraction": Owned("--online", lambda a: a.online),
     "--mirrored-teacher": Owned("--online", lambda a: a.online),
     "--rank-weight": Owned("--online", lambda a: a.online),
     "--ema-decay": Owned("--online", lambda a: a.online),
@@ -462,6 +463,10 @@ def add_commands(sub) -> None:
     p.add_argument("--mix-fraction", type=float,
                    help="online: this part of each batch is two of its faces blended into a new one the teacher "
                         "embeds, as faces of people no crop holds (default 0.25; 0 turns it off)")
+    p.add_argument("--relight-fraction", type=float,
+                   help="online: this part of each batch is lit from one side (a lamp's or a window's light and "
+                        "shadow) before the teacher embeds it, so the student learns the teacher's answers for such "
+                        "faces (default 0: off)")
     p.add_argument("--rank-weight", type=float,
                    help="online: weight of a pair-rank term (EKD, CVPR 2022): the batch's most similar pairs should "
                         "pass the same false-accept thresholds (1e-1 to 1e-4) under the student as under the "

@@ -19,6 +19,9 @@ state is saved as safetensors (no pickle) and resumes across machines.
 pairs should pass the same false-accept thresholds under the student as under the teacher, each model's thresholds
 an exponential mean over steps (`AcceptThresholds`), not saved, started again from the first batch after a resume.
 
+`--relight-fraction F` lights that part of each batch from one side (`online_views.relit_faces`) before the teacher
+embeds it: targets for faces in a lamp's or a window's light, which the student's colour jitter never shows.
+
 `--mirrored-teacher` makes each target the teacher's embedding of the view and its mirror image averaged
 (`models.networks.mirror.averaged`), the function every ONNX file a device runs computes: measured one view ->
 mirrored, the teacher's own held-out AUC rises on every labelled set (`bench/results/mirror_averaging_teacher.md`), so
@@ -52,7 +55,14 @@ from models.training.distillation import (
     queue_distillation_loss,
 )
 from models.training.loop import Means, Step, optimise
-from models.training.online_views import ViewJitter, geometric_views, mixed_faces, photometric, student_input
+from models.training.online_views import (
+    ViewJitter,
+    geometric_views,
+    mixed_faces,
+    photometric,
+    relit_faces,
+    student_input,
+)
 from models.training.pretraining import (
     PretrainConfig,
     init_source,
@@ -239,6 +249,8 @@ class OnlineDistiller:
         views = geometric_views(self.crops[self.train_index[pick]], self.jitter, self.generator)
         if self.config.mix_fraction:
             views = mixed_faces(views, self.config.mix_fraction, self.generator)
+        if self.config.relight_fraction:
+            views = relit_faces(views, self.config.relight_fraction, self.generator)
         with torch.no_grad():
             target = self._teach(views)
         size = scheduled_size(self.config, self.step, self.total_steps, self.trained_s)

@@ -3,6 +3,8 @@
 Two halves, because a distillation target is only right for the view the teacher saw:
 - `geometric_views`: small scale, shift, rotation and mirror jitter (one affine warp per crop,
   `F.affine_grid` + `F.grid_sample`), shown to teacher and student alike;
+- `relit_faces`: one-sided light and shadow, like `mixed_faces` a change of the face itself, so the teacher
+  embeds it too;
 - `photometric`: brightness, contrast, saturation, greyscale, blur and erasing, shown to the
   student only ("Knowledge distillation: A good teacher is patient and consistent", Beyer et
   al., CVPR 2022: consistent views, aggressive augmentation, long schedules).
@@ -74,6 +76,28 @@ def mixed_faces(views: torch.Tensor, fraction: float, generator: torch.Generator
                                                                         device=views.device)) % len(views)
     a = _uniform(n, 0.3, 0.7, generator).view(n, 1, 1, 1)
     return torch.cat([a * views[:n] + (1 - a) * views[partner], views[n:]])
+
+
+def relit_faces(views: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    """Float (N,3,H,W) views in 0..255 with about `fraction` of them lit from one side: each times a shading field
+    ambient + (1 - ambient) * sigmoid(k (x cos phi + y sin phi) + b) and an exposure gain, clipped at 255. The
+    light's direction phi ~ U(0, 2 pi), its edge k ~ U(2, 8) at offset b ~ U(-1, 1), ambient ~ U(0.05, 0.5), gain
+    ~ U(1, 1.6): the half-shadowed, half-burnt faces of a single lamp or a window, which colour jitter's uniform
+    factors never make. Shown to the teacher as well (its target is for the face as lit), so the student learns how
+    the teacher ranks such faces, where the distillation gap is widest (`bench/results/distill_gap_curve.md`)."""
+    chosen = _chosen(fraction, len(views), generator)
+    if not len(chosen):
+        return views
+    n, (_, _, h, w) = len(chosen), views.shape
+    phi = _uniform(n, 0, 2 * math.pi, generator).view(n, 1, 1, 1)
+    edge, offset = _uniform(n, 2, 8, generator).view(n, 1, 1, 1), _uniform(n, -1, 1, generator).view(n, 1, 1, 1)
+    ambient, gain = _uniform(n, 0.05, 0.5, generator).view(n, 1, 1, 1), _uniform(n, 1, 1.6, generator).view(n, 1, 1, 1)
+    ys = torch.linspace(-1, 1, h, device=views.device, dtype=views.dtype).view(1, 1, h, 1)
+    xs = torch.linspace(-1, 1, w, device=views.device, dtype=views.dtype).view(1, 1, 1, w)
+    shading = ambient + (1 - ambient) * torch.sigmoid(edge * (xs * torch.cos(phi) + ys * torch.sin(phi)) + offset)
+    out = views.clone()
+    out[chosen] = (views[chosen] * shading * gain).clamp(0, 255)
+    return out
 
 
 def _chosen(p: float, n: int, generator: torch.Generator) -> torch.Tensor:

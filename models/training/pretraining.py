@@ -50,7 +50,8 @@ class PretrainConfig:
     """One distillation run's settings, cached (`Pretrainer`) or with the teacher in the loop (`OnlineDistiller`).
 
     The options the other path does not read are named so: `loss`, `views`, `bank_*`, `labelled`, `margin_weight`
-    and `eval_data` are the cached path's; `eval_every_steps`, `jitter`, `mix_fraction`, `mirrored_teacher`,
+    and `eval_data` are the cached path's; `eval_every_steps`, `jitter`, `mix_fraction`, `relight_fraction`,
+    `mirrored_teacher`,
     `rank_weight` and `ema_decay` the online path's (`ffr pretrain` refuses a mix)."""
 
     data: list[str]
@@ -67,6 +68,7 @@ class PretrainConfig:
     bank_temperature: float = 0.1
     queue_size: int = 16384         # online --loss queue: earlier teacher targets the relational term ranges over
     mix_fraction: float = 0.0       # online: the part of each batch made of two faces blended (online_views)
+    relight_fraction: float = 0.0   # online: the part of each batch lit from one side, teacher too (online_views)
     mirrored_teacher: bool = False  # online: each target is the teacher's mirror-averaged embedding of its view
     rank_weight: float = 0.0        # online: weight of the pair-rank term (training.distillation.pair_rank_loss)
     ema_decay: float = 0.0          # online: ship an exponential moving average of the weights (weight_average); 0 off
@@ -102,6 +104,8 @@ class PretrainConfig:
             raise ValueError(f"--views must be at least 1 (got {self.views})")
         if not 0 <= self.mix_fraction < 1:
             raise ValueError(f"--mix-fraction must be in [0, 1) (got {self.mix_fraction})")
+        if not 0 <= self.relight_fraction <= 1:
+            raise ValueError(f"--relight-fraction must be in [0, 1] (got {self.relight_fraction})")
         if not 0 <= self.rank_weight < float("inf"):
             raise ValueError(f"--rank-weight must be a number not below 0 (got {self.rank_weight})")
         if not 0 <= self.ema_decay < 1:
