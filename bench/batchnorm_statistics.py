@@ -50,21 +50,22 @@ def reestimated(model: torch.nn.Module, batches: Iterator[torch.Tensor]) -> torc
 
 
 def view_kinds(seed: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Name -> uint8 (N,3,H,W) crops to the student's input, each as its docstring entry above says. The recipe
-    kinds draw from one seeded generator in this order, so a row is repeated by the same `--views` and `--seed`."""
+    """Name -> uint8 (N,3,H,W) crops to the student's input, each as its docstring entry above says. Each recipe
+    kind draws from a generator of its own seeded with `seed`, so a row is the same whatever other `--views` run."""
     from models.cli.commands import ONLINE_DEFAULT_MIX  # the recipe's blended share
     from models.faces.preprocess import to_input
     from models.training.online_views import ViewJitter, geometric_views, mixed_faces, photometric, student_input
 
-    generator = torch.Generator().manual_seed(seed)
+    def recipe(mix: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
 
-    def recipe(crops: torch.Tensor, mix: float) -> torch.Tensor:
-        views = geometric_views(crops, ViewJitter(), generator)
-        return student_input(photometric(mixed_faces(views, mix, generator) / 255.0, generator))
+        def view(crops: torch.Tensor) -> torch.Tensor:
+            views = geometric_views(crops, ViewJitter(), generator)
+            return student_input(photometric(mixed_faces(views, mix, generator) / 255.0, generator))
+        return view
 
     return {"clean": lambda c: torch.from_numpy(to_input(c.permute(0, 2, 3, 1).numpy())),
-            "recipe_unblended": lambda c: recipe(c, 0.0),
-            "recipe": lambda c: recipe(c, ONLINE_DEFAULT_MIX)}
+            "recipe_unblended": recipe(0.0), "recipe": recipe(ONLINE_DEFAULT_MIX)}
 
 
 def sample_crops(folders: list[Path], images: int, seed: int) -> torch.Tensor:

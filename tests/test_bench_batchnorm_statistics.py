@@ -30,3 +30,13 @@ def test_each_view_kind_gives_full_batches_of_student_inputs():
         assert shapes == [(128, 3, 128, 128)] * 2, name  # 300 crops: two full batches, the rest left out
     clean = next(batches(crops, view_kinds(seed=0)["clean"], seed=0))
     assert clean.min() >= -1 and clean.max() <= 1
+
+
+def test_a_recipe_kind_gives_the_same_views_whichever_kinds_ran_before_it():
+    """One generator per kind: `--views recipe` alone reproduces the `recipe` row of a run of every kind."""
+    crops = torch.randint(0, 256, (8, 3, 112, 112), dtype=torch.uint8)
+    alone = view_kinds(seed=0)["recipe"](crops)
+    kinds = view_kinds(seed=0)
+    kinds["recipe_unblended"](crops)
+    assert torch.equal(kinds["recipe"](crops), alone)
+    assert not torch.equal(view_kinds(seed=1)["recipe"](crops), alone)
