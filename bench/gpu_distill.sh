@@ -42,7 +42,8 @@
 #   mirror_rank (the default, not yet run): today's recipe (f) against the same with the teacher's targets
 #          mirror-averaged (g: `--mirrored-teacher`) and with the pair-rank term (d: `--rank-weight 0.05`, whose
 #          gradient on the embeddings is then about half the recipe's at the shipped weights), a third of the GPU each;
-#   s50:   the four first arms (run on the third GPU task, bench/results/ratchet_arm_s50_*.md).
+#   s50:   the four first arms (run on the third GPU task, bench/results/ratchet_arm_s50_*.md);
+#   relight: today's recipe (f) against the same with relit faces (h: `--relight-fraction 0.25`), half the GPU each.
 # Each arm trains MINUTES (equal time: an arm whose step costs more, as g's twice-run teacher does, sees fewer
 # samples), or with EPOCHS=E set, E passes over the kit's crops each (equal samples, the learning rate decaying over
 # the steps) with MINUTES as the guard: an arm the guard stops says "paused" in its metrics and is not comparable.
@@ -64,12 +65,20 @@ ARMS_mirror_rank=(
   "g_mirrored_teacher|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25 --mirrored-teacher"
   "d_rank|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25 --rank-weight 0.05"
 )
-ARM_SETS=(mirror_rank s50)
+# relight: today's recipe against the same with a quarter of each batch lit from one side, teacher too (h:
+# `--relight-fraction 0.25`; on the CPU ratchet it turned Extended Yale B's loss into a gain while Glint24 and CelebA
+# fell a little, bench/results/ratchet_cpu_relight_step1960_*.md), half of the GPU each
+ARMS_relight=(
+  "f_recipe|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25"
+  "h_relight|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25 --relight-fraction 0.25"
+)
+ARM_SETS=(mirror_rank s50 relight)
 
 arm_set() {  # the arms of set $1 into ARMS, or a one-line refusal
   case "$1" in
     mirror_rank) ARMS=("${ARMS_mirror_rank[@]}") ;;
     s50) ARMS=("${ARMS_s50[@]}") ;;
+    relight) ARMS=("${ARMS_relight[@]}") ;;
     *) echo "no arm set '$1': one of ${ARM_SETS[*]} ('bash bench/gpu_distill.sh sets' lists them)" >&2; exit 2 ;;
   esac
 }

@@ -124,6 +124,7 @@ def test_a_run_split_over_two_calls_keeps_one_schedule(kit, tmp_path):
           "d_rank": (True, False, True)}),  # the default set: mirror_rank
     (["s50"], {"a_cosine_old": (False, False, False), "b_cosine_celebahq": (False, False, False),
                "c_queue_celebahq": (True, False, False), "e_mix_celebahq": (False, False, False)}),
+    (["relight"], {"f_recipe": (True, False, False), "h_relight": (True, False, False)}),
 ])
 def test_the_arms_run_side_by_side_and_each_comes_back_under_out(kit, tmp_path, arm_set, expected):
     """`arms MINUTES [SET]` (issue 50): every arm of the set its own process at the same budget, each bringing back
@@ -144,6 +145,7 @@ def test_the_arms_run_side_by_side_and_each_comes_back_under_out(kit, tmp_path, 
         assert ("train_queue_loss" in metrics["history"][-1]) == queue
         assert metrics["config"]["mirrored_teacher"] == mirrored
         assert ("train_rank_loss" in metrics["history"][-1]) == rank == (metrics["config"]["rank_weight"] > 0)
+        assert metrics["config"]["relight_fraction"] == (0.25 if arm == "h_relight" else 0.0)
 
 
 def test_arms_given_epochs_train_equal_samples_each_to_the_end_of_their_schedule(kit, tmp_path):
@@ -168,4 +170,5 @@ def test_an_unknown_arm_set_is_refused_in_one_line_and_the_sets_are_listed(tmp_p
     listed = subprocess.run(["bash", str(SCRIPT), "sets"], env=env, capture_output=True, text=True, check=True)
     rows = [line.split()[:2] for line in listed.stdout.splitlines()]
     assert rows[:3] == [["mirror_rank", "f_recipe"], ["mirror_rank", "g_mirrored_teacher"],
-                        ["mirror_rank", "d_rank"]] and len(rows) == 7
+                        ["mirror_rank", "d_rank"]] and len(rows) == 9
+    assert ["relight", "h_relight"] in rows
