@@ -1,10 +1,11 @@
 """Augmentation as batched tensor operations, on whatever device holds the crops.
 
-Two halves, because a distillation target is only right for the view the teacher saw:
+Two halves, because a distillation target is only right for the view the teacher saw. Shown to teacher and student
+alike:
 - `geometric_views`: small scale, shift, rotation and mirror jitter (one affine warp per crop,
-  `F.affine_grid` + `F.grid_sample`), shown to teacher and student alike;
-- `relit_faces`: one-sided light and shadow, like `mixed_faces` a change of the face itself, so the teacher
-  embeds it too;
+  `F.affine_grid` + `F.grid_sample`);
+- `mixed_faces` and `relit_faces`: two faces blended, one-sided light and shadow (changes of the face itself);
+shown to the student only:
 - `photometric`: brightness, contrast, saturation, greyscale, blur and erasing, shown to the
   student only ("Knowledge distillation: A good teacher is patient and consistent", Beyer et
   al., CVPR 2022: consistent views, aggressive augmentation, long schedules).

@@ -51,8 +51,7 @@ class PretrainConfig:
 
     The options the other path does not read are named so: `loss`, `views`, `bank_*`, `labelled`, `margin_weight`
     and `eval_data` are the cached path's; `eval_every_steps`, `jitter`, `mix_fraction`, `relight_fraction`,
-    `mirrored_teacher`,
-    `rank_weight` and `ema_decay` the online path's (`ffr pretrain` refuses a mix)."""
+    `mirrored_teacher`, `rank_weight` and `ema_decay` the online path's (`ffr pretrain` refuses a mix)."""
 
     data: list[str]
     teacher: str = "sface"
