@@ -54,14 +54,14 @@ def view_kinds(seed: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     kind draws from a generator of its own seeded with `seed`, so a row is the same whatever other `--views` run."""
     from models.cli.commands import ONLINE_DEFAULT_MIX  # the recipe's blended share
     from models.faces.preprocess import to_input
-    from models.training.online_views import ViewJitter, geometric_views, mixed_faces, photometric, student_input
+    from models.training.online_views import ViewJitter, face_changes, photometric, student_input, teacher_views
 
     def recipe(mix: float) -> Callable[[torch.Tensor], torch.Tensor]:
-        generator = torch.Generator().manual_seed(seed)
+        generator, changes = torch.Generator().manual_seed(seed), face_changes(mix_fraction=mix)
 
         def view(crops: torch.Tensor) -> torch.Tensor:
-            views = geometric_views(crops, ViewJitter(), generator)
-            return student_input(photometric(mixed_faces(views, mix, generator) / 255.0, generator))
+            views = teacher_views(crops, ViewJitter(), changes, generator)  # as `OnlineDistiller._loss` draws them
+            return student_input(photometric(views / 255.0, generator))
         return view
 
     return {"clean": lambda c: torch.from_numpy(to_input(c.permute(0, 2, 3, 1).numpy())),

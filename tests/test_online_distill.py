@@ -297,14 +297,14 @@ def test_a_run_with_relit_faces_teaches_the_lit_face_and_learns(tmp_path, pack, 
     """The teacher embeds the very faces `relit_faces` made (its target is for the face as lit); a tiny real run
     with them lowers its loss; a fraction outside [0, 1], or the option on the cached path, is refused."""
     from ffr.cli import main
-    from models.training import online_distill
+    from models.training import online_views
     from models.training.online_distill import OnlineDistiller
     from models.training.pretraining import PretrainConfig
     from protocol.training_parts import TrainerSettings
 
     made, taught = [], []
-    real_relit = online_distill.relit_faces
-    monkeypatch.setattr(online_distill, "relit_faces", lambda *a: made.append(real_relit(*a)) or made[-1])
+    real_relit = online_views.relit_faces
+    monkeypatch.setattr(online_views, "relit_faces", lambda *a, **k: made.append(real_relit(*a, **k)) or made[-1])
     config = PretrainConfig(data=[str(pack[0])], init="none", device="cpu", yield_cpu=False, relight_fraction=1.0,
                             optimisation=TrainerSettings(epochs=1, batch_size=8, lr=1e-3))
     distiller = OnlineDistiller(config, tmp_path / "spy", threads=2, progress=False)

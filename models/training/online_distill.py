@@ -55,14 +55,7 @@ from models.training.distillation import (
     queue_distillation_loss,
 )
 from models.training.loop import Means, Step, optimise
-from models.training.online_views import (
-    ViewJitter,
-    geometric_views,
-    mixed_faces,
-    photometric,
-    relit_faces,
-    student_input,
-)
+from models.training.online_views import ViewJitter, face_changes, photometric, student_input, teacher_views
 from models.training.pretraining import (
     PretrainConfig,
     init_source,
@@ -187,6 +180,7 @@ class OnlineDistiller:
                                            weight_decay=config.optimisation.weight_decay,
                                            **optimiser_options(self.device))
         self.jitter = ViewJitter(**config.jitter)
+        self.face_changes = face_changes(config.mix_fraction, config.relight_fraction)
         self.generator = torch.Generator(self.device)
         self.steps_per_epoch = len(train_index) // config.optimisation.batch_size
         self.total_steps = None if config.budget_minutes else self.steps_per_epoch * config.optimisation.epochs
@@ -246,11 +240,7 @@ class OnlineDistiller:
         """One batch: jittered views -> teacher targets (no grad) -> student on a photometric copy."""
         pick = torch.randint(len(self.train_index), (self.config.optimisation.batch_size,), generator=self.generator,
                              device=self.device)
-        views = geometric_views(self.crops[self.train_index[pick]], self.jitter, self.generator)
-        if self.config.mix_fraction:
-            views = mixed_faces(views, self.config.mix_fraction, self.generator)
-        if self.config.relight_fraction:
-            views = relit_faces(views, self.config.relight_fraction, self.generator)
+        views = teacher_views(self.crops[self.train_index[pick]], self.jitter, self.face_changes, self.generator)
         with torch.no_grad():
             target = self._teach(views)
         size = scheduled_size(self.config, self.step, self.total_steps, self.trained_s)

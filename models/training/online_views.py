@@ -14,7 +14,9 @@ Everything is drawn from one `torch.Generator`, so a run is reproducible from it
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +101,25 @@ def relit_faces(views: torch.Tensor, fraction: float, generator: torch.Generator
     out = views.clone()
     out[chosen] = (views[chosen] * shading * gain).clamp(0, 255)
     return out
+
+
+FaceChange = Callable[..., torch.Tensor]  # (views, generator=) -> views: a change of the face itself
+
+
+def face_changes(mix_fraction: float = 0.0, relight_fraction: float = 0.0) -> list[FaceChange]:
+    """The changes of the face itself that are on (blends, then light), in the order a run applies them; one that is
+    off draws nothing from the generator, so a run without it is the run it was before the option existed."""
+    return [partial(change, fraction=f) for change, f in ((mixed_faces, mix_fraction), (relit_faces, relight_fraction))
+            if f]
+
+
+def teacher_views(crops: torch.Tensor, jitter: ViewJitter, changes: list[FaceChange],
+                  generator: torch.Generator) -> torch.Tensor:
+    """uint8 (N,3,H,W) crops -> the float views in 0..255 the teacher embeds: geometric jitter, then each change."""
+    views = geometric_views(crops, jitter, generator)
+    for change in changes:
+        views = change(views, generator=generator)
+    return views
 
 
 def _chosen(p: float, n: int, generator: torch.Generator) -> torch.Tensor:
