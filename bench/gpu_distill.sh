@@ -65,22 +65,19 @@ ARMS_mirror_rank=(
   "g_mirrored_teacher|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25 --mirrored-teacher"
   "d_rank|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25 --rank-weight 0.05"
 )
-# relight: today's recipe against the same with a quarter of each batch lit from one side, teacher too (h:
-# `--relight-fraction 0.25`; on the CPU ratchet it turned Extended Yale B's loss into a gain while Glint24 and CelebA
-# fell a little, bench/results/ratchet_cpu_relight_step1960_*.md), half of the GPU each
+# h: why relit faces, bench/results/ratchet_cpu_relight_step1960_*.md
 ARMS_relight=(
   "f_recipe|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25"
   "h_relight|--data @old.npz --data @celebahq.npz --loss queue --mix-fraction 0.25 --relight-fraction 0.25"
 )
 ARM_SETS=(mirror_rank s50 relight)
 
-arm_set() {  # the arms of set $1 into ARMS, or a one-line refusal
-  case "$1" in
-    mirror_rank) ARMS=("${ARMS_mirror_rank[@]}") ;;
-    s50) ARMS=("${ARMS_s50[@]}") ;;
-    relight) ARMS=("${ARMS_relight[@]}") ;;
-    *) echo "no arm set '$1': one of ${ARM_SETS[*]} ('bash bench/gpu_distill.sh sets' lists them)" >&2; exit 2 ;;
-  esac
+arm_set() {  # the arms of set $1 (a name in ARM_SETS, so a new set is its ARMS_ array listed there) into ARMS
+  local known arms
+  for known in "${ARM_SETS[@]}"; do  # only a listed name reaches the indirection below, never $1 itself
+    if [[ "$1" == "$known" ]]; then arms="ARMS_${known}[@]"; ARMS=("${!arms}"); return; fi
+  done
+  echo "no arm set '$1': one of ${ARM_SETS[*]} ('bash bench/gpu_distill.sh sets' lists them)" >&2; exit 2
 }
 
 teacher_site() {  # onnx2torch and SFace's published file into the kit folder $1

@@ -167,6 +167,10 @@ def test_an_unknown_arm_set_is_refused_in_one_line_and_the_sets_are_listed(tmp_p
     env = {**os.environ, "FFR_GPU_KIT": str(tmp_path / "no-kit"), "OUT": str(tmp_path / "out")}
     refused = subprocess.run(["bash", str(SCRIPT), "arms", "1", "nope"], env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and "no arm set 'nope'" in refused.stderr and "mirror_rank s50" in refused.stderr
+    planted = tmp_path / "planted"  # a name built to run a command if it ever reached bash's indirect expansion
+    hostile = subprocess.run(["bash", str(SCRIPT), "arms", "1", f"s50[$(touch {planted})]"], env=env,
+                             capture_output=True, text=True)
+    assert hostile.returncode == 2 and "no arm set" in hostile.stderr and not planted.exists()
     listed = subprocess.run(["bash", str(SCRIPT), "sets"], env=env, capture_output=True, text=True, check=True)
     rows = [line.split()[:2] for line in listed.stdout.splitlines()]
     assert rows[:3] == [["mirror_rank", "f_recipe"], ["mirror_rank", "g_mirrored_teacher"],
