@@ -1,9 +1,11 @@
 """Shared by the benchmarks: timing, machine description, and JSON + Markdown result files."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,12 +68,48 @@ def round_outcomes(run: Path) -> dict:
             "mb_up_per_round": sum(up) / len(up) / 1e6 if up else 0.0}
 
 
-def write_results(out_dir: Path, name: str, data: dict, table: list[dict], title: str, command: str) -> Path:
-    """`name.json` with everything, `name.md` with the table a person reads."""
+MADE_BY_MAX_CHARS = 1000
+_RESULT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,119}")
+
+
+def result_name(text: str) -> str:
+    """argparse type for `--name`: a file name in the results folder, never a path out of it."""
+    if not _RESULT_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a results name (letters, digits, '_', '.', '-'; "
+                                         "up to 120, starting with a letter or digit)")
+    return text
+
+
+def made_by(text: str) -> str:
+    """argparse type for `--made-by`: how the judged file was made, one printable line kept in the result files,
+    so a verdict says which run it judged without a hand edit after the bench."""
+    text = text.strip()
+    if not text:
+        raise argparse.ArgumentTypeError("is empty")
+    if len(text) > MADE_BY_MAX_CHARS:
+        raise argparse.ArgumentTypeError(f"is {len(text)} characters; at most {MADE_BY_MAX_CHARS}")
+    if not text.isprintable():
+        raise argparse.ArgumentTypeError("must be one line of printable characters (no newlines or control codes)")
+    return text
+
+
+def add_made_by(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--made-by", type=made_by, metavar="TEXT",
+                        help="how the candidate was made (the run's command, samples, step), kept in the results "
+                             f"as `candidate_made_by`: one line, at most {MADE_BY_MAX_CHARS} characters")
+
+
+def write_results(out_dir: Path, name: str, data: dict, table: list[dict], title: str, command: str,
+                  made_by: str | None = None) -> Path:
+    """`name.json` with everything, `name.md` with the table a person reads; `made_by` (the run that made what was
+    measured) goes under the command in both."""
+    if not _RESULT_NAME.fullmatch(name):
+        raise ValueError(f"results name {name[:40]!r} is not a file name in {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = {"command": command, "machine": machine(), **data, "table": table}
+    context = {"candidate_made_by": made_by} if made_by else {}
+    data = {"command": command, **context, "machine": machine(), **data, "table": table}
     (out_dir / f"{name}.json").write_text(json.dumps(data, indent=2))
-    lines = [f"# {title}", "", f"`{command}`", "", _markdown_table(table), ""]
+    lines = [f"# {title}", "", f"`{command}`", "", *([made_by, ""] if made_by else []), _markdown_table(table), ""]
     (out_dir / f"{name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return out_dir / f"{name}.md"

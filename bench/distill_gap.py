@@ -28,7 +28,7 @@ import numpy as np
 from scipy.stats import spearmanr
 from sklearn.metrics import roc_auc_score
 
-from bench.common import faces_dir, write_results
+from bench.common import add_made_by, faces_dir, result_name, write_results
 from bench.held_out_sets import ALIGNED, GIVEN, PHOTO_SETS, SETS, held_out
 from models.evaluation.metrics import cosine_scores, make_pairs
 
@@ -126,7 +126,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.distill_gap", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--name", default="distill_gap")
+    parser.add_argument("--name", type=result_name, default="distill_gap", help="results as OUT/NAME.json and .md")
+    add_made_by(parser)
     parser.add_argument("--candidate", nargs="+", default=[f"shipped={face_weights.SHIPPED_WEIGHTS}"],
                         metavar="[LABEL=]FILE", help="students' weights (safetensors, the shipped architecture), "
                         "each measured on the same faces: several give a learning curve")
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
     command = "python -m bench.distill_gap " + shlex.join(argv if argv is not None else sys.argv[1:])
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     write_results(args.out, args.name, {"settings": settings}, rows, "How close the student is to its teacher, per set",
-                  command)
+                  command, args.made_by)
     return 0
 
 

@@ -27,13 +27,14 @@ import argparse
 import hashlib
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.common import faces_dir, write_results
+from bench.common import add_made_by, faces_dir, result_name, write_results
 from bench.held_out_sets import SETS, crop_kinds, d_auc_interval, held_out_pairs
 from bench.verify_quality import measure, ours
 from edge_client.recognizer import DEFAULT_THRESHOLD
@@ -126,6 +127,9 @@ def main(argv=None) -> int:
                              "view, as every verdict before it)")
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--name", type=result_name, default="ratchet",
+                        help="results as OUT/NAME.json and .md; the verdict history is kept in that file")
+    add_made_by(parser)
     parser.add_argument("--max-pairs", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -153,16 +157,16 @@ def main(argv=None) -> int:
     if overridden:
         verdict = f"not better on every set; shipped over the rule by hand: {args.override.strip()}"
     shipped_now = ship(candidate, args.candidate) if (better or overridden) and args.ship else None
-    history_file = args.out / "ratchet.json"
+    history_file = args.out / f"{args.name}.json"
     history = json.loads(history_file.read_text()).get("history", []) if history_file.is_file() else []
     history.append({"candidate": str(args.candidate), "candidate_sha256": face_weights.file_sha256(args.candidate),
                     "shipped_sha256": shipped_sha, "verdict": verdict, "shipped_now": shipped_now,
-                    "override": args.override if overridden else None, "views": views,
+                    "override": args.override if overridden else None, "views": views, "made_by": args.made_by,
                     "d_auc": {f"{r['set']} / {r['crops']}": round(r["d_auc"], 5) for r in rows}})
-    command = "python -m bench.ratchet " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(args.out, "ratchet", {"verdict": verdict, "history": history}, rows,
+    command = "python -m bench.ratchet " + shlex.join(argv if argv is not None else sys.argv[1:])
+    write_results(args.out, args.name, {"verdict": verdict, "history": history}, rows,
                   f"Ratchet: candidate vs shipped weights on held-out people ({views}): {verdict}"
-                  + (f"; shipped as {shipped_now[:16]}..." if shipped_now else ""), command)
+                  + (f"; shipped as {shipped_now[:16]}..." if shipped_now else ""), command, args.made_by)
     if shipped_now:
         print(f"shipped: {face_weights.SHIPPED_WEIGHTS} (sha256 {shipped_now}); now rerun "
               "`python -m bench.verify_quality --out bench/results` and update models/weights/MODEL_CARD.md")

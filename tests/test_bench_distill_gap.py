@@ -42,7 +42,7 @@ def test_a_tiny_run_measures_each_student_on_the_same_faces(tmp_path, monkeypatc
     out = tmp_path / "results"
     assert distill_gap.main(["--out", str(out), "--sets", "glint24_aligned", "--sample", "20", "--candidate",
                              f"shipped={face_weights.SHIPPED_WEIGHTS}",
-                             f"damaged={tmp_path / 'damaged.safetensors'}"]) == 0
+                             f"damaged={tmp_path / 'damaged.safetensors'}", "--made-by", "noise on every weight"]) == 0
     table = json.loads((out / "distill_gap.json").read_text())["table"]
     rows = {(row["weights"], row["set"].split(" (")[0]): row for row in table}
     sets = ("distillation faces, held out", "distillation faces, trained on", "glint24_aligned")
@@ -54,6 +54,7 @@ def test_a_tiny_run_measures_each_student_on_the_same_faces(tmp_path, monkeypatc
     for s in sets:
         assert rows["shipped", s]["cosine_mean"] > rows["damaged", s]["cosine_mean"] + 0.1
     assert "damaged" in (out / "distill_gap.md").read_text()
+    assert "\nnoise on every weight\n" in (out / "distill_gap.md").read_text()
 
 
 def test_missing_distillation_data_is_refused_in_one_line(tmp_path, monkeypatch, capsys):

@@ -103,9 +103,11 @@ def test_the_shipped_weights_against_themselves_are_not_better(faces_dir, tmp_pa
     """The whole gate on real faces (ORL): the same weights tie, a tie is not an improvement, nothing ships."""
     before = face_weights.file_sha256(face_weights.SHIPPED_WEIGHTS)
     rc = ratchet.main(["--candidate", str(_shipped_copy(tmp_path)), "--sets", "orl", "--out", str(tmp_path),
-                       "--ship"])
+                       "--ship", "--name", "judged", "--made-by", "a copy of the shipped file"])
     assert rc == 0
-    result = json.loads((tmp_path / "ratchet.json").read_text())
+    result = json.loads((tmp_path / "judged.json").read_text())
+    assert result["candidate_made_by"] == result["history"][-1]["made_by"] == "a copy of the shipped file"
+    assert "--made-by 'a copy of the shipped file'" in result["command"]  # the command as a shell runs it again
     assert [r["crops"] for r in result["table"]] == ["aligned (YuNet 5-point)", "Haar square"]
     assert all(r["d_auc"] == 0 and r["shipped_auc"] > 0.9 for r in result["table"])
     assert result["history"][-1]["shipped_now"] is None
