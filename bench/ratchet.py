@@ -53,6 +53,21 @@ def load_candidate(path: Path) -> torch.nn.Module:
         raise SystemExit(f"bench.ratchet: {exc}") from None
 
 
+def verdict_history(path: Path) -> list[dict]:
+    """The verdicts kept in a results file so far, read before measuring: a file there that is not a ratchet's
+    (another bench's, or damaged) is refused in one line rather than overwritten with its contents lost."""
+    if not path.is_file():
+        return []
+    try:
+        history = json.loads(path.read_text()).get("history")
+    except (ValueError, AttributeError, OSError, UnicodeDecodeError):
+        history = None
+    if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
+        raise SystemExit(f"bench.ratchet: {path} holds no verdict history; it is left as it is (choose another --name "
+                         "or --out)")
+    return history
+
+
 def compare_set(name: str, root: Path, shipped, candidate, seed: int, max_pairs: int, mirror: bool = False
                 ) -> list[dict]:
     """Both embedders on the set's held-out people, the same pairs, each crop kind the quality bench uses."""
@@ -141,6 +156,7 @@ def main(argv=None) -> int:
         print("no face data: set FFR_FACES_DIR to the folder holding orl/, celeba_subset/, ...", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    history = verdict_history(args.out / f"{args.name}.json")
     candidate = load_candidate(args.candidate)
     shipped_sha = face_weights.SHIPPED_SHA256
     shipped = face_weights.load_face_embedder(face_weights.shipped_weights()).eval()
@@ -157,8 +173,6 @@ def main(argv=None) -> int:
     if overridden:
         verdict = f"not better on every set; shipped over the rule by hand: {args.override.strip()}"
     shipped_now = ship(candidate, args.candidate) if (better or overridden) and args.ship else None
-    history_file = args.out / f"{args.name}.json"
-    history = json.loads(history_file.read_text()).get("history", []) if history_file.is_file() else []
     history.append({"candidate": str(args.candidate), "candidate_sha256": face_weights.file_sha256(args.candidate),
                     "shipped_sha256": shipped_sha, "verdict": verdict, "shipped_now": shipped_now,
                     "override": args.override if overridden else None, "views": views, "made_by": args.made_by,

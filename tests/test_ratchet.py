@@ -51,6 +51,21 @@ def test_a_hostile_candidate_is_refused_in_one_line(tmp_path, hostile):
     assert message.startswith("bench.ratchet: ") and "\n" not in message
 
 
+@pytest.mark.parametrize("existing", ['{"table": []}', "not json", "[1, 2]", '{"history": [1]}', "\xff\xfe"])
+def test_a_results_file_without_a_verdict_history_is_refused_before_measuring_and_kept(tmp_path, existing,
+                                                                                       monkeypatch):
+    """`--name` pointing at another bench's result (or a damaged file): one line, nothing measured, file unchanged."""
+    monkeypatch.setenv("FFR_FACES_DIR", str(tmp_path))  # a face folder exists; the refusal comes before any set
+    (tmp_path / "distill_gap.json").write_bytes(existing.encode("latin-1"))
+    with pytest.raises(SystemExit) as refused:
+        ratchet.main(["--candidate", str(tmp_path / "nowhere.safetensors"), "--out", str(tmp_path),
+                      "--name", "distill_gap"])
+    message = str(refused.value)
+    assert message.startswith("bench.ratchet: ") and "no verdict history" in message and "\n" not in message
+    assert (tmp_path / "distill_gap.json").read_bytes() == existing.encode("latin-1")
+    assert not (tmp_path / "distill_gap.md").exists()
+
+
 def test_better_means_higher_auc_on_every_row():
     row = lambda before, after: {"shipped_auc": before, "candidate_auc": after}  # noqa: E731
     assert ratchet.better_everywhere([row(0.9, 0.91), row(0.5, 0.6)])
