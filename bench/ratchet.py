@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import re
 import shlex
 import sys
@@ -39,6 +38,7 @@ from bench.held_out_sets import SETS, crop_kinds, d_auc_interval, held_out_pairs
 from bench.verify_quality import measure, ours
 from edge_client.recognizer import DEFAULT_THRESHOLD
 from models.networks import face_weights
+from protocol.json_file import json_object, read_json
 
 MAX_BYTES = 5 * 1024 * 1024
 
@@ -53,19 +53,25 @@ def load_candidate(path: Path) -> torch.nn.Module:
         raise SystemExit(f"bench.ratchet: {exc}") from None
 
 
+def _history(raw: object) -> list[dict]:
+    """`read_json`'s build: a ratchet result's list of verdicts, nothing else."""
+    history = json_object(raw).get("history")
+    if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
+        raise ValueError("no list of verdicts under 'history'")
+    return history
+
+
 def verdict_history(path: Path) -> list[dict]:
-    """The verdicts kept in a results file so far, read before measuring: a file there that is not a ratchet's
-    (another bench's, or damaged) is refused in one line rather than overwritten with its contents lost."""
+    """The verdicts kept in a results file so far, read before measuring (`protocol.json_file`, as every file read
+    back): a file there that is not a ratchet's (another bench's, or damaged) is refused in one line rather than
+    overwritten with its contents lost."""
     if not path.is_file():
         return []
     try:
-        history = json.loads(path.read_text()).get("history")
-    except (ValueError, AttributeError, OSError, UnicodeDecodeError):
-        history = None
-    if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
-        raise SystemExit(f"bench.ratchet: {path} holds no verdict history; it is left as it is (choose another --name "
-                         "or --out)")
-    return history
+        return read_json(path, "bench.ratchet", "it holds no verdict history and is left as it is: choose another "
+                         "--name or --out", _history)
+    except ValueError as exc:
+        raise SystemExit(f"bench.ratchet: {exc}") from None
 
 
 def compare_set(name: str, root: Path, shipped, candidate, seed: int, max_pairs: int, mirror: bool = False

@@ -51,7 +51,8 @@ def test_a_hostile_candidate_is_refused_in_one_line(tmp_path, hostile):
     assert message.startswith("bench.ratchet: ") and "\n" not in message
 
 
-@pytest.mark.parametrize("existing", ['{"table": []}', "not json", "[1, 2]", '{"history": [1]}', "\xff\xfe"])
+@pytest.mark.parametrize("existing", ['{"table": []}', "not json", "[1, 2]", '{"history": [1]}', "\xff\xfe",
+                                      "[" * 100_000 + "]" * 100_000])
 def test_a_results_file_without_a_verdict_history_is_refused_before_measuring_and_kept(tmp_path, existing,
                                                                                        monkeypatch):
     """`--name` pointing at another bench's result (or a damaged file): one line, nothing measured, file unchanged."""
