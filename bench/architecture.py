@@ -24,7 +24,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import write_results
+from bench.common import result_name, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"protocol": 0, "models": 1, "coordinator": 2, "edge_client": 2, "fleet": 3, "ffr": 4, "bench": 5}
@@ -245,7 +245,7 @@ def measure(root: Path = ROOT) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    parser.add_argument("--name", default="architecture")
+    parser.add_argument("--name", type=result_name, default="architecture")
     args = parser.parse_args()
     figures = measure()
     table = [{"figure": f"classes over {MAX_CLASS} lines", "count": len(figures["classes_over_300"]),

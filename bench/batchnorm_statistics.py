@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.optim.swa_utils import update_bn
 
-from bench.common import faces_dir, write_results
+from bench.common import faces_dir, result_name, write_results
 from bench.held_out_sets import SETS
 from bench.ratchet import compare_set
 from models.networks import face_weights
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--views", nargs="+", default=list(VIEW_KINDS), choices=VIEW_KINDS)
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--name", default="batchnorm_statistics")
+    parser.add_argument("--name", type=result_name, default="batchnorm_statistics")
     parser.add_argument("--max-pairs", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)

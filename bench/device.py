@@ -23,7 +23,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from bench.common import faces_dir, time_calls, write_results
+from bench.common import faces_dir, result_name, time_calls, write_results
 from bench.held_out_sets import ALIGNED, GIVEN, HAAR, PHOTO_SETS, SETS, held_out
 from bench.latency import frames
 from bench.peer import euclidean, load_face_recognition, peer_embeddings, peer_per_frame
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--one-view", action="store_true",
                         help="our model embedding each face once, not averaged with its mirror (the default)")
-    parser.add_argument("--name", default="device", help="results as NAME_latency and NAME_quality")
+    parser.add_argument("--name", type=result_name, default="device", help="results as NAME_latency and NAME_quality")
     args = parser.parse_args(argv)
     try:
         fr = load_face_recognition()

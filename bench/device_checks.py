@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.common import write_results
+from bench.common import result_name, write_results
 from coordinator.store import Store
 from edge_client.adoption import ADOPTION, check_faces
 from fleet.config import SimConfig
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=Path, action="append", required=True, help="a finished `ffr fleet simulate` folder")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--name", default="device_checks")
+    p.add_argument("--name", type=result_name, default="device_checks")
     args = p.parse_args(argv)
     devices = [row for run in args.run for row in run_rows(run)]
     gate = [row for run in args.run for row in gate_rows(run)]

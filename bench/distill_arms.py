@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import faces_dir, write_results
+from bench.common import faces_dir, result_name, write_results
 from bench.held_out_sets import crop_kinds, held_out_pairs
 from bench.ratchet import load_candidate
 from bench.verify_quality import measure, ours
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
-    parser.add_argument("--name", default="distill_arms", help="results file name (NAME.json, NAME.md)")
+    parser.add_argument("--name", type=result_name, default="distill_arms",
+                        help="results file name (NAME.json, NAME.md)")
     parser.add_argument("--work", type=Path, default=Path("runs/distill_arms"))
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/distill_arms"))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import face_set, faces_dir, write_results
+from bench.common import face_set, faces_dir, result_name, write_results
 from edge_client.recognizer import normalise, template_of
 from edge_client.verifier_choice import DEFAULT_FAR, check_split
 from fleet.doors import DoorFaces, door, over_promise
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--public-faces", type=Path,
                    help="faces of nobody's people (default: $FFR_FACES_DIR/celebahq_aligned)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--name", default="door_far")
+    p.add_argument("--name", type=result_name, default="door_far")
     p.add_argument("--people", type=int, nargs="+", default=[3, 8, 20], help="people per device (default 3 8 20)")
     p.add_argument("--devices", type=int, default=200, help="simulated devices per size (default 200)")
     p.add_argument("--strangers", type=int, default=60, help="people of no device tried on each door (default 60)")

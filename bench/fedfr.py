@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.common import faces_dir, round_outcomes, write_results
+from bench.common import faces_dir, result_name, round_outcomes, write_results
 from coordinator.quality_gate import GateSetup
 from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gate", action="store_true",
                         help="every row with the coordinator's quality gate at its defaults, scoring on the public "
                              "set's faces (default: no row gated)")
-    parser.add_argument("--name", default="fedfr", help="results file name (default fedfr: NAME.json/.md/.png)")
+    parser.add_argument("--name", type=result_name, default="fedfr",
+                        help="results file name (default fedfr: NAME.json/.md/.png)")
     args = parser.parse_args(argv)
     root = faces_dir() or Path("missing")
     data = args.data or root / "celeba_subset"

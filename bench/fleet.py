@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import face_set, write_results
+from bench.common import face_set, result_name, write_results
 from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
 from fleet.report import mean_std
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="FedAvg on the IID partition again with one change each (ray: --backend ray; "
                              "int8/topk/fp32: --codec; anchor: --embedding-reg 10, the anchor centralised "
                              "fine-tuning pays)")
-    parser.add_argument("--name", default="fleet", help="results file name (default fleet: fleet.json, fleet.md)")
+    parser.add_argument("--name", type=result_name, default="fleet",
+                        help="results file name (default fleet: fleet.json, fleet.md)")
     parser.add_argument("--reuse", action="store_true", help="read runs that already have a summary.json")
     parser.add_argument("--flower-python", default=os.environ.get("FFR_FLOWER_PYTHON", ".venv-flower/bin/python"),
                         help="a Python with flwr[simulation] and this project (`make bench-fleet` builds one)")

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import face_set, write_results
+from bench.common import face_set, result_name, write_results
 from coordinator.aggregation import RunningMean, apply_delta
 from edge_client.local_training import personalised_global, train_round
 from fleet.config import SimConfig
@@ -245,7 +245,7 @@ def add_fleet_options(p: argparse.ArgumentParser, name: str, partition: str) -> 
     """The options `fleet_data` reads, and the arms (`parse_arm`), for this bench and `bench.personalisation`."""
     p.add_argument("--data", type=Path, help="labelled faces (default: $FFR_FACES_DIR/celeba_subset)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--name", default=name)
+    p.add_argument("--name", type=result_name, default=name)
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--partition", default=partition, help=f"how people are spread over devices (default {partition})")
     p.add_argument("--seed", type=int, default=0)

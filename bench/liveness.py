@@ -24,7 +24,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from bench.common import face_set, write_results
+from bench.common import face_set, result_name, write_results
 from edge_client.capture import device_detector
 from edge_client.liveness import MOVES, TURN, follow, new_challenge, yaw
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                         "many turned)")
     p.add_argument("--people", type=int, default=60, help="people tried, at most (default 60)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--name", default="liveness")
+    p.add_argument("--name", type=result_name, default="liveness")
     p.add_argument("--trials", type=int, default=5, help="challenges per person (default 5)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import faces_dir, time_calls, write_results
+from bench.common import faces_dir, result_name, time_calls, write_results
 from bench.held_out_sets import SETS, crop_kinds, d_auc_interval, held_out_pairs
 from bench.ratchet import accepted
 from bench.verify_quality import measure
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
                         help="whose embeddings: ours through the device's ONNX, or the teacher's (SFace)")
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--name", default="mirror_averaging")
+    parser.add_argument("--name", type=result_name, default="mirror_averaging")
     parser.add_argument("--max-pairs", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="threads while scoring the sets")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import face_set, write_results
+from bench.common import face_set, result_name, write_results
 from coordinator.quality_gate import load_faces
 from coordinator.store import Store
 from models.evaluation.separation import (
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="labelled aligned faces, a folder per person (default: $FFR_FACES_DIR/glint24_aligned)")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help=f"faces per set (default {DEFAULT_LIMIT})")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--name", default="pair_jumps")
+    p.add_argument("--name", type=result_name, default="pair_jumps")
     args = p.parse_args(argv)
     extra = args.faces or [f for f in [face_set(None, "glint24_aligned")] if f is not None]
     rows = []

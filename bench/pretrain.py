@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.common import write_results
+from bench.common import result_name, write_results
 from protocol.training_parts import flatten
 
 
@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, required=True, help="an `ffr pretrain` run folder")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--name", default="pretrain", help="results file name (OUT/NAME.md and .json)")
+    parser.add_argument("--name", type=result_name, default="pretrain",
+                        help="results file name (OUT/NAME.md and .json)")
     args = parser.parse_args(argv)
     metrics_file = args.run / "metrics.json"
     if not metrics_file.is_file():

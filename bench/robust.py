@@ -30,7 +30,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.common import face_set, faces_dir, round_outcomes, write_results
+from bench.common import face_set, faces_dir, result_name, round_outcomes, write_results
 from coordinator.quality_gate import GateSettings, GateSetup
 from coordinator.settings import RoundSettings
 from fleet.config import SimConfig
@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gate-far-ratio", type=float, default=GateSettings().far_ratio,
                         help="collapse suite: the quality gate's bar, as `ffr coordinator serve --gate-far-ratio` "
                              f"(default {GateSettings().far_ratio:g})")
-    parser.add_argument("--name", default="robust_collapse", help="collapse suite's results file name")
+    parser.add_argument("--name", type=result_name, default="robust_collapse",
+                        help="collapse suite's results file name")
     args = parser.parse_args(argv)
     command = "python -m bench.robust " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.suite == "collapse":

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import face_set, write_results
+from bench.common import face_set, result_name, write_results
 from models.networks.face_weights import write_default_onnx
 
 PEOPLE_PER_DEVICE, UNSEEN = 8, 20
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, help="labelled faces (default: $FFR_FACES_DIR/celeba_subset)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--name", default="two_device_serve")
+    p.add_argument("--name", type=result_name, default="two_device_serve")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--server-step", help="passed to `ffr coordinator serve` (default: its own)")
     p.add_argument("--public-faces", type=Path,

@@ -50,3 +50,21 @@ def test_a_hostile_option_is_refused_in_one_line_before_anything_is_measured(ben
     err = capsys.readouterr().err.strip().splitlines()
     assert option in err[-1] and "\x1b" not in err[-1]
     assert not (tmp_path / "out").exists()
+
+
+NAMED_BENCHES = ["architecture", "batchnorm_statistics", "device", "device_checks", "distill_arms", "distill_gap",
+                 "door_far", "fedfr", "fleet", "honest_round", "liveness", "mirror_averaging", "pair_jumps",
+                 "personalisation", "pretrain", "ratchet", "robust", "two_device_serve"]
+
+
+@pytest.mark.parametrize("bench", NAMED_BENCHES)
+def test_every_bench_refuses_a_results_name_out_of_its_folder_before_it_runs(bench, monkeypatch, capsys):
+    """Each bench's `--name` is `bench.common.result_name`: argparse refuses it, so nothing is measured first."""
+    import importlib
+
+    module = importlib.import_module(f"bench.{bench}")
+    monkeypatch.setattr("sys.argv", [bench, "--name", "../escape"])
+    with pytest.raises(SystemExit) as refused:
+        module.main()
+    assert refused.value.code == 2
+    assert "--name" in capsys.readouterr().err.strip().splitlines()[-1]
