@@ -15,6 +15,8 @@ Rows, per candidate:
   - each labelled set's held-out people, cut as every quality bench cuts them (`bench.held_out_sets`).
 Per row: the mean and 10th percentile of the per-face cosine between student and teacher, each model's AUC on the
 set's pairs, and the rank correlation of their pair scores. Sets are read from $FFR_FACES_DIR.
+`--mirrored` embeds every face, by student and teacher alike, averaged with its mirror (`models.networks.mirror`):
+the function a device's ONNX file computes, and the target `ffr pretrain --mirrored-teacher` distils toward.
 """
 from __future__ import annotations
 
@@ -50,12 +52,19 @@ def pair_figures(student: np.ndarray, teacher: np.ndarray, pairs: np.ndarray, sa
             "score_rank_corr": round(float(spearmanr(s, t).statistic), 4)}
 
 
-def student_embeddings(model, images: np.ndarray) -> np.ndarray:
+def student_embeddings(model, images: np.ndarray, mirror: bool = False) -> np.ndarray:
     from models.evaluation.evaluate import embed_all
     from models.evaluation.metrics import l2_normalise
     from models.networks.embedders import TorchEmbedder
 
-    return l2_normalise(embed_all(TorchEmbedder(model), images))
+    return l2_normalise(embed_all(TorchEmbedder(model, mirror=mirror), images))
+
+
+def teacher_embeddings(teacher, images: np.ndarray, mirror: bool = False) -> np.ndarray:
+    """The teacher's rows for these faces, of one view or averaged with the mirror as the student's are."""
+    from models.networks.mirror import averaged_crops
+
+    return averaged_crops(teacher.embed, images) if mirror else teacher.embed(images)
 
 
 AGE_BANDS = ((0, 12), (13, 19), (20, 39), (40, 59), (60, 200))
@@ -91,12 +100,13 @@ def distillation_faces(data: list[str], seed: int, val_fraction: float, sample: 
     return [(name, crops[index]) for name, index in groups if len(index)]
 
 
-def set_rows(name: str, images: np.ndarray, people, pairs, same, models: dict, teacher) -> list[dict]:
+def set_rows(name: str, images: np.ndarray, people, pairs, same, models: dict, teacher,
+             mirror: bool = False) -> list[dict]:
     """One row per candidate on one set's faces; the teacher embeds them once."""
-    target = teacher.embed(images)
+    target = teacher_embeddings(teacher, images, mirror)
     rows = []
     for label, model in models.items():
-        student = student_embeddings(model, images)
+        student = student_embeddings(model, images, mirror)
         figures = (pair_figures(student, target, pairs, same) if pairs is not None else
                    dict.fromkeys(("student_auc", "teacher_auc", "auc_gap", "score_rank_corr"), ""))
         rows.append({"weights": label, "set": name, "faces": len(images), "people": people,
@@ -125,13 +135,14 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m bench.distill_gap", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="the results' folder")
     parser.add_argument("--name", type=result_name, default="distill_gap", help="results as OUT/NAME.json and .md")
     add_made_by(parser)
     parser.add_argument("--candidate", nargs="+", default=[f"shipped={face_weights.SHIPPED_WEIGHTS}"],
                         metavar="[LABEL=]FILE", help="students' weights (safetensors, the shipped architecture), "
                         "each measured on the same faces: several give a learning curve")
-    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS,
+                        help="labelled sets whose held-out people are measured (those under $FFR_FACES_DIR)")
     parser.add_argument("--distillation-data", nargs="+", default=None, metavar="DIR_OR_PACK",
                         help="the students' distillation data, in the order `ffr pretrain --data` was given it "
                              "(default: " + " and ".join(DISTILLATION_SETS) + " under $FFR_FACES_DIR)")
@@ -141,7 +152,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the run's seed, and the pairs' and samples' seed")
     parser.add_argument("--by-age", action="store_true",
                         help="also each distillation row by the age its file name gives (UTKFace, All-Age-Faces)")
-    parser.add_argument("--max-pairs", type=int, default=100_000)
+    parser.add_argument("--max-pairs", type=int, default=100_000, help="pairs drawn per labelled set (seeded)")
+    parser.add_argument("--mirrored", action="store_true",
+                        help="student and teacher embed each face averaged with its mirror, as a device's ONNX file "
+                             "does and as `ffr pretrain --mirrored-teacher` distils (default: one view)")
     args = parser.parse_args(argv)
     root = faces_dir()
     if root is None:
@@ -159,14 +173,15 @@ def main(argv=None) -> int:
         return 2
     rows = []
     for name, crops in distillation:
-        rows += set_rows(name, crops, "unlabelled", None, None, models, teacher)
+        rows += set_rows(name, crops, "unlabelled", None, None, models, teacher, args.mirrored)
     for set_name in (s for s in args.sets if (root / s).is_dir()):
         rows += set_rows(f"{set_name} (held-out people)", *labelled(set_name, root / set_name, args.seed,
-                                                                     args.max_pairs), models, teacher)
+                                                                     args.max_pairs), models, teacher, args.mirrored)
     command = "python -m bench.distill_gap " + shlex.join(argv if argv is not None else sys.argv[1:])
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    write_results(args.out, args.name, {"settings": settings}, rows, "How close the student is to its teacher, per set",
-                  command, args.made_by)
+    views = "each face averaged with its mirror" if args.mirrored else "one view of each face"
+    write_results(args.out, args.name, {"settings": settings}, rows,
+                  f"How close the student is to its teacher, per set ({views})", command, args.made_by)
     return 0
 
 
