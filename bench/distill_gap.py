@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-pairs", type=int, default=100_000, help="pairs drawn per labelled set (seeded)")
     parser.add_argument("--mirrored", action="store_true",
                         help="student and teacher embed each face averaged with its mirror, as a device's ONNX file "
-                             "does and as `ffr pretrain --mirrored-teacher` distils (default: one view)")
+                             "does and as `ffr pretrain --mirrored-teacher` distils; without it, one view")
     args = parser.parse_args(argv)
     root = faces_dir()
     if root is None:
