@@ -15,7 +15,8 @@ Rows, per candidate:
   - each labelled set's held-out people, cut as every quality bench cuts them (`bench.held_out_sets`).
 Per row: the mean and 10th percentile of the per-face cosine between student and teacher, each model's AUC on the
 set's pairs, and the rank correlation of their pair scores. Sets are read from $FFR_FACES_DIR.
-`--mirrored` embeds every face, by student and teacher alike, averaged with its mirror (`models.networks.mirror`):
+`--mirrored` embeds every face, by student and teacher alike, averaged with its mirror (`models.networks.mirror`;
+the teacher as `bench.mirror_averaging` runs it):
 the function a device's ONNX file computes, and the target `ffr pretrain --mirrored-teacher` distils toward.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from sklearn.metrics import roc_auc_score
 
 from bench.common import add_made_by, faces_dir, result_name, write_results
 from bench.held_out_sets import ALIGNED, GIVEN, PHOTO_SETS, SETS, held_out
+from bench.mirror_averaging import TeacherViews
 from models.evaluation.metrics import cosine_scores, make_pairs
 
 DISTILLATION_SETS = ("utkface_aligned", "all_age_faces_aligned")
@@ -58,13 +60,6 @@ def student_embeddings(model, images: np.ndarray, mirror: bool = False) -> np.nd
     from models.networks.embedders import TorchEmbedder
 
     return l2_normalise(embed_all(TorchEmbedder(model, mirror=mirror), images))
-
-
-def teacher_embeddings(teacher, images: np.ndarray, mirror: bool = False) -> np.ndarray:
-    """The teacher's rows for these faces, of one view or averaged with the mirror as the student's are."""
-    from models.networks.mirror import averaged_crops
-
-    return averaged_crops(teacher.embed, images) if mirror else teacher.embed(images)
 
 
 AGE_BANDS = ((0, 12), (13, 19), (20, 39), (40, 59), (60, 200))
@@ -100,13 +95,13 @@ def distillation_faces(data: list[str], seed: int, val_fraction: float, sample: 
     return [(name, crops[index]) for name, index in groups if len(index)]
 
 
-def set_rows(name: str, images: np.ndarray, people, pairs, same, models: dict, teacher,
-             mirror: bool = False) -> list[dict]:
-    """One row per candidate on one set's faces; the teacher embeds them once."""
-    target = teacher_embeddings(teacher, images, mirror)
+def set_rows(name: str, images: np.ndarray, people, pairs, same, models: dict, teacher: TeacherViews) -> list[dict]:
+    """One row per candidate on one set's faces; the teacher embeds them once, and every student in the teacher's
+    view (one, or mirror-averaged)."""
+    target = teacher.embed(images)
     rows = []
     for label, model in models.items():
-        student = student_embeddings(model, images, mirror)
+        student = student_embeddings(model, images, teacher.mirror)
         figures = (pair_figures(student, target, pairs, same) if pairs is not None else
                    dict.fromkeys(("student_auc", "teacher_auc", "auc_gap", "score_rank_corr"), ""))
         rows.append({"weights": label, "set": name, "faces": len(images), "people": people,
@@ -130,7 +125,6 @@ def candidate(spec: str) -> tuple[str, Path]:
 
 def main(argv=None) -> int:
     from models.networks import face_weights
-    from models.networks.teacher import load_teacher
     from models.training.pretraining import PretrainConfig
 
     parser = argparse.ArgumentParser(prog="python -m bench.distill_gap", description=__doc__.split("\n\n")[0],
@@ -164,7 +158,7 @@ def main(argv=None) -> int:
     from bench.ratchet import load_candidate
 
     models = {label: load_candidate(path) for label, path in map(candidate, args.candidate)}
-    teacher = load_teacher("sface", threads=2)
+    teacher = TeacherViews(args.mirrored, threads=2)
     data = args.distillation_data or [str(root / name) for name in DISTILLATION_SETS]
     try:
         distillation = distillation_faces(data, args.seed, args.val_fraction, args.sample, args.by_age)
@@ -173,10 +167,10 @@ def main(argv=None) -> int:
         return 2
     rows = []
     for name, crops in distillation:
-        rows += set_rows(name, crops, "unlabelled", None, None, models, teacher, args.mirrored)
+        rows += set_rows(name, crops, "unlabelled", None, None, models, teacher)
     for set_name in (s for s in args.sets if (root / s).is_dir()):
         rows += set_rows(f"{set_name} (held-out people)", *labelled(set_name, root / set_name, args.seed,
-                                                                     args.max_pairs), models, teacher, args.mirrored)
+                                                                     args.max_pairs), models, teacher)
     command = "python -m bench.distill_gap " + shlex.join(argv if argv is not None else sys.argv[1:])
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     views = "each face averaged with its mirror" if args.mirrored else "one view of each face"

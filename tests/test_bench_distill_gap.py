@@ -83,28 +83,28 @@ def test_mirrored_rows_are_the_same_for_a_face_and_its_mirror_as_a_device_scores
     """--mirrored: student and teacher both average each face with its mirror, so a set and its mirror image give one
     row; one view does not (the flip changes both models' embeddings), so the test fails if either side is not
     averaged. Real shipped weights, real SFace teacher, SYNTHETIC faces."""
+    from bench.mirror_averaging import TeacherViews
     from models.faces.synthetic import generate
     from models.networks import face_weights
-    from models.networks.teacher import load_teacher
 
     images, labels = generate(n_identities=4, n_images=3, seed=3, size=112)
     flipped = np.ascontiguousarray(images[:, :, ::-1])
     pairs, same = distill_gap.make_pairs(labels, 1000, 0)
     models = {"shipped": face_weights.load_face_embedder()}
-    teacher = load_teacher("sface", threads=2)
+    teachers = {mirror: TeacherViews(mirror, threads=2) for mirror in (False, True)}
 
     def rows(faces, mirror):
-        return distill_gap.set_rows("s", faces, 4, pairs, same, models, teacher, mirror)[0]
+        return distill_gap.set_rows("s", faces, 4, pairs, same, models, teachers[mirror])[0]
 
     for mirror in (False, True):
         for model_rows in (distill_gap.student_embeddings(models["shipped"], images, mirror),
-                           distill_gap.teacher_embeddings(teacher, images, mirror)):
+                           teachers[mirror].embed(images)):
             assert model_rows.shape == (len(images), 128) and np.allclose(np.linalg.norm(model_rows, axis=1), 1)
     one, one_flipped = rows(images, False), rows(flipped, False)
     both, both_flipped = rows(images, True), rows(flipped, True)
     assert np.abs(distill_gap.student_embeddings(models["shipped"], images)
                   - distill_gap.student_embeddings(models["shipped"], flipped)).max() > 1e-3
-    assert np.abs(teacher.embed(images) - teacher.embed(flipped)).max() > 1e-3
+    assert np.abs(teachers[False].embed(images) - teachers[False].embed(flipped)).max() > 1e-3
     assert one != both
     for key in ("cosine_mean", "cosine_p10", "student_auc", "teacher_auc", "score_rank_corr"):
         assert abs(both[key] - both_flipped[key]) <= 1e-4, key
