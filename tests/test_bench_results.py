@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,9 +53,22 @@ def test_a_hostile_option_is_refused_in_one_line_before_anything_is_measured(ben
     assert not (tmp_path / "out").exists()
 
 
-NAMED_BENCHES = ["architecture", "batchnorm_statistics", "device", "device_checks", "distill_arms", "distill_gap",
-                 "door_far", "fedfr", "fleet", "honest_round", "liveness", "mirror_averaging", "pair_jumps",
-                 "personalisation", "pretrain", "ratchet", "robust", "two_device_serve"]
+def named_benches() -> list[str]:
+    """Every bench with a `--name` option (its own, or `honest_round.add_fleet_options`'s), found in the sources so
+    that a bench added later is checked too."""
+    folder = Path(__file__).resolve().parents[1] / "bench"
+    return sorted(path.stem for path in folder.glob("*.py")
+                  if '"--name"' in (text := path.read_text()) or "add_fleet_options(" in text)
+
+
+NAMED_BENCHES = named_benches()
+
+
+def test_the_benches_with_a_name_are_found():
+    assert set(NAMED_BENCHES) >= {"architecture", "batchnorm_statistics", "device", "device_checks", "distill_arms",
+                                  "distill_gap", "door_far", "fedfr", "fleet", "honest_round", "liveness",
+                                  "mirror_averaging", "pair_jumps", "personalisation", "pretrain", "ratchet",
+                                  "robust", "two_device_serve"}
 
 
 @pytest.mark.parametrize("bench", NAMED_BENCHES)
